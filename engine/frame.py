@@ -1,0 +1,85 @@
+"""Frames: rows of independent streams travelling through a shard together.
+
+A frame holds R rows. Row r belongs to the stream in KV slot ``slots[r]`` at absolute position
+``positions[r]``. Rows of one stream are consecutive in the frame and in position (a prefill
+window, or a single decode row); rows of different streams are independent. The first shard
+takes ``token_ids`` [R]; every later shard takes ``hidden`` [R, hidden_size] in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InputError
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [row_start, row_end) of the frame: one stream's positions [pos_start, pos_start + n)."""
+
+    slot: int
+    row_start: int
+    row_end: int
+    pos_start: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def pos_end(self) -> int:
+        return self.pos_start + self.rows
+
+
+@dataclass
+class Frame:
+    slots: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64
+    token_ids: torch.Tensor | None = None  # [R] int64, first shard only
+    hidden: torch.Tensor | None = None  # [R, H] float32, later shards
+
+    @property
+    def rows(self) -> int:
+        return int(self.slots.shape[0])
+
+    @staticmethod
+    def of_streams(
+        streams: list[tuple[int, int, list[int]]], hidden: torch.Tensor | None = None
+    ) -> Frame:
+        """Build a frame from (slot, first position, token ids) per stream."""
+        slots: list[int] = []
+        positions: list[int] = []
+        tokens: list[int] = []
+        for slot, pos, ids in streams:
+            slots += [slot] * len(ids)
+            positions += list(range(pos, pos + len(ids)))
+            tokens += ids
+        return Frame(
+            slots=torch.tensor(slots, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            token_ids=None if hidden is not None else torch.tensor(tokens, dtype=torch.int64),
+            hidden=hidden,
+        )
+
+
+def segments_of(slots: list[int], positions: list[int]) -> list[Segment]:
+    """Split rows into per-stream segments; a stream's rows must be adjacent and consecutive."""
+    segments: list[Segment] = []
+    start = 0
+    seen: set[int] = set()
+    for r in range(1, len(slots) + 1):
+        if r < len(slots) and slots[r] == slots[start]:
+            if positions[r] != positions[r - 1] + 1:
+                raise InputError(
+                    f"frame rows {r - 1},{r} of slot {slots[r]} have positions {positions[r - 1]},{positions[r]}; "
+                    "a stream's rows must have consecutive positions"
+                )
+            continue
+        if slots[start] in seen:
+            raise InputError(f"slot {slots[start]} appears in two separate runs of the frame; keep its rows adjacent")
+        seen.add(slots[start])
+        segments.append(Segment(slots[start], start, r, positions[start]))
+        start = r
+    return segments

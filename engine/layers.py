@@ -1,0 +1,275 @@
+"""Building blocks shared by the model families: norms, projections, attention over frames,
+dense and sparse (MoE) feed-forward blocks, and the pre-norm decoder layer.
+
+Shapes: a frame's activations are x: [R, hidden]; per-head tensors are [R, heads, head_dim].
+Model code here is plain: no ranks, stages or formats. Projections are :class:`Dense` modules
+so that weight formats can replace them without touching the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .frame import Segment
+from .kvcache import LayerKV
+from .rope import Rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Dense(nn.Module):
+    """y = x @ weight.T + bias; weight: [out, in]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class FrameContext:
+    """What every layer needs to know about the frame being computed."""
+
+    segments: list[Segment]
+    positions: torch.Tensor  # [R] int64 on the compute device
+    rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def cos_sin(self, rotary: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(rotary)
+        if key not in self.rope_cache:
+            self.rope_cache[key] = rotary.cos_sin(self.positions, dtype)
+        return self.rope_cache[key]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos_start: int,
+    k_pos_start: int,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of one stream's rows over its keys.
+
+    q: [n, Hq, D] at positions q_pos_start + i; k: [L, Hkv, D], v: [L, Hkv, Dv] at positions
+    k_pos_start + j. A key is visible when k_pos <= q_pos (and q_pos - k_pos < window).
+    sinks: [Hq] learned logits joining each softmax (GPT-OSS). Returns [n, Hq, Dv].
+    """
+    n, L = q.shape[0], k.shape[0]
+    q_pos = torch.arange(q_pos_start, q_pos_start + n, device=q.device)[:, None]
+    k_pos = torch.arange(k_pos_start, k_pos_start + L, device=q.device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= (q_pos - k_pos) < window
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if sinks is None:
+        full = bool(mask.all())
+        out = F.scaled_dot_product_attention(
+            qh[None], kh[None], vh[None], attn_mask=None if full else mask, scale=scale, enable_gqa=True
+        )[0]
+        return out.transpose(0, 1)
+    groups = qh.shape[0] // kh.shape[0]
+    kh, vh = kh.repeat_interleave(groups, 0), vh.repeat_interleave(groups, 0)
+    logits = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [Hq, n, L]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(logits.dtype)[:, None, None].expand(-1, n, 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.matmul(probs, vh).transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional per-head q/k norms, biases, sliding window, sinks."""
+
+    def __init__(
+        self,
+        q_proj: Dense,
+        k_proj: Dense,
+        v_proj: Dense,
+        o_proj: Dense,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: Rotary,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rotary = rotary
+        self.window = window
+        self.sinks = None if sinks is None else nn.Parameter(sinks, requires_grad=False)
+        self.scale = head_dim**-0.5
+
+    def cache_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+
+    def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = ctx.cos_sin(self.rotary, x.dtype)
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        out = torch.empty_like(q)
+        for seg in ctx.segments:
+            rs = slice(seg.row_start, seg.row_end)
+            out[rs] = attend_with_cache(
+                kv, seg, q[rs], {"k": k[rs], "v": v[rs]}, self.scale, self.window, self.sinks
+            )
+        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+
+
+def attend_with_cache(
+    kv: LayerKV,
+    seg: Segment,
+    q: torch.Tensor,
+    new: dict[str, torch.Tensor],
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Store a segment's keys/values and attend its queries over the slot's visible history."""
+    if not kv.ring:
+        kv.write(seg.slot, seg.pos_start, new)
+        past = kv.read(seg.slot, 0, seg.pos_end)
+        k_start = 0
+    else:
+        # read the surviving window before this segment overwrites ring entries
+        k_start = max(0, seg.pos_start - (window or kv.capacity) + 1)
+        old = kv.read(seg.slot, k_start, seg.pos_start)
+        past = {name: torch.cat([old[name], new[name]]) for name in new}
+        kv.write(seg.slot, seg.pos_start, new)
+    return attend(q, past["k"], past["v"], seg.pos_start, k_start, scale, window, sinks)
+
+
+class GatedMLP(nn.Module):
+    """Dense SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, gate: Dense, up: Dense, down: Dense):
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def silu_glu(h: torch.Tensor) -> torch.Tensor:
+    """h: [T, 2I] as [gate | up] -> [T, I]."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Experts(nn.Module):
+    """A bank of E experts. gate_up: [E, 2I, H] ([gate; up] rows), down: [E, H, I]."""
+
+    def __init__(
+        self,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        activation: Callable[[torch.Tensor], torch.Tensor] = silu_glu,
+    ):
+        super().__init__()
+        self.gate_up = nn.Parameter(gate_up, requires_grad=False)
+        self.down = nn.Parameter(down, requires_grad=False)
+        self.gate_up_bias = None if gate_up_bias is None else nn.Parameter(gate_up_bias, requires_grad=False)
+        self.down_bias = None if down_bias is None else nn.Parameter(down_bias, requires_grad=False)
+        self.activation = activation
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.gate_up.shape[0])
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gu_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        d_bias = None if self.down_bias is None else self.down_bias[e]
+        return F.linear(self.activation(F.linear(x, self.gate_up[e], gu_bias)), self.down[e], d_bias)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
+        top_k = index.shape[1]
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // top_k
+        flat_weight = weight.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            y = self.expert(e, x[tokens]) * flat_weight[start : start + count, None].to(x.dtype)
+            out.index_add_(0, tokens, y)
+            start += count
+        return out
+
+
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, keep the top k (optionally renormalised). -> index, weight [T, k]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weight, index = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    return index, weight.to(logits.dtype)
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus optional always-active shared experts."""
+
+    def __init__(self, router_proj: Dense, route: Router, experts: Experts, shared: nn.Module | None = None):
+        super().__init__()
+        self.router_proj, self.experts, self.shared = router_proj, experts, shared
+        self.route = route
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index, weight = self.route(self.router_proj(x))
+        out = self.experts(x, index, weight)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, input_norm: RMSNorm, attention: nn.Module, post_norm: RMSNorm, mlp: nn.Module):
+        super().__init__()
+        self.input_norm, self.attention, self.post_norm, self.mlp = input_norm, attention, post_norm, mlp
+
+    def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
+        h = x + self.attention(self.input_norm(x), ctx, kv)
+        return h + self.mlp(self.post_norm(h))

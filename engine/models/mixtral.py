@@ -1,0 +1,28 @@
+"""Mixtral: GQA (optionally sliding-window), softmax top-k routing renormalised over the chosen
+experts, SwiGLU experts stored as w1 (gate), w3 (up), w2 (down)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from ..layers import DecoderLayer, Experts, SparseMoE, softmax_top_k
+from ..spec import ModelSpec
+from ..weights import LayerWeights
+from .common import dense, gqa_attention, norms
+
+
+def validate(spec: ModelSpec) -> None:
+    spec.require("num_local_experts")
+    spec.require("num_experts_per_tok")
+
+
+def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> DecoderLayer:
+    window = spec.get("sliding_window")
+    attention = gqa_attention(spec, w, window=int(window) if window else None)
+    m = w.sub("block_sparse_moe.")
+    gate_up, down = m.sub("experts.").glu_experts(
+        int(spec.require("num_local_experts")), spec.hidden_size, names=("w1", "w3", "w2")
+    )
+    route = partial(softmax_top_k, top_k=int(spec.require("num_experts_per_tok")), renormalize=True)
+    input_norm, post_norm = norms(spec, w)
+    return DecoderLayer(input_norm, attention, post_norm, SparseMoE(dense(m, "gate"), route, Experts(gate_up, down)))

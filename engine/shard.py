@@ -1,0 +1,208 @@
+"""A shard: the layers [layer_start, layer_end) of a model, plus the embedding when it is first
+and the final norm and head when it is last, with its own per-slot KV state.
+
+``forward(frame)`` returns float32 hidden states [R, hidden] to pass to the next shard, or,
+for the last shard, float32 logits [R, vocab]. Loading reads only the tensors this shard owns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .errors import CapacityError, InputError
+from .frame import Frame, segments_of
+from .kvcache import LayerKV, SlotTable
+from .layers import Dense, FrameContext, RMSNorm
+from .models import FAMILIES
+from .spec import ModelSpec, load_spec
+from .weights import LayerWeights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise InputError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class Shard(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer_start: int,
+        layer_end: int,
+        layers: list[nn.Module],
+        embed: torch.Tensor | None,
+        norm: RMSNorm | None,
+        head: Dense | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.spec, self.layer_start, self.layer_end = spec, layer_start, layer_end
+        self.layers = nn.ModuleList(layers)
+        self.embed = None if embed is None else nn.Parameter(embed, requires_grad=False)
+        self.norm, self.head = norm, head
+        self.device, self.dtype = device, dtype
+        self.slots: SlotTable | None = None
+        self.kv: list[LayerKV] = []
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layer_end == self.spec.num_layers
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(kv.nbytes for kv in self.kv)
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = torch.float32,
+        progress: bool = False,
+        checkpoint: Checkpoint | None = None,
+    ) -> Shard:
+        spec = load_spec(model_dir)
+        end = spec.num_layers if layer_end is None else layer_end
+        if not 0 <= layer_start < end <= spec.num_layers:
+            raise InputError(
+                f"layer range [{layer_start}, {end}) is invalid for a model of {spec.num_layers} layers; "
+                f"need 0 <= layer_start < layer_end <= {spec.num_layers}"
+            )
+        torch_device, torch_dtype = torch.device(device), resolve_dtype(dtype)
+        if torch_device.type == "cuda" and not torch.cuda.is_available():
+            raise InputError("device 'cuda' was asked for but no CUDA GPU is available; use --device cpu")
+        ckpt = checkpoint or Checkpoint(model_dir)
+        root = LayerWeights(ckpt, "", torch_dtype, torch_device)
+        family = FAMILIES[spec.family]
+        layers = []
+        for i in _progress(range(layer_start, end), progress, f"loading layers [{layer_start}, {end})"):
+            layers.append(family.build_layer(spec, i, root.sub(f"model.layers.{i}.")))
+        embed = root.get("model.embed_tokens.weight") if layer_start == 0 else None
+        norm = head = None
+        if end == spec.num_layers:
+            norm = RMSNorm(root.get("model.norm.weight"), spec.rms_norm_eps)
+            head_name = "lm_head.weight"
+            if spec.tie_word_embeddings or head_name not in root:
+                head_name = "model.embed_tokens.weight"
+            head = Dense(root.get(head_name) if embed is None or head_name == "lm_head.weight" else embed)
+        return cls(spec, layer_start, end, layers, embed, norm, head, torch_device, torch_dtype)
+
+    # ---- KV state -------------------------------------------------------------------------
+
+    def kv_bytes_per_position(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for layer in self.layers:
+            for shape in layer.attention.cache_shapes().values():
+                count = 1
+                for d in shape:
+                    count *= d
+                total += count * item
+        return total
+
+    def allocate_cache(
+        self, max_slots: int, max_context: int, kv_budget_bytes: int | None = None, rewind_slack: int = 64
+    ) -> None:
+        """Size per-slot KV state; sliding-window layers keep only window + rewind_slack positions."""
+        if max_slots < 1 or max_context < 1:
+            raise CapacityError(f"max_slots={max_slots} and max_context={max_context} must both be >= 1")
+        if max_context > self.spec.max_position_embeddings:
+            raise CapacityError(
+                f"max_context={max_context} exceeds the model's max_position_embeddings="
+                f"{self.spec.max_position_embeddings}"
+            )
+        windows = [getattr(layer.attention, "window", None) for layer in self.layers]
+        capacities = [max_context if w is None else min(max_context, w + rewind_slack) for w in windows]
+        item = torch.empty((), dtype=self.dtype).element_size()
+        need = 0
+        for layer, cap in zip(self.layers, capacities, strict=True):
+            for shape in layer.attention.cache_shapes().values():
+                need += max_slots * cap * item * int(torch.Size(shape).numel())
+        if kv_budget_bytes is not None and need > kv_budget_bytes:
+            raise CapacityError(
+                f"KV cache for {max_slots} slots x {max_context} positions needs {need} bytes, over the "
+                f"shard's budget of {kv_budget_bytes} bytes; lower max_slots or max_context, or raise the budget"
+            )
+        self.kv = [
+            LayerKV(max_slots, cap, layer.attention.cache_shapes(), self.dtype, self.device, ring=cap < max_context)
+            for layer, cap in zip(self.layers, capacities, strict=True)
+        ]
+        rings = [cap - w + 1 for cap, w in zip(capacities, windows, strict=True) if w is not None and cap < max_context]
+        self.slots = SlotTable(max_slots, max_context, min(rings) if rings else None)
+
+    def _slots(self) -> SlotTable:
+        if self.slots is None:
+            self.allocate_cache(max_slots=1, max_context=min(self.spec.max_position_embeddings, 4096))
+        assert self.slots is not None
+        return self.slots
+
+    def acquire(self) -> int:
+        return self._slots().acquire()
+
+    def release(self, slot: int) -> None:
+        self._slots().release(slot)
+
+    def rewind(self, slot: int, position: int) -> None:
+        self._slots().rewind(slot, position)
+
+    # ---- compute --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, frame: Frame) -> torch.Tensor:
+        table = self._slots()
+        slots, positions = frame.slots.tolist(), frame.positions.tolist()
+        segments = segments_of(slots, positions)
+        for seg in segments:
+            table.check_segment(seg.slot, seg.pos_start, seg.rows)
+        x = self._input(frame)
+        ctx = FrameContext(segments, frame.positions.to(self.device))
+        for layer, kv in zip(self.layers, self.kv, strict=True):
+            x = layer(x, ctx, kv)
+        for seg in segments:
+            table.claim(seg.slot)
+            table.lengths[seg.slot] = seg.pos_end
+        if self.norm is None or self.head is None:
+            return x.to(torch.float32)
+        return self.head(self.norm(x)).to(torch.float32)
+
+    def _input(self, frame: Frame) -> torch.Tensor:
+        if self.embed is None:
+            if frame.hidden is None:
+                raise InputError(f"shard [{self.layer_start}, {self.layer_end}) takes hidden states, got none")
+            return frame.hidden.to(self.device, self.dtype)
+        if frame.token_ids is None:
+            raise InputError("the first shard takes token ids, got none")
+        ids = frame.token_ids.to(self.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
+            bad = next(t for t in frame.token_ids.tolist() if not 0 <= t < self.spec.vocab_size)
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return self.embed[ids]
+
+
+def _progress(items: range, show: bool, label: str):  # type: ignore[no-untyped-def]
+    if not show:
+        return items
+    from rich.progress import track
+
+    return track(items, description=label, transient=False)
