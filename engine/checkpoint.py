@@ -152,7 +152,7 @@ class Checkpoint:
         buf = torch.empty(info.nbytes, dtype=torch.uint8)
         with info.file.open("rb") as f:
             f.seek(info.start)
-            got = f.readinto(memoryview(buf.numpy()))
+            got = f.readinto(buf.numpy().data)
         if got != info.nbytes:
             raise CheckpointError(f"{info.file}: truncated while reading {name!r} ({got} of {info.nbytes} bytes)")
         if info.dtype == torch.bool:

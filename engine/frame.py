@@ -45,9 +45,7 @@ class Frame:
         return int(self.slots.shape[0])
 
     @staticmethod
-    def of_streams(
-        streams: list[tuple[int, int, list[int]]], hidden: torch.Tensor | None = None
-    ) -> Frame:
+    def of_streams(streams: list[tuple[int, int, list[int]]], hidden: torch.Tensor | None = None) -> Frame:
         """Build a frame from (slot, first position, token ids) per stream."""
         slots: list[int] = []
         positions: list[int] = []

@@ -33,9 +33,7 @@ class SlotTable:
             if length is None:
                 self.lengths[slot] = 0
                 return slot
-        raise CapacityError(
-            f"all {self.max_slots} KV slots are in use; finish or cancel a stream, or raise max_slots"
-        )
+        raise CapacityError(f"all {self.max_slots} KV slots are in use; finish or cancel a stream, or raise max_slots")
 
     def claim(self, slot: int) -> None:
         """Mark a slot in use by an id chosen elsewhere (a pipeline's head picks slot ids)."""

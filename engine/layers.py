@@ -142,9 +142,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         for seg in ctx.segments:
             rs = slice(seg.row_start, seg.row_end)
-            out[rs] = attend_with_cache(
-                kv, seg, q[rs], {"k": k[rs], "v": v[rs]}, self.scale, self.window, self.sinks
-            )
+            out[rs] = attend_with_cache(kv, seg, q[rs], {"k": k[rs], "v": v[rs]}, self.scale, self.window, self.sinks)
         return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
 
 

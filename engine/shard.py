@@ -8,6 +8,7 @@ for the last shard, float32 logits [R, vocab]. Loading reads only the tensors th
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from .errors import CapacityError, InputError
 from .frame import Frame, segments_of
 from .kvcache import LayerKV, SlotTable
 from .layers import Dense, FrameContext, RMSNorm
-from .models import FAMILIES
+from .models import family as family_module
 from .spec import ModelSpec, load_spec
 from .weights import LayerWeights
 
@@ -94,7 +95,7 @@ class Shard(nn.Module):
             raise InputError("device 'cuda' was asked for but no CUDA GPU is available; use --device cpu")
         ckpt = checkpoint or Checkpoint(model_dir)
         root = LayerWeights(ckpt, "", torch_dtype, torch_device)
-        family = FAMILIES[spec.family]
+        family = family_module(spec.family)
         layers = []
         for i in _progress(range(layer_start, end), progress, f"loading layers [{layer_start}, {end})"):
             layers.append(family.build_layer(spec, i, root.sub(f"model.layers.{i}.")))
@@ -110,11 +111,14 @@ class Shard(nn.Module):
 
     # ---- KV state -------------------------------------------------------------------------
 
+    def _attentions(self) -> list[Any]:
+        return [layer.attention for layer in self.layers]
+
     def kv_bytes_per_position(self) -> int:
         item = torch.empty((), dtype=self.dtype).element_size()
         total = 0
-        for layer in self.layers:
-            for shape in layer.attention.cache_shapes().values():
+        for attention in self._attentions():
+            for shape in attention.cache_shapes().values():
                 count = 1
                 for d in shape:
                     count *= d
@@ -132,12 +136,13 @@ class Shard(nn.Module):
                 f"max_context={max_context} exceeds the model's max_position_embeddings="
                 f"{self.spec.max_position_embeddings}"
             )
-        windows = [getattr(layer.attention, "window", None) for layer in self.layers]
+        attentions = self._attentions()
+        windows = [getattr(a, "window", None) for a in attentions]
         capacities = [max_context if w is None else min(max_context, w + rewind_slack) for w in windows]
         item = torch.empty((), dtype=self.dtype).element_size()
         need = 0
-        for layer, cap in zip(self.layers, capacities, strict=True):
-            for shape in layer.attention.cache_shapes().values():
+        for attention, cap in zip(attentions, capacities, strict=True):
+            for shape in attention.cache_shapes().values():
                 need += max_slots * cap * item * int(torch.Size(shape).numel())
         if kv_budget_bytes is not None and need > kv_budget_bytes:
             raise CapacityError(
@@ -145,8 +150,8 @@ class Shard(nn.Module):
                 f"shard's budget of {kv_budget_bytes} bytes; lower max_slots or max_context, or raise the budget"
             )
         self.kv = [
-            LayerKV(max_slots, cap, layer.attention.cache_shapes(), self.dtype, self.device, ring=cap < max_context)
-            for layer, cap in zip(self.layers, capacities, strict=True)
+            LayerKV(max_slots, cap, a.cache_shapes(), self.dtype, self.device, ring=cap < max_context)
+            for a, cap in zip(attentions, capacities, strict=True)
         ]
         rings = [cap - w + 1 for cap, w in zip(capacities, windows, strict=True) if w is not None and cap < max_context]
         self.slots = SlotTable(max_slots, max_context, min(rings) if rings else None)
@@ -203,6 +208,7 @@ class Shard(nn.Module):
 def _progress(items: range, show: bool, label: str):  # type: ignore[no-untyped-def]
     if not show:
         return items
+    from rich.console import Console
     from rich.progress import track
 
-    return track(items, description=label, transient=False)
+    return track(items, description=label, console=Console(stderr=True))

@@ -63,13 +63,10 @@ class ModelSpec:
 
 
 def _rope_from_raw(raw: dict[str, Any]) -> RopeSpec:
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    if isinstance(params, dict) and params and not isinstance(next(iter(params.values())), dict):
-        merged = params
-    else:
-        merged = {}
-    merged = {**scaling, **merged}
+    params = raw.get("rope_parameters") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ConfigError("config.json field 'rope_parameters' must be one flat object (per-layer rope is unsupported)")
+    merged = {**(raw.get("rope_scaling") or {}), **params}
     theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rope_type not in ("default", "linear", "yarn"):
@@ -96,7 +93,8 @@ def _int_field(raw: dict[str, Any], key: str, family: str) -> int:
 
 
 def spec_from_config(raw: dict[str, Any]) -> ModelSpec:
-    from .models import FAMILIES  # late import: families import this module
+    from .models import FAMILIES
+    from .models import family as family_module  # late import: families import this module
 
     family = raw.get("model_type")
     if family not in FAMILIES:
@@ -123,7 +121,7 @@ def spec_from_config(raw: dict[str, Any]) -> ModelSpec:
         rope=_rope_from_raw(raw),
         raw=dict(raw),
     )
-    FAMILIES[family].validate(spec)
+    family_module(family).validate(spec)
     return spec
 
 

@@ -41,7 +41,9 @@ class LayerWeights:
         if "gate_up_proj" in self:
             gate_up, down = self.get("gate_up_proj"), self.get("down_proj")
             if gate_up.shape[0] != num_experts:
-                raise CheckpointError(f"{self.prefix}gate_up_proj has {gate_up.shape[0]} experts, config says {num_experts}")
+                raise CheckpointError(
+                    f"{self.prefix}gate_up_proj has {gate_up.shape[0]} experts, config says {num_experts}"
+                )
             if gate_up.shape[-1] != hidden:  # stored [E, H, 2I]
                 gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
             return gate_up, down

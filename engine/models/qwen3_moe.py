@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from functools import partial
 
+from torch import nn
+
 from ..errors import ConfigError
 from ..layers import DecoderLayer, Experts, GatedMLP, SparseMoE, softmax_top_k
 from ..spec import ModelSpec
@@ -33,10 +35,14 @@ def is_sparse(spec: ModelSpec, i: int) -> bool:
 def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> DecoderLayer:
     attention = gqa_attention(spec, w, qk_norm=True)
     m = w.sub("mlp.")
+    mlp: nn.Module
     if is_sparse(spec, i):
         gate_up, down = m.sub("experts.").glu_experts(num_experts(spec), spec.hidden_size)
-        route = partial(softmax_top_k, top_k=int(spec.require("num_experts_per_tok")),
-                        renormalize=bool(spec.get("norm_topk_prob", False)))
+        route = partial(
+            softmax_top_k,
+            top_k=int(spec.require("num_experts_per_tok")),
+            renormalize=bool(spec.get("norm_topk_prob", False)),
+        )
         mlp = SparseMoE(dense(m, "gate"), route, Experts(gate_up, down))
     else:
         mlp = GatedMLP(dense(m, "gate_proj"), dense(m, "up_proj"), dense(m, "down_proj"))

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv with modelfleet and its test tools on a machine that has only python3 and pip.
+# The CPU build of torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"
