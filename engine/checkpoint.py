@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -161,3 +162,29 @@ class Checkpoint:
 
     def nbytes(self, names: Iterable[str]) -> int:
         return sum(self.info(n).nbytes for n in names)
+
+
+class TensorSource(Protocol):
+    """What shard loading needs from a checkpoint: membership and reading by name."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+class TensorDict:
+    """Tensors already in memory (e.g. a transformers model's state dict) as a tensor source.
+
+    Reads return clones, so a shard never shares storage with the source.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = dict(tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"tensor {name!r} is not in the state dict")
+        return self.tensors[name].detach().clone()

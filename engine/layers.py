@@ -84,7 +84,8 @@ def attend(
         mask &= (q_pos - k_pos) < window
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if sinks is None:
-        full = bool(mask.all())
+        # decided on the host: every key visible to every query (no device sync)
+        full = q_pos_start >= k_pos_start + L - 1 and (window is None or q_pos_start + n - 1 - k_pos_start < window)
         out = F.scaled_dot_product_attention(
             qh[None], kh[None], vh[None], attn_mask=None if full else mask, scale=scale, enable_gqa=True
         )[0]
@@ -186,6 +187,9 @@ def silu_glu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which CUDA gathers expert weights
+
+
 class Experts(nn.Module):
     """A bank of E experts. gate_up: [E, 2I, H] ([gate; up] rows), down: [E, H, I]."""
 
@@ -215,6 +219,26 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
+        if x.is_cuda and index.numel() <= GATHER_MAX_PAIRS:
+            return self._forward_gathered(x, index, weight)
+        return self._forward_grouped(x, index, weight)
+
+    def _forward_gathered(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Few (token, expert) pairs: gather the chosen experts' weights and batch the matmuls.
+        No host synchronisation, so decode steps can be queued (and graph-captured) freely."""
+        tokens, top_k = index.shape
+        flat = index.reshape(-1)
+        xs = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [T*k, H, 1]
+        h = torch.bmm(self.gate_up[flat], xs)[:, :, 0]  # [T*k, 2I]
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[flat]
+        y = torch.bmm(self.down[flat], self.activation(h)[:, :, None])[:, :, 0]  # [T*k, H]
+        if self.down_bias is not None:
+            y = y + self.down_bias[flat]
+        return (y.view(tokens, top_k, -1) * weight.to(y.dtype)[:, :, None]).sum(dim=1)
+
+    def _forward_grouped(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Sort (token, expert) pairs by expert and run each used expert once over its tokens."""
         top_k = index.shape[1]
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)

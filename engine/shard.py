@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, TensorSource
 from .errors import CapacityError, InputError
 from .frame import Frame, segments_of
 from .kvcache import LayerKV, SlotTable
@@ -84,6 +84,22 @@ class Shard(nn.Module):
         checkpoint: Checkpoint | None = None,
     ) -> Shard:
         spec = load_spec(model_dir)
+        ckpt = checkpoint or Checkpoint(model_dir)
+        return cls.from_checkpoint(spec, ckpt, layer_start, layer_end, device=device, dtype=dtype, progress=progress)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        spec: ModelSpec,
+        ckpt: TensorSource,
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = torch.float32,
+        progress: bool = False,
+    ) -> Shard:
+        """Build a shard from any tensor source (a checkpoint directory or tensors in memory)."""
         end = spec.num_layers if layer_end is None else layer_end
         if not 0 <= layer_start < end <= spec.num_layers:
             raise InputError(
@@ -93,7 +109,6 @@ class Shard(nn.Module):
         torch_device, torch_dtype = torch.device(device), resolve_dtype(dtype)
         if torch_device.type == "cuda" and not torch.cuda.is_available():
             raise InputError("device 'cuda' was asked for but no CUDA GPU is available; use --device cpu")
-        ckpt = checkpoint or Checkpoint(model_dir)
         root = LayerWeights(ckpt, "", torch_dtype, torch_device)
         family = family_module(spec.family)
         layers = []
@@ -198,11 +213,11 @@ class Shard(nn.Module):
             return frame.hidden.to(self.device, self.dtype)
         if frame.token_ids is None:
             raise InputError("the first shard takes token ids, got none")
-        ids = frame.token_ids.to(self.device)
+        ids = frame.token_ids
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
-            bad = next(t for t in frame.token_ids.tolist() if not 0 <= t < self.spec.vocab_size)
+            bad = next(t for t in ids.tolist() if not 0 <= t < self.spec.vocab_size)
             raise InputError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
-        return self.embed[ids]
+        return self.embed[ids.to(self.device)]
 
 
 def _progress(items: range, show: bool, label: str):  # type: ignore[no-untyped-def]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import Checkpoint
+from .checkpoint import TensorSource
 from .errors import CheckpointError
 
 
 class LayerWeights:
-    def __init__(self, checkpoint: Checkpoint, prefix: str, dtype: torch.dtype, device: torch.device):
+    def __init__(self, checkpoint: TensorSource, prefix: str, dtype: torch.dtype, device: torch.device):
         self.checkpoint, self.prefix, self.dtype, self.device = checkpoint, prefix, dtype, device
 
     def sub(self, prefix: str) -> LayerWeights:

@@ -24,7 +24,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str) -> None:

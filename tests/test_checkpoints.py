@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import save_model
+from typer.testing import CliRunner
+
+from modelfleet.cli import app
 from modelfleet.engine.checkpoint import Checkpoint
 from modelfleet.engine.errors import CheckpointError, ConfigError, InputError
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel, generate
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
-from tiny import save_model
-from typer.testing import CliRunner
-
-from modelfleet.cli import app
 
 
 @pytest.fixture(scope="module")

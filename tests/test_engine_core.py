@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from modelfleet.engine.errors import CapacityError
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel, generate, generate_batch

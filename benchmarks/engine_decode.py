@@ -1,0 +1,235 @@
+"""Decode throughput of the modelfleet engine beside transformers ``generate()``.
+
+Both run the same random Qwen3-MoE-shaped model (built offline from a config), the same dtype
+and device, in one process. Decode tokens/s is measured as B*(N-1) / (t(N) - t(1)): the time of
+a generation of N tokens minus one of a single token, so prefill cancels out. The memory-bandwidth
+bound is measured bandwidth over the weight bytes one decode step must read (attention, router,
+the experts the batch activates in expectation, and the head).
+
+    python benchmarks/engine_decode.py --shape cpu-0.8b --device cpu
+    python benchmarks/engine_decode.py --shape qwen3-30b-a3b-12l --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # ~0.8B parameters, ~0.17B active per token
+    "cpu-0.8b": dict(
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        moe_intermediate_size=512,
+        num_experts=64,
+        num_experts_per_tok=8,
+        intermediate_size=2816,
+        vocab_size=32000,
+    ),
+    # Qwen3-30B-A3B with 12 of its 48 layers: ~8.1B parameters, ~1.0B active per token
+    "qwen3-30b-a3b-12l": dict(
+        hidden_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        intermediate_size=6144,
+        vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=256,
+        vocab_size=1000,
+    ),
+}
+
+
+def measure_bandwidth(device: str) -> float:
+    """Bytes per second of a large copy (bytes read + bytes written)."""
+    n = (1 << 28) if device == "cuda" else (1 << 26)
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_reference(shape: str, dtype: torch.dtype, device: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", **SHAPES[shape], max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return model
+
+
+def step_bytes(model, batch: int) -> float:  # type: ignore[no-untyped-def]
+    """Weight bytes one decode step of ``batch`` rows reads, with experts in expectation."""
+    cfg = model.config
+    item = next(model.parameters()).element_size()
+    experts, k = cfg.num_experts, cfg.num_experts_per_tok
+    used = experts * (1 - (1 - k / experts) ** batch)
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    total = 0.0
+    for name, p in model.named_parameters():
+        if "experts" in name or "embed_tokens" in name:
+            continue
+        total += p.numel()
+    total += cfg.num_hidden_layers * used * per_expert + batch * cfg.hidden_size
+    return total * item
+
+
+def decode_rate(run, batch: int, tokens: int, repeats: int = 3) -> tuple[float, list[list[int]]]:  # type: ignore[no-untyped-def]
+    """B*(N-1) / (t(N) - t(1)), each time the best of ``repeats`` runs after a warm-up."""
+    run(2)
+    t1 = min(run(1)[0] for _ in range(repeats))
+    runs = [run(tokens) for _ in range(repeats)]
+    tn = min(t for t, _ in runs)
+    return batch * (tokens - 1) / max(tn - t1, 1e-9), runs[0][1]
+
+
+def time_engine(lm, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:  # type: ignore[no-untyped-def]
+    from modelfleet.engine.generate import generate_batch
+    from modelfleet.engine.sampling import SamplingParams
+
+    device = lm.shards[0].device.type
+
+    def run(n: int) -> tuple[float, list[list[int]]]:
+        params = SamplingParams(max_tokens=n, stop_token_ids=())
+        sync(device)
+        start = time.perf_counter()
+        results = generate_batch(lm, prompts, params)
+        sync(device)
+        return time.perf_counter() - start, [r.token_ids for r in results]
+
+    return decode_rate(run, len(prompts), tokens)
+
+
+def time_reference(model, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:  # type: ignore[no-untyped-def]
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+
+    def run(n: int) -> tuple[float, list[list[int]]]:
+        sync(device.type)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids)
+            )
+        sync(device.type)
+        return time.perf_counter() - start, out[:, ids.shape[1] :].tolist()
+
+    return decode_rate(run, len(prompts), tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu-0.8b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per stream")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--out", default="out/engine_decode.csv")
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from modelfleet.engine.checkpoint import TensorDict
+    from modelfleet.engine.generate import LocalModel
+    from modelfleet.engine.shard import Shard
+    from modelfleet.engine.spec import spec_from_config
+
+    dtype = getattr(torch, args.dtype)
+    console = Console()
+    console.print(f"building a random {args.shape} model on {args.device} in {args.dtype}...")
+    ref = build_reference(args.shape, dtype, args.device)
+    params = sum(p.numel() for p in ref.parameters())
+    spec = spec_from_config(ref.config.to_dict())
+    shard = Shard.from_checkpoint(spec, TensorDict(ref.state_dict()), device=args.device, dtype=dtype)
+    bandwidth = measure_bandwidth(args.device)
+    batches = [int(b) for b in args.batch.split(",")]
+    shard.allocate_cache(max(batches), args.prompt_len + args.tokens + 8)
+    lm = LocalModel([shard])
+
+    table = Table(title=f"decode tokens/s, {args.shape} ({params / 1e9:.2f}B params), {args.device}, {args.dtype}")
+    for col in ("batch", "modelfleet", "transformers", "ratio", "bound", "of bound", "same tokens"):
+        table.add_column(col, justify="right")
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    for batch in batches:
+        prompts = torch.randint(0, spec.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+        ours, our_tokens = time_engine(lm, prompts, args.tokens)
+        theirs, their_tokens = time_reference(ref, prompts, args.tokens)
+        bound = batch * bandwidth / step_bytes(ref, batch)
+        same = sum(a == b for x, y in zip(our_tokens, their_tokens, strict=True) for a, b in zip(x, y, strict=True))
+        agree = same / (batch * args.tokens)
+        rows.append(
+            dict(
+                shape=args.shape,
+                device=args.device,
+                dtype=args.dtype,
+                batch=batch,
+                modelfleet_tok_s=round(ours, 2),
+                transformers_tok_s=round(theirs, 2),
+                ratio=round(ours / theirs, 2),
+                bound_tok_s=round(bound, 1),
+                fraction_of_bound=round(ours / bound, 3),
+                token_agreement=round(agree, 3),
+                bandwidth_gb_s=round(bandwidth / 1e9, 1),
+            )
+        )
+        table.add_row(
+            str(batch),
+            f"{ours:.1f}",
+            f"{theirs:.1f}",
+            f"{ours / theirs:.2f}x",
+            f"{bound:.0f}",
+            f"{100 * ours / bound:.1f}%",
+            f"{100 * agree:.0f}%",
+        )
+    console.print(table)
+    console.print(f"measured bandwidth {bandwidth / 1e9:.1f} GB/s; bound = batch x bandwidth / weight bytes per step")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""GPT-OSS: GQA with q/k/v/o biases and a learned sink logit per head, layers alternating
+between sliding-window and full attention (``layer_types``), YaRN rope, and a sparse MoE whose
+router has a bias, picks the top k logits and softmaxes over just those, and whose experts use
+a clamped SwiGLU with biases.
+
+On disk the experts are fused in transformers' layout: ``gate_up_proj`` [E, H, 2I] with gate and
+up interleaved along the last dim (gate = [..., ::2], up = [..., 1::2]), ``gate_up_proj_bias``
+[E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]. They are converted once at load into
+:class:`~engine.layers.Experts`' layout (gate_up [E, 2I, H] as [gate rows; up rows], down
+[E, H, I]). Per-expert keys (``{e}.gate_proj``, ``{e}.up_proj``, ``{e}.down_proj``, each with a
+weight and a bias) are accepted too.
+
+Sliding window: a key at distance d = q_pos - k_pos is visible when 0 <= d < sliding_window,
+as in transformers' ``sliding_window_overlay`` (kv_idx > q_idx - sliding_window) and the
+original GPT-OSS mask, which is exactly :func:`engine.layers.attend`'s rule.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ..errors import CheckpointError, ConfigError
+from ..layers import DecoderLayer, Experts, SparseMoE
+from ..spec import ModelSpec
+from ..weights import LayerWeights
+from .common import dense, gqa_attention, norms
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_types(spec: ModelSpec) -> list[str]:
+    """Per-layer attention kind; without ``layer_types`` transformers alternates, sliding first."""
+    types = spec.get("layer_types")
+    if types is None:
+        return [SLIDING if (i + 1) % 2 else FULL for i in range(spec.num_layers)]
+    return list(types)
+
+
+def validate(spec: ModelSpec) -> None:
+    spec.require("num_local_experts")
+    spec.require("num_experts_per_tok")
+    spec.require("intermediate_size")
+    types = layer_types(spec)
+    if len(types) != spec.num_layers:
+        raise ConfigError(
+            f"config.json field 'layer_types' lists {len(types)} layers, but num_hidden_layers is {spec.num_layers}"
+        )
+    unknown = sorted(set(types) - {SLIDING, FULL})
+    if unknown:
+        raise ConfigError(f"config.json field 'layer_types' holds {unknown}; gpt_oss supports {SLIDING}, {FULL}")
+    if SLIDING in types:
+        window = spec.require("sliding_window")
+        if not isinstance(window, int) or window < 1:
+            raise ConfigError(f"config.json field 'sliding_window' must be a positive integer, got {window!r}")
+
+
+def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """h: [T, 2I] as [gate | up] -> (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+def top_k_then_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the k largest router logits, softmax over those k. -> index, weight [T, k]."""
+    values, index = torch.topk(logits, top_k, dim=-1)
+    return index, torch.softmax(values, dim=-1, dtype=torch.float32).to(logits.dtype)
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] with gate/up interleaved -> [..., 2I] as [gate | up]."""
+    return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+
+def _fused_experts(w: LayerWeights, num_experts: int, hidden: int, inter: int) -> tuple[torch.Tensor, ...]:
+    """gate_up [E, 2I, H], down [E, H, I], gate_up_bias [E, 2I], down_bias [E, H] from fused tensors."""
+    expected = {
+        "gate_up_proj": (num_experts, hidden, 2 * inter),
+        "gate_up_proj_bias": (num_experts, 2 * inter),
+        "down_proj": (num_experts, inter, hidden),
+        "down_proj_bias": (num_experts, hidden),
+    }
+    tensors = {}
+    for name, shape in expected.items():
+        if name not in w:
+            raise CheckpointError(f"'{w.prefix}{name}' is missing; gpt_oss fused experts need it")
+        tensors[name] = w.get(name)
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(
+                f"'{w.prefix}{name}' has shape {tuple(tensors[name].shape)}, expected {shape} "
+                f"(num_local_experts, hidden_size, intermediate_size from config.json)"
+            )
+    gate_up = _deinterleave(tensors["gate_up_proj"]).transpose(1, 2).contiguous()
+    down = tensors["down_proj"].transpose(1, 2).contiguous()
+    return gate_up, down, _deinterleave(tensors["gate_up_proj_bias"]), tensors["down_proj_bias"]
+
+
+def _per_expert(w: LayerWeights, num_experts: int, hidden: int) -> tuple[torch.Tensor, ...]:
+    """The same four tensors from ``{e}.gate_proj``/``{e}.up_proj``/``{e}.down_proj`` weights and biases."""
+    gate_up, down = w.glu_experts(num_experts, hidden)
+    gate_up_bias = torch.stack(
+        [torch.cat((w.get(f"{e}.gate_proj.bias"), w.get(f"{e}.up_proj.bias"))) for e in range(num_experts)]
+    )
+    down_bias = torch.stack([w.get(f"{e}.down_proj.bias") for e in range(num_experts)])
+    return gate_up, down, gate_up_bias, down_bias
+
+
+def experts(spec: ModelSpec, w: LayerWeights) -> Experts:
+    num_experts, inter = int(spec.require("num_local_experts")), int(spec.require("intermediate_size"))
+    if "gate_up_proj_blocks" in w:
+        raise CheckpointError(
+            f"'{w.prefix}gate_up_proj_blocks' holds MXFP4-quantized experts, which gpt_oss does not load yet; "
+            "dequantize the checkpoint first (transformers Mxfp4Config(dequantize=True), then save_pretrained)"
+        )
+    if "gate_up_proj" in w:
+        gate_up, down, gate_up_bias, down_bias = _fused_experts(w, num_experts, spec.hidden_size, inter)
+    else:
+        gate_up, down, gate_up_bias, down_bias = _per_expert(w, num_experts, spec.hidden_size)
+    alpha, limit = float(spec.get("swiglu_alpha", 1.702)), float(spec.get("swiglu_limit", 7.0))
+    activation = partial(clamped_swiglu, alpha=alpha, limit=limit)
+    return Experts(gate_up, down, gate_up_bias, down_bias, activation)
+
+
+def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> DecoderLayer:
+    window = int(spec.require("sliding_window")) if layer_types(spec)[i] == SLIDING else None
+    attention = gqa_attention(spec, w, window=window, sinks=True)
+    m = w.sub("mlp.")
+    route = partial(top_k_then_softmax, top_k=int(spec.require("num_experts_per_tok")))
+    mlp = SparseMoE(dense(m, "router"), route, experts(spec, m.sub("experts.")))
+    input_norm, post_norm = norms(spec, w)
+    return DecoderLayer(input_norm, attention, post_norm, mlp)
