@@ -20,6 +20,7 @@ from .frame import Frame
 from .sampling import SamplingParams, StreamSampler
 from .shard import Shard
 from .spec import ModelSpec, load_spec
+from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, supports_static_decode
 
 
 def even_ranges(num_layers: int, parts: int) -> list[tuple[int, int]]:
@@ -30,9 +31,14 @@ def even_ranges(num_layers: int, parts: int) -> list[tuple[int, int]]:
 
 
 class LocalModel:
-    def __init__(self, shards: Sequence[Shard]):
+    def __init__(self, shards: Sequence[Shard], static_decode: bool | None = None):
         self.shards = list(shards)
         self.spec: ModelSpec = shards[0].spec
+        # fixed-shape decode steps (CUDA graphs) by default on GPUs, where launch cost dominates
+        on_gpu = shards[0].device.type == "cuda"
+        self.static_decode = (on_gpu if static_decode is None else static_decode) and supports_static_decode(shards)
+        self._decoders: dict[int, StaticDecoder] = {}
+        self.compile_decode = False  # torch.compile the static step (slow to start, faster steps)
 
     @classmethod
     def load(
@@ -45,6 +51,7 @@ class LocalModel:
         progress: bool = False,
         max_slots: int = 8,
         max_context: int | None = None,
+        static_decode: bool | None = None,
     ) -> LocalModel:
         spec = load_spec(model_dir)
         parts = [
@@ -54,7 +61,7 @@ class LocalModel:
         context = max_context or min(spec.max_position_embeddings, 4096)
         for shard in parts:
             shard.allocate_cache(max_slots, context)
-        return cls(parts)
+        return cls(parts, static_decode)
 
     @property
     def max_context(self) -> int:
@@ -70,6 +77,16 @@ class LocalModel:
         for shard in self.shards[1:]:
             x = shard(Frame(frame.slots, frame.positions, hidden=x))
         return x
+
+    def decode(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """Logits [B, vocab] for one decode row per stream."""
+        batch = len(tokens)
+        if not self.static_decode or batch > MAX_GRAPH_BATCH:
+            streams = [(s, p, [t]) for t, s, p in zip(tokens, slots, positions, strict=True)]
+            return self.forward(Frame.of_streams(streams))
+        if batch not in self._decoders:
+            self._decoders[batch] = StaticDecoder(self.shards, batch, compile_step=self.compile_decode)
+        return self._decoders[batch].step(tokens, slots, positions)
 
     def acquire(self) -> int:
         slot = self.shards[0].acquire()
@@ -145,8 +162,7 @@ def generate_batch(
             stream.position = len(prompt)
             _accept(stream, logits[-1], model, start, on_token, len(streams) - 1)
         while live := [s for s in streams if not s.done]:
-            frame = Frame.of_streams([(s.slot, s.position, [s.last_token]) for s in live])
-            logits = model.forward(frame)
+            logits = model.decode([s.last_token for s in live], [s.slot for s in live], [s.position for s in live])
             for row, s in enumerate(live):
                 s.position += 1
                 _accept(s, logits[row], model, start, on_token, streams.index(s))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .frame import Segment
+from .kernels import expert_gemv
 from .kvcache import LayerKV
 from .rope import Rotary
 
@@ -27,10 +28,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight.to(torch.float32), self.eps)
+        # one fused kernel, accumulating in float32; the reference rounds to x's dtype once more
+        # before scaling, a difference of at most one unit in the last place
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 class Dense(nn.Module):
@@ -47,10 +49,17 @@ class Dense(nn.Module):
 
 @dataclass
 class FrameContext:
-    """What every layer needs to know about the frame being computed."""
+    """What every layer needs to know about the frame being computed.
 
-    segments: list[Segment]
+    ``segments`` describes a general frame (prefill windows and decode rows, computed per
+    stream). When it is None the frame is a *static decode* frame: exactly one row per slot in
+    ``slots``, every index a device tensor, so the step has fixed shapes, no host
+    synchronisation, and can be captured in a CUDA graph.
+    """
+
+    segments: list[Segment] | None
     positions: torch.Tensor  # [R] int64 on the compute device
+    slots: torch.Tensor | None = None  # [R] int64 on the compute device (static decode only)
     rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def cos_sin(self, rotary: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +67,29 @@ class FrameContext:
         if key not in self.rope_cache:
             self.rope_cache[key] = rotary.cos_sin(self.positions, dtype)
         return self.rope_cache[key]
+
+
+def _attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """q: [B, Hq, n, D], k: [B, Hkv, L, D], v: [B, Hkv, L, Dv], mask: [B, 1, n, L] (True = visible)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, n, L]
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(logits.dtype)[None, :, None, None].expand(*logits.shape[:-1], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
 
 
 def attend(
@@ -77,38 +109,59 @@ def attend(
     sinks: [Hq] learned logits joining each softmax (GPT-OSS). Returns [n, Hq, Dv].
     """
     n, L = q.shape[0], k.shape[0]
-    q_pos = torch.arange(q_pos_start, q_pos_start + n, device=q.device)[:, None]
-    k_pos = torch.arange(k_pos_start, k_pos_start + L, device=q.device)[None, :]
-    mask = k_pos <= q_pos
+    # decided on the host: is every key visible to every query? (no device sync)
+    full = q_pos_start >= k_pos_start + L - 1 and (window is None or q_pos_start + n - 1 - k_pos_start < window)
+    mask = None
+    if not full:
+        q_pos = torch.arange(q_pos_start, q_pos_start + n, device=q.device)[:, None]
+        k_pos = torch.arange(k_pos_start, k_pos_start + L, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= (q_pos - k_pos) < window
+        mask = mask[None, None]
+    out = _attention_core(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale, sinks)
+    return out[0].transpose(0, 1)
+
+
+def attend_static_decode(
+    kv: LayerKV,
+    ctx: FrameContext,
+    q: torch.Tensor,
+    new: dict[str, torch.Tensor],
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One decode row per slot, fixed shapes: store each row's k/v, attend over the whole
+    capacity with a visibility mask computed on the device. q: [B, Hq, D] -> [B, Hq, D]."""
+    assert ctx.slots is not None
+    slots, positions = ctx.slots, ctx.positions
+    cap = kv.capacity
+    index = positions % cap if kv.ring else positions
+    for name, rows in new.items():
+        kv.tensors[name].index_put_((slots, index), rows)
+    keys, values = kv.tensors["k"][slots], kv.tensors["v"][slots]  # [B, cap, Hkv, D]
+    j = torch.arange(cap, device=q.device)[None, :]
+    pos = positions[:, None]
+    held = pos - torch.remainder(pos - j, cap) if kv.ring else j  # the position each entry holds
+    visible = (held >= 0) & (held <= pos)
     if window is not None:
-        mask &= (q_pos - k_pos) < window
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if sinks is None:
-        # decided on the host: every key visible to every query (no device sync)
-        full = q_pos_start >= k_pos_start + L - 1 and (window is None or q_pos_start + n - 1 - k_pos_start < window)
-        out = F.scaled_dot_product_attention(
-            qh[None], kh[None], vh[None], attn_mask=None if full else mask, scale=scale, enable_gqa=True
-        )[0]
-        return out.transpose(0, 1)
-    groups = qh.shape[0] // kh.shape[0]
-    kh, vh = kh.repeat_interleave(groups, 0), vh.repeat_interleave(groups, 0)
-    logits = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [Hq, n, L]
-    logits = logits.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(logits.dtype)[:, None, None].expand(-1, n, 1)
-    combined = torch.cat([logits, sink], dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.matmul(probs, vh).transpose(0, 1)
+        visible &= (pos - held) < window
+    out = _attention_core(
+        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), visible[:, None, None, :], scale, sinks
+    )
+    return out[:, :, 0, :]
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional per-head q/k norms, biases, sliding window, sinks."""
+    """Grouped-query attention with optional per-head q/k norms, biases, sliding window, sinks.
+
+    q, k and v come from one fused projection ``qkv`` (rows: q heads, then k heads, then v heads).
+    """
 
     def __init__(
         self,
-        q_proj: Dense,
-        k_proj: Dense,
-        v_proj: Dense,
+        qkv: Dense,
         o_proj: Dense,
         num_heads: int,
         num_kv_heads: int,
@@ -120,9 +173,14 @@ class Attention(nn.Module):
         sinks: torch.Tensor | None = None,
     ):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
-        self.q_norm, self.k_norm = q_norm, k_norm
+        self.qkv, self.o_proj = qkv, o_proj
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qk_norm_weight: nn.Parameter | None = None  # [Hq + Hkv, D]: q_norm's rows, then k_norm's
+        self.qk_norm_eps = 0.0
+        if q_norm is not None and k_norm is not None:
+            weight = torch.cat([q_norm.weight.expand(num_heads, -1), k_norm.weight.expand(num_kv_heads, -1)])
+            self.qk_norm_weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+            self.qk_norm_eps = q_norm.eps
         self.rotary = rotary
         self.window = window
         self.sinks = None if sinks is None else nn.Parameter(sinks, requires_grad=False)
@@ -133,17 +191,26 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qk, v = self.qkv(x).split([q_size + kv_size, kv_size], dim=-1)
+        # q and k heads side by side: [rows, Hq + Hkv, D], normed and rotated together
+        qk = qk.reshape(rows, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm_weight is not None:
+            normed = F.rms_norm(qk.to(torch.float32), (self.head_dim,), eps=self.qk_norm_eps)
+            qk = self.qk_norm_weight * normed.to(qk.dtype)
         cos, sin = ctx.cos_sin(self.rotary, x.dtype)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        out = torch.empty_like(q)
-        for seg in ctx.segments:
-            rs = slice(seg.row_start, seg.row_end)
-            out[rs] = attend_with_cache(kv, seg, q[rs], {"k": k[rs], "v": v[rs]}, self.scale, self.window, self.sinks)
+        qk = self.rotary.apply(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = v.reshape(rows, self.num_kv_heads, self.head_dim)
+        if ctx.segments is None:
+            out = attend_static_decode(kv, ctx, q, {"k": k, "v": v}, self.scale, self.window, self.sinks)
+        else:
+            out = torch.empty_like(q)
+            for seg in ctx.segments:
+                rs = slice(seg.row_start, seg.row_end)
+                out[rs] = attend_with_cache(
+                    kv, seg, q[rs], {"k": k[rs], "v": v[rs]}, self.scale, self.window, self.sinks
+                )
         return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
 
 
@@ -219,7 +286,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
-        if x.is_cuda and index.numel() <= GATHER_MAX_PAIRS:
+        if x.is_cuda and (index.numel() <= GATHER_MAX_PAIRS or torch.cuda.is_current_stream_capturing()):
             return self._forward_gathered(x, index, weight)
         return self._forward_grouped(x, index, weight)
 
@@ -228,11 +295,18 @@ class Experts(nn.Module):
         No host synchronisation, so decode steps can be queued (and graph-captured) freely."""
         tokens, top_k = index.shape
         flat = index.reshape(-1)
-        xs = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [T*k, H, 1]
-        h = torch.bmm(self.gate_up[flat], xs)[:, :, 0]  # [T*k, 2I]
+        if expert_gemv.available(x) and self.gate_up.stride(2) == 1 and self.down.stride(2) == 1:
+            h = expert_gemv.expert_gemv(x.contiguous(), self.gate_up, flat, top_k)  # [T*k, 2I]
+        else:
+            xs = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [T*k, H, 1]
+            h = torch.bmm(self.gate_up[flat], xs)[:, :, 0]  # [T*k, 2I]
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[flat]
-        y = torch.bmm(self.down[flat], self.activation(h)[:, :, None])[:, :, 0]  # [T*k, H]
+        a = self.activation(h).contiguous()
+        if expert_gemv.available(x) and self.down.stride(2) == 1:
+            y = expert_gemv.expert_gemv(a, self.down, flat, 1)  # [T*k, H]
+        else:
+            y = torch.bmm(self.down[flat], a[:, :, None])[:, :, 0]  # [T*k, H]
         if self.down_bias is not None:
             y = y + self.down_bias[flat]
         return (y.view(tokens, top_k, -1) * weight.to(y.dtype)[:, :, None]).sum(dim=1)

@@ -59,11 +59,14 @@ class Rotary:
     def __init__(self, rope: RopeSpec, dim: int, max_position_embeddings: int, interleaved: bool = False):
         inv_freq, self.factor = inv_freq_and_factor(rope, dim, max_position_embeddings)
         self.inv_freq = inv_freq
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
         self.interleaved = interleaved
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # cos, sin: [rows, 1, dim]; computed in float32 then cast, as the reference does
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:  # copied once per device: a graph capture must not copy from the host
+            inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
         return (emb.cos() * self.factor).to(dtype)[:, None, :], (emb.sin() * self.factor).to(dtype)[:, None, :]

@@ -15,7 +15,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint, TensorSource
 from .errors import CapacityError, InputError
-from .frame import Frame, segments_of
+from .frame import Frame, Segment, segments_of
 from .kvcache import LayerKV, SlotTable
 from .layers import Dense, FrameContext, RMSNorm
 from .models import family as family_module
@@ -190,18 +190,32 @@ class Shard(nn.Module):
 
     @torch.inference_mode()
     def forward(self, frame: Frame) -> torch.Tensor:
-        table = self._slots()
         slots, positions = frame.slots.tolist(), frame.positions.tolist()
         segments = segments_of(slots, positions)
+        self.check_segments(segments)
+        x = self._input(frame)
+        x = self.run_layers(x, FrameContext(segments, frame.positions.to(self.device)))
+        self.commit_segments(segments)
+        return self.output(x)
+
+    def check_segments(self, segments: list[Segment]) -> None:
+        table = self._slots()
         for seg in segments:
             table.check_segment(seg.slot, seg.pos_start, seg.rows)
-        x = self._input(frame)
-        ctx = FrameContext(segments, frame.positions.to(self.device))
-        for layer, kv in zip(self.layers, self.kv, strict=True):
-            x = layer(x, ctx, kv)
+
+    def commit_segments(self, segments: list[Segment]) -> None:
+        table = self._slots()
         for seg in segments:
             table.claim(seg.slot)
             table.lengths[seg.slot] = seg.pos_end
+
+    def run_layers(self, x: torch.Tensor, ctx: FrameContext) -> torch.Tensor:
+        for layer, kv in zip(self.layers, self.kv, strict=True):
+            x = layer(x, ctx, kv)
+        return x
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 residuals for the next shard, or float32 logits from the last."""
         if self.norm is None or self.head is None:
             return x.to(torch.float32)
         return self.head(self.norm(x)).to(torch.float32)

@@ -167,3 +167,47 @@ def test_cuda_logits_match_transformers_in_float32_and_bfloat16(tiny_checkpoint,
     bf16 = Shard.load(path, device="cuda", dtype="bfloat16")(Frame.of_streams([(0, 0, PROMPT)])).cpu()
     cos = torch.nn.functional.cosine_similarity(bf16, ref, dim=-1)
     assert cos.min() > 0.99
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_static_decode_steps_give_the_logits_of_general_frames(tiny_checkpoint, family: str) -> None:
+    path, _ = tiny_checkpoint(family)
+    prompts = [PROMPT[:5], PROMPT[4:15], PROMPT[9:10]]
+    general = LocalModel.load(path, shards=2, max_slots=3, max_context=32, static_decode=False)
+    static = LocalModel.load(path, shards=2, max_slots=3, max_context=32, static_decode=True)
+    assert static.static_decode and not general.static_decode
+    for lm in (general, static):
+        for slot, prompt in enumerate(prompts):
+            lm.acquire()
+            lm.forward(Frame.of_streams([(slot, 0, prompt)]))
+    positions = [len(p) for p in prompts]
+    for step in range(12):  # past the sliding window of 6 and around gpt_oss's ring
+        tokens = [(7 * step + 3 * slot) % 128 for slot in range(3)]
+        ours = static.decode(tokens, [0, 1, 2], positions)
+        ref = general.decode(tokens, [0, 1, 2], positions)
+        assert_close_to(ours, ref, 1e-5)
+        positions = [p + 1 for p in positions]
+    assert static.shards[1].slots is not None and static.shards[1].slots.lengths[:3] == positions
+
+
+def test_batched_generation_with_static_decode_matches_the_general_path(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("mixtral")
+    prompts = [PROMPT[:3], PROMPT[2:12], PROMPT[7:8]]
+    params = [SamplingParams(max_tokens=n, stop_token_ids=()) for n in (5, 9, 12)]
+    results = [
+        [r.token_ids for r in generate_batch(LocalModel.load(path, max_slots=3, static_decode=s), prompts, params)]
+        for s in (False, True)
+    ]
+    assert results[0] == results[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replays_give_the_tokens_of_eager_decoding(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("qwen3_moe")
+    prompts = [PROMPT[:3], PROMPT[2:12], PROMPT[7:8]]
+    params = SamplingParams(max_tokens=20, stop_token_ids=())
+    eager = LocalModel.load(path, device="cuda", max_slots=3, static_decode=False)
+    graphed = LocalModel.load(path, device="cuda", max_slots=3, static_decode=True)
+    expected = [r.token_ids for r in generate_batch(eager, prompts, params)]
+    assert [r.token_ids for r in generate_batch(graphed, prompts, params)] == expected
+    assert graphed._decoders and all(d.graph is not None for d in graphed._decoders.values())

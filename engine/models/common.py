@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import torch
+
 from ..layers import Attention, Dense, RMSNorm
 from ..rope import Rotary
 from ..spec import ModelSpec, RopeSpec
@@ -24,15 +26,30 @@ def dense(w: LayerWeights, name: str) -> Dense:
     return Dense(w.get(f"{name}.weight"), w.optional(f"{name}.bias"))
 
 
+def fused_dense(w: LayerWeights, names: list[str]) -> Dense:
+    """One projection computing several: weights (and biases, if any) stacked along outputs."""
+    weight = torch.cat([w.get(f"{name}.weight") for name in names])
+    biases = [w.optional(f"{name}.bias") for name in names]
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat(
+            [
+                b if b is not None else weight.new_zeros(w.get(f"{n}.weight").shape[0])
+                for b, n in zip(biases, names, strict=True)
+            ]
+        )
+    )
+    return Dense(weight, bias)
+
+
 def gqa_attention(
     spec: ModelSpec, w: LayerWeights, qk_norm: bool = False, window: int | None = None, sinks: bool = False
 ) -> Attention:
     """Standard q/k/v/o attention under ``self_attn.``."""
     a = w.sub("self_attn.")
     return Attention(
-        dense(a, "q_proj"),
-        dense(a, "k_proj"),
-        dense(a, "v_proj"),
+        fused_dense(a, ["q_proj", "k_proj", "v_proj"]),
         dense(a, "o_proj"),
         spec.num_heads,
         spec.num_kv_heads,

@@ -1,0 +1,97 @@
+"""Decode steps with fixed shapes, replayed from a CUDA graph on GPUs.
+
+A decode step of B streams (one row each) has the same shapes every time: token ids, slots and
+positions live in device buffers, attention reads each slot's whole KV capacity under a
+visibility mask, and experts are gathered rather than grouped, so the step has no host
+synchronisation. On CUDA the step is captured once per batch size and replayed, which removes
+the per-kernel launch cost that dominates small-batch decode. On CPU the same code runs eagerly,
+which is how its equivalence with the general frame path is tested.
+
+Invariants: every shard is on the same device; the slot tables are checked before a step and
+advanced after it, exactly as a general frame would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import InputError
+from .frame import Segment
+from .layers import Attention, FrameContext
+from .shard import Shard
+
+MAX_GRAPH_BATCH = 8  # experts are gathered per (row, expert) pair: fine for small batches only
+
+
+def supports_static_decode(shards: Sequence[Shard]) -> bool:
+    devices = {shard.device for shard in shards}
+    attentions = [layer.attention for shard in shards for layer in shard.layers]
+    return len(devices) == 1 and all(isinstance(a, Attention) for a in attentions)
+
+
+class StaticDecoder:
+    def __init__(self, shards: Sequence[Shard], batch: int, use_graph: bool | None = None, compile_step: bool = False):
+        if not supports_static_decode(shards):
+            raise InputError("static decode needs every shard on one device and grouped-query attention")
+        self.shards = list(shards)
+        self.batch = batch
+        device = self.shards[0].device
+        self.use_graph = device.type == "cuda" if use_graph is None else use_graph
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        # torch.compile fuses the step's many small elementwise kernels (norms, rope, routing)
+        self._step_fn = torch.compile(self._compute, dynamic=False) if compile_step else self._compute
+
+    @torch.inference_mode()
+    def _compute(self) -> torch.Tensor:
+        ctx = FrameContext(None, self.positions, self.slots)
+        first = self.shards[0]
+        assert first.embed is not None
+        x = first.embed[self.tokens]
+        for i, shard in enumerate(self.shards):
+            if i > 0:  # the residual crosses a shard boundary in float32, as between machines
+                x = x.to(torch.float32).to(shard.dtype)
+            x = shard.run_layers(x, ctx)
+        return self.shards[-1].output(x)
+
+    def step(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """Logits [B, vocab] float32 for one decode row per stream."""
+        if not len(tokens) == len(slots) == len(positions) == self.batch:
+            raise InputError(f"a static decode step takes exactly {self.batch} rows")
+        vocab = self.shards[0].spec.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise InputError(f"a token id is outside the vocabulary [0, {vocab})")
+        segments = [Segment(s, r, r + 1, p) for r, (s, p) in enumerate(zip(slots, positions, strict=True))]
+        for shard in self.shards:
+            shard.check_segments(segments)
+        self.tokens.copy_(torch.tensor(list(tokens)), non_blocking=True)
+        self.slots.copy_(torch.tensor(list(slots)), non_blocking=True)
+        self.positions.copy_(torch.tensor(list(positions)), non_blocking=True)
+        logits = self._run()
+        for shard in self.shards:
+            shard.commit_segments(segments)
+        return logits
+
+    def _run(self) -> torch.Tensor:
+        if not self.use_graph:
+            return self._step_fn()
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.logits is not None
+            return self.logits
+        # warm up on a side stream (this computes the real step), then capture for replays
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self._step_fn().clone()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._step_fn()
+        self.graph = graph
+        return logits
