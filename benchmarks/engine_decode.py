@@ -162,7 +162,6 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per stream")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--out", default="out/engine_decode.csv")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the static decode step")
     args = parser.parse_args()
 
     from rich.console import Console
@@ -184,7 +183,6 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     shard.allocate_cache(max(batches), args.prompt_len + args.tokens + 8)
     lm = LocalModel([shard])
-    lm.compile_decode = args.compile
 
     table = Table(title=f"decode tokens/s, {args.shape} ({params / 1e9:.2f}B params), {args.device}, {args.dtype}")
     for col in ("batch", "modelfleet", "transformers", "ratio", "bound", "of bound", "same tokens"):

@@ -17,7 +17,7 @@ import torch
 
 from .errors import InputError
 from .frame import Frame
-from .sampling import SamplingParams, StreamSampler
+from .sampling import SamplingParams, StreamSampler, sample_rows
 from .shard import Shard
 from .spec import ModelSpec, load_spec
 from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, supports_static_decode
@@ -38,7 +38,6 @@ class LocalModel:
         on_gpu = shards[0].device.type == "cuda"
         self.static_decode = (on_gpu if static_decode is None else static_decode) and supports_static_decode(shards)
         self._decoders: dict[int, StaticDecoder] = {}
-        self.compile_decode = False  # torch.compile the static step (slow to start, faster steps)
 
     @classmethod
     def load(
@@ -85,7 +84,7 @@ class LocalModel:
             streams = [(s, p, [t]) for t, s, p in zip(tokens, slots, positions, strict=True)]
             return self.forward(Frame.of_streams(streams))
         if batch not in self._decoders:
-            self._decoders[batch] = StaticDecoder(self.shards, batch, compile_step=self.compile_decode)
+            self._decoders[batch] = StaticDecoder(self.shards, batch)
         return self._decoders[batch].step(tokens, slots, positions)
 
     def acquire(self) -> int:
@@ -160,12 +159,13 @@ def generate_batch(
             streams.append(stream)
             logits = model.forward(Frame.of_streams([(slot, 0, list(prompt))]))
             stream.position = len(prompt)
-            _accept(stream, logits[-1], model, start, on_token, len(streams) - 1)
+            _accept(stream, stream.sampler.sample(logits[-1]), model, start, on_token, len(streams) - 1)
         while live := [s for s in streams if not s.done]:
             logits = model.decode([s.last_token for s in live], [s.slot for s in live], [s.position for s in live])
-            for row, s in enumerate(live):
+            tokens = sample_rows(logits, [s.sampler for s in live])
+            for s, token in zip(live, tokens, strict=True):
                 s.position += 1
-                _accept(s, logits[row], model, start, on_token, streams.index(s))
+                _accept(s, token, model, start, on_token, streams.index(s))
     finally:
         for s in streams:
             model.release(s.slot)
@@ -174,13 +174,12 @@ def generate_batch(
 
 def _accept(
     s: _Stream,
-    logits: torch.Tensor,
+    token: int,
     model: LocalModel,
     start: float,
     on_token: Callable[[int, int], None] | None,
     index: int,
 ) -> None:
-    token = s.sampler.sample(logits)
     now = time.perf_counter() - start
     if not s.result.token_ids and s.result.time_to_first_token_s == 0.0:
         s.result.time_to_first_token_s = now

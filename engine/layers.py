@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .frame import Segment
-from .kernels import expert_gemv
+from .kernels import expert_gemv, route_top_k
 from .kvcache import LayerKV
 from .rope import Rotary
 
@@ -61,6 +61,20 @@ class FrameContext:
     positions: torch.Tensor  # [R] int64 on the compute device
     slots: torch.Tensor | None = None  # [R] int64 on the compute device (static decode only)
     rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    mask_cache: dict[tuple[int, bool, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def static_mask(self, capacity: int, ring: bool, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, capacity]: which cache entries each static decode row sees (shared by layers)."""
+        key = (capacity, ring, window)
+        if key not in self.mask_cache:
+            j = torch.arange(capacity, device=self.positions.device)[None, :]
+            pos = self.positions[:, None]
+            held = pos - torch.remainder(pos - j, capacity) if ring else j  # the position each entry holds
+            visible = (held >= 0) & (held <= pos)
+            if window is not None:
+                visible &= (pos - held) < window
+            self.mask_cache[key] = visible[:, None, None, :]
+        return self.mask_cache[key]
 
     def cos_sin(self, rotary: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = id(rotary)
@@ -141,15 +155,8 @@ def attend_static_decode(
     for name, rows in new.items():
         kv.tensors[name].index_put_((slots, index), rows)
     keys, values = kv.tensors["k"][slots], kv.tensors["v"][slots]  # [B, cap, Hkv, D]
-    j = torch.arange(cap, device=q.device)[None, :]
-    pos = positions[:, None]
-    held = pos - torch.remainder(pos - j, cap) if kv.ring else j  # the position each entry holds
-    visible = (held >= 0) & (held <= pos)
-    if window is not None:
-        visible &= (pos - held) < window
-    out = _attention_core(
-        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), visible[:, None, None, :], scale, sinks
-    )
+    visible = ctx.static_mask(cap, kv.ring, window)
+    out = _attention_core(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), visible, scale, sinks)
     return out[:, :, 0, :]
 
 
@@ -195,9 +202,8 @@ class Attention(nn.Module):
         qk, v = self.qkv(x).split([q_size + kv_size, kv_size], dim=-1)
         # q and k heads side by side: [rows, Hq + Hkv, D], normed and rotated together
         qk = qk.reshape(rows, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm_weight is not None:
-            normed = F.rms_norm(qk.to(torch.float32), (self.head_dim,), eps=self.qk_norm_eps)
-            qk = self.qk_norm_weight * normed.to(qk.dtype)
+        if self.qk_norm_weight is not None:  # normalised in float32, rounded, then scaled: as the reference
+            qk = self.qk_norm_weight * F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps)
         cos, sin = ctx.cos_sin(self.rotary, x.dtype)
         qk = self.rotary.apply(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -309,7 +315,7 @@ class Experts(nn.Module):
             y = torch.bmm(self.down[flat], a[:, :, None])[:, :, 0]  # [T*k, H]
         if self.down_bias is not None:
             y = y + self.down_bias[flat]
-        return (y.view(tokens, top_k, -1) * weight.to(y.dtype)[:, :, None]).sum(dim=1)
+        return torch.bmm(weight.to(y.dtype)[:, None, :], y.view(tokens, top_k, -1))[:, 0]  # sum_k w * y
 
     def _forward_grouped(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Sort (token, expert) pairs by expert and run each used expert once over its tokens."""
@@ -336,10 +342,15 @@ Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, keep the top k (optionally renormalised). -> index, weight [T, k]."""
+    if renormalize:
+        # softmax then renormalising the top k equals a softmax over the top k logits
+        if route_top_k.available(logits) and top_k & (top_k - 1) == 0:
+            index, weight = route_top_k.route_top_k(logits, top_k)
+            return index, weight.to(logits.dtype)
+        top, index = torch.topk(logits, top_k, dim=-1)
+        return index, torch.softmax(top, dim=-1, dtype=torch.float32).to(logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weight, index = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weight = weight / weight.sum(dim=-1, keepdim=True)
     return index, weight.to(logits.dtype)
 
 

@@ -63,13 +63,15 @@ class Rotary:
         self.interleaved = interleaved
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # cos, sin: [rows, 1, dim]; computed in float32 then cast, as the reference does
+        """cos and sign-folded sin, [rows, 1, dim]: computed in float32 then cast, as the reference does."""
         inv_freq = self._inv_freq_on.get(positions.device)
         if inv_freq is None:  # copied once per device: a graph capture must not copy from the host
             inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((angles, angles), dim=-1)
-        return (emb.cos() * self.factor).to(dtype)[:, None, :], (emb.sin() * self.factor).to(dtype)[:, None, :]
+        cos = torch.cat((angles, angles), dim=-1).cos() * self.factor
+        sin = angles.sin() * self.factor
+        signed_sin = torch.cat((-sin, sin), dim=-1)  # rotate_half's sign folded into sin
+        return cos.to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleaved:
@@ -77,5 +79,5 @@ class Rotary:
             rows, heads, dim = x.shape
             x = x.view(rows, heads, dim // 2, 2).transpose(-1, -2).reshape(rows, heads, dim)
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin)  # sin is signed: x*cos + rotate_half(x)*sin

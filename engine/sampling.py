@@ -70,3 +70,9 @@ class StreamSampler:
             return int(torch.argmax(logits))
         probs = filter_logits(logits.to("cpu", torch.float32), self.params)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[StreamSampler]) -> list[int]:
+    """One token per row of logits [B, V]; greedy rows share one argmax and one device read."""
+    greedy = logits.argmax(dim=-1).tolist() if any(s.params.greedy for s in samplers) else []
+    return [greedy[row] if s.params.greedy else s.sample(logits[row]) for row, s in enumerate(samplers)]

@@ -32,20 +32,19 @@ def supports_static_decode(shards: Sequence[Shard]) -> bool:
 
 
 class StaticDecoder:
-    def __init__(self, shards: Sequence[Shard], batch: int, use_graph: bool | None = None, compile_step: bool = False):
+    def __init__(self, shards: Sequence[Shard], batch: int, use_graph: bool | None = None):
         if not supports_static_decode(shards):
             raise InputError("static decode needs every shard on one device and grouped-query attention")
         self.shards = list(shards)
         self.batch = batch
         device = self.shards[0].device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
-        self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.slots = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(batch, dtype=torch.int64, device=device)
+        # rows: token ids, slots, positions; one host-to-device copy per step from pinned memory
+        self.host = torch.zeros((3, batch), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.inputs = torch.zeros((3, batch), dtype=torch.int64, device=device)
+        self.tokens, self.slots, self.positions = self.inputs[0], self.inputs[1], self.inputs[2]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        # torch.compile fuses the step's many small elementwise kernels (norms, rope, routing)
-        self._step_fn = torch.compile(self._compute, dynamic=False) if compile_step else self._compute
 
     @torch.inference_mode()
     def _compute(self) -> torch.Tensor:
@@ -69,9 +68,9 @@ class StaticDecoder:
         segments = [Segment(s, r, r + 1, p) for r, (s, p) in enumerate(zip(slots, positions, strict=True))]
         for shard in self.shards:
             shard.check_segments(segments)
-        self.tokens.copy_(torch.tensor(list(tokens)), non_blocking=True)
-        self.slots.copy_(torch.tensor(list(slots)), non_blocking=True)
-        self.positions.copy_(torch.tensor(list(positions)), non_blocking=True)
+        host = self.host.numpy()
+        host[0, :], host[1, :], host[2, :] = tokens, slots, positions
+        self.inputs.copy_(self.host, non_blocking=True)
         logits = self._run()
         for shard in self.shards:
             shard.commit_segments(segments)
@@ -79,7 +78,7 @@ class StaticDecoder:
 
     def _run(self) -> torch.Tensor:
         if not self.use_graph:
-            return self._step_fn()
+            return self._compute()
         if self.graph is not None:
             self.graph.replay()
             assert self.logits is not None
@@ -88,10 +87,10 @@ class StaticDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = self._step_fn().clone()
+            logits = self._compute().clone()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.logits = self._step_fn()
+            self.logits = self._compute()
         self.graph = graph
         return logits

@@ -1,0 +1,256 @@
+"""Weight formats: resident bytes, matmul time and effective bandwidth against a measured copy.
+
+Workloads (bf16 activations, the serving dtype on both CPU and GPU):
+- ``moe``: one Qwen3-30B-A3B-shaped MoE layer (hidden 2048, expert width 768, 128 experts, top-8):
+  fused gate_up [E, 1536, 2048] and down [E, 2048, 768] banks; a step routes each row to 8 random
+  experts and runs each active expert on its rows (gate_up, SwiGLU, down, weighted sum).
+- ``dense-7168x2048`` / ``dense-2048x7168``: DeepSeek-V3-like projections (out x in).
+
+Effective GB/s = resident bytes of the weights the step uses / step time; the bound beside it is
+the same run's copy bandwidth (bytes read + written by a large tensor copy). A bank is built by
+quantizing a few distinct experts and replicating their storage (every expert still owns its
+memory, so caches see the full bank); values do not change kernel speed.
+
+    python benchmarks/formats.py                      # CPU (+ CUDA when present), 128 experts
+    python benchmarks/formats.py --experts 32 --device cpu --out out/formats.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from modelfleet.engine.formats import (
+    Int4Weight,
+    Int8Weight,
+    MXFP4Weight,
+    PlainWeight,
+    QuantizedWeight,
+    quantize,
+)
+
+HIDDEN, EXPERT_WIDTH, TOP_K = 2048, 768, 8
+DENSE_SHAPES = ((7168, 2048), (2048, 7168))
+FORMATS = ("bf16", "int8", "int4", "mxfp4")
+DISTINCT_EXPERTS = 4  # quantized for real; the rest of a bank replicates their storage
+ROUTINGS = 16  # distinct routings cycled through, so consecutive steps use different experts
+DENSE_RING_BYTES = 128 << 20  # copies of a dense matrix cycled through: 4x the last-level cache
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object], device: str, budget_s: float = 0.3) -> float:
+    """Best wall time of ``fn`` in ms over about ``budget_s`` seconds (at least 3 runs) after a
+    warm-up: the least disturbed run, since CI and dev machines share their cores."""
+    fn()
+    samples: list[float] = []
+    while len(samples) < 3 or (sum(samples) < budget_s and len(samples) < 200):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        samples.append(time.perf_counter() - start)
+    return min(samples) * 1e3
+
+
+def copy_bandwidth(device: str) -> float:
+    """GB/s of a large tensor copy, counting bytes read plus bytes written."""
+    count = (1 << 28) if device == "cuda" else (1 << 26)
+    src = torch.empty(count, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = time_ms(lambda: dst.copy_(src), device, budget_s=1.0) / 1e3
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
+def replicate(weight: QuantizedWeight, experts: int) -> QuantizedWeight:
+    """A bank of ``experts`` whose storage repeats ``weight``'s distinct experts (owned copies)."""
+
+    def rep(t: torch.Tensor) -> torch.Tensor:
+        reps = -(-experts // t.shape[0])
+        return t.repeat(reps, *([1] * (t.dim() - 1)))[:experts].contiguous()
+
+    if isinstance(weight, Int4Weight):
+        zeros = None if weight.zeros is None else rep(weight.zeros)
+        return type(weight)(rep(weight.codes), rep(weight.scales), zeros)
+    if isinstance(weight, Int8Weight):
+        return Int8Weight(rep(weight.codes), rep(weight.scales))
+    if isinstance(weight, MXFP4Weight):
+        return MXFP4Weight(rep(weight.blocks), rep(weight.scales))
+    assert isinstance(weight, PlainWeight)
+    return PlainWeight(rep(weight.weight))
+
+
+def build_bank(fmt: str, out_features: int, in_features: int, experts: int, device: str) -> QuantizedWeight:
+    distinct = torch.randn(min(experts, DISTINCT_EXPERTS), out_features, in_features) * 0.02
+    return replicate(quantize(distinct, fmt), experts).to(device)
+
+
+def route(rows: int, experts: int, generator: torch.Generator, device: str) -> list[Group]:
+    """Each row to TOP_K distinct random experts with softmax weights, grouped by expert."""
+    index = torch.stack([torch.randperm(experts, generator=generator)[:TOP_K] for _ in range(rows)])
+    weight = torch.softmax(torch.randn(rows, TOP_K, generator=generator), dim=-1)
+    groups = []
+    for e in index.unique().tolist():
+        row_ids, slot = (index == e).nonzero(as_tuple=True)
+        groups.append(Group(e, row_ids.to(device), weight[row_ids, slot].to(device)[:, None]))
+    return groups
+
+
+@dataclass
+class Group:
+    expert: int
+    rows: torch.Tensor  # [n] row ids routed to the expert
+    weight: torch.Tensor  # [n, 1] routing weights
+
+
+def moe_step(gate_up: QuantizedWeight, down: QuantizedWeight, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
+    """x: [R, H] -> [R, H]: sum over routed experts of weight * down(silu(gate) * up)."""
+    out = torch.zeros_like(x)
+    for g in groups:
+        gate, up = gate_up.expert_matmul(g.expert, x[g.rows]).chunk(2, dim=-1)
+        y = down.expert_matmul(g.expert, F.silu(gate) * up)
+        out.index_add_(0, g.rows, y * g.weight.to(x.dtype))
+    return out
+
+
+@dataclass
+class Result:
+    device: str
+    workload: str
+    format: str
+    rows: int
+    bytes_per_param: float  # resident bytes of the whole bank or matrix / its parameters
+    weights_mb: float  # resident bytes of the weights one step uses
+    time_ms: float
+    gb_per_s: float = 0.0
+    copy_gb_per_s: float = 0.0
+    share_of_copy_bw: float = 0.0
+    speedup_vs_bf16: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.gb_per_s = self.weights_mb / self.time_ms
+
+
+class Cycle:
+    """Calls ``step(items[i])`` with i = 0, 1, 2, ... modulo len(items): each timed call touches
+    weights the previous one did not, so a last-level cache (32 MiB here) cannot hold them."""
+
+    def __init__(self, step: Callable[[Any], object], items: Sequence[Any]):
+        self.step, self.items, self.calls = step, items, 0
+
+    def __call__(self) -> object:
+        self.calls += 1
+        return self.step(self.items[self.calls % len(self.items)])
+
+
+def bench_moe(fmt: str, experts: int, rows_list: list[int], device: str) -> list[Result]:
+    gate_up = build_bank(fmt, 2 * EXPERT_WIDTH, HIDDEN, experts, device)
+    down = build_bank(fmt, HIDDEN, EXPERT_WIDTH, experts, device)
+    params = (2 * EXPERT_WIDTH * HIDDEN + HIDDEN * EXPERT_WIDTH) * experts
+    results = []
+    for rows in rows_list:
+        generator = torch.Generator().manual_seed(rows)
+        routings = [route(rows, experts, generator, device) for _ in range(ROUTINGS)]
+        x = torch.randn(rows, HIDDEN, device=device).to(torch.bfloat16)
+        moe_step(gate_up, down, x, routings[0])  # builds kernel layouts once, as a loader would
+        used = statistics.mean(
+            sum(gate_up.expert(g.expert).nbytes + down.expert(g.expert).nbytes for g in groups) for groups in routings
+        )
+        ms = time_ms(Cycle(partial(moe_step, gate_up, down, x), routings), device)
+        per_param = (gate_up.nbytes + down.nbytes) / params
+        results.append(Result(device, f"moe-{experts}x{TOP_K}", fmt, rows, per_param, used / 1e6, ms))
+    return results
+
+
+def bench_dense(fmt: str, shape: tuple[int, int], rows_list: list[int], device: str) -> list[Result]:
+    one = quantize(torch.randn(1, *shape) * 0.02, fmt)
+    copies = max(2, -(-DENSE_RING_BYTES // one.nbytes))
+    ring = replicate(one, copies).to(device)
+    results = []
+    for rows in rows_list:
+        x = torch.randn(rows, shape[1], device=device).to(torch.bfloat16)
+        ring.expert_matmul(0, x)
+        ms = time_ms(Cycle(partial(ring.expert_matmul, x=x), range(copies)), device)
+        w = ring.expert(0)
+        per_param = w.nbytes / (shape[0] * shape[1])
+        results.append(Result(device, f"dense-{shape[0]}x{shape[1]}", fmt, rows, per_param, w.nbytes / 1e6, ms))
+    return results
+
+
+def annotate(results: list[Result], bandwidth: float) -> None:
+    """The share of copy bandwidth, and the speedup over bf16 at the same workload and rows."""
+    bf16 = {(r.workload, r.rows): r.time_ms for r in results if r.format == "bf16"}
+    for r in results:
+        r.copy_gb_per_s = bandwidth
+        r.share_of_copy_bw = r.gb_per_s / bandwidth
+        base = bf16.get((r.workload, r.rows))
+        r.speedup_vs_bf16 = base / r.time_ms if base else float("nan")
+
+
+def rounded(r: Result) -> dict[str, object]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(r).items()}
+
+
+def print_table(results: list[Result]) -> None:
+    rows = [rounded(r) for r in results]
+    columns = list(rows[0])
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in columns))
+
+
+def order(r: Result) -> tuple[str, str, int, int]:
+    return (r.device, r.workload, r.rows, FORMATS.index(r.format) if r.format in FORMATS else len(FORMATS))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all", help="all: cpu, and cuda if present")
+    parser.add_argument("--experts", type=int, default=128, help="experts per MoE bank (Qwen3-30B-A3B: 128)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS))
+    parser.add_argument("--out", type=Path, default=Path("out/formats.csv"))
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.experts < TOP_K:
+        parser.error(f"--experts must be at least top-k = {TOP_K}")
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
+    results: list[Result] = []
+    for device in devices:
+        bandwidth = copy_bandwidth(device)
+        print(f"{device}: copy bandwidth {bandwidth:.1f} GB/s (read + write), {torch.get_num_threads()} threads")
+        device_results: list[Result] = []
+        for fmt in args.formats:
+            device_results += bench_moe(fmt, args.experts, args.rows, device)
+            for shape in DENSE_SHAPES:
+                device_results += bench_dense(fmt, shape, args.rows, device)
+        annotate(device_results, bandwidth)
+        results += sorted(device_results, key=order)
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rounded(results[0])))
+        writer.writeheader()
+        writer.writerows(rounded(r) for r in results)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
