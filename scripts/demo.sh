@@ -3,6 +3,8 @@
 # lands), and generate from it with the engine cut into two shards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the repository root holds a folder named operator/: never let it shadow the standard library
+export PYTHONSAFEPATH=1
 bash scripts/setup.sh
 DEMO=${MF_DEMO_DIR:-out/tiny-qwen3-moe}
 if [ ! -f "$DEMO/config.json" ]; then

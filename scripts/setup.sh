@@ -3,6 +3,8 @@
 # The CPU build of torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the repository root holds a folder named operator/: never let it shadow the standard library
+export PYTHONSAFEPATH=1
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
