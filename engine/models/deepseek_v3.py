@@ -131,6 +131,8 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = w_up[:, : self.nope_dim], w_up[:, self.nope_dim :]
         query = torch.cat([torch.einsum("nhd,hdc->nhc", q_nope, w_uk), q_pe], dim=-1)  # [R, H, r + rope]
         out = x.new_empty(rows, heads, self.kv_rank)
+        # static decode frames are never built for this family (engine.static_decode checks)
+        assert ctx.segments is not None, "latent attention runs general frames only"
         for seg in ctx.segments:
             rs = slice(seg.row_start, seg.row_end)
             kv.write(seg.slot, seg.pos_start, {"latent": latent[rs]})
