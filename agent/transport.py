@@ -1,0 +1,721 @@
+"""The wire between modelfleet processes: typed, versioned messages over ZeroMQ multipart.
+
+A message is one msgpack header frame, then one raw frame per tensor::
+
+    [header, payload_0, payload_1, ...]
+    header = {"v": PROTOCOL_VERSION, "type": "frame" | "tokens" | ..., <the type's fields>,
+              "tensors": [{"name": str, "dtype": str, "shape": [int, ...]}, ...]}  # one per payload
+
+Every message type is a frozen dataclass whose fields declare their wire schema (``wire(...)``);
+the same schema checks a message built in Python and one decoded from bytes, so a sender cannot
+put on the wire what a receiver would refuse. ``decode`` trusts nothing: the total and header
+sizes, the protocol version, the type (a closed set), every field's type and range, the tensor
+dtypes (an allow-list), ranks and shapes, and that each payload's byte count equals
+``prod(shape) * itemsize`` exactly; anything else raises ``MalformedMessage(reason)``. Nothing
+is unpickled, evaluated or imported: msgpack is read with ``raw=False``, ``strict_map_key=True``,
+an ext hook that refuses extensions, and a walk that admits only None, bool, int, float, str,
+list and dict. Decoded tensors own their storage (a copy of the frame).
+
+Sockets between agents are authenticated and encrypted with ZeroMQ CURVE when keys are
+configured: a server runs a ZAP authenticator that admits only the listed client public keys.
+
+One module because the schema, the codec and socket security together are the wire contract,
+and a reader checking what may arrive should find all of it in one place.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgpack
+import torch
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from ..engine.errors import ModelfleetError
+from ..engine.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
+MAX_HEADER_BYTES = 1 << 20
+MAX_ROWS = 1 << 16  # rows in one frame
+MAX_SLOTS = 1 << 16  # KV slots per stage
+MAX_POSITION = (1 << 31) - 1
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_HIDDEN = 1 << 20
+MAX_STOP_IDS = 256
+MAX_NESTING = 8
+INT64_MAX, UINT64_MAX = (1 << 63) - 1, (1 << 64) - 1
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool,
+}  # fmt: skip
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+RESERVED_KEYS = frozenset({"v", "type", "tensors"})
+
+
+class MalformedMessage(ModelfleetError, ValueError):
+    """A message that does not match its schema; ``reason`` says which field and why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class TransportConfigError(ModelfleetError):
+    """Keys or socket settings are missing or invalid."""
+
+
+# ---- schema kinds: each checks (and normalises) one value, from Python or from the wire ------
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+@dataclass(frozen=True)
+class Int:
+    lo: int = 0
+    hi: int = INT64_MAX
+
+    def check(self, value: object, where: str) -> int:
+        if type(value) is not int:
+            raise MalformedMessage(f"{where} must be an integer, got {_type_name(value)}")
+        if not self.lo <= value <= self.hi:
+            raise MalformedMessage(f"{where}={value} is outside [{self.lo}, {self.hi}]")
+        return value
+
+    def dump(self, value: Any) -> Any:
+        return value
+
+
+@dataclass(frozen=True)
+class Float:
+    lo: float
+    hi: float
+    lo_open: bool = False  # (lo, hi] instead of [lo, hi]
+
+    def check(self, value: object, where: str) -> float:
+        if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
+            raise MalformedMessage(f"{where} must be a finite number, got {value!r}")
+        number = float(value)  # type: ignore[arg-type]
+        if not (self.lo < number if self.lo_open else self.lo <= number) or number > self.hi:
+            bracket = "(" if self.lo_open else "["
+            raise MalformedMessage(f"{where}={number} is outside {bracket}{self.lo}, {self.hi}]")
+        return number
+
+    def dump(self, value: Any) -> Any:
+        return value
+
+
+@dataclass(frozen=True)
+class Bool:
+    def check(self, value: object, where: str) -> bool:
+        if type(value) is not bool:
+            raise MalformedMessage(f"{where} must be true or false, got {_type_name(value)}")
+        return value
+
+    def dump(self, value: Any) -> Any:
+        return value
+
+
+@dataclass(frozen=True)
+class Str:
+    max_len: int
+    pattern: str | None = None
+    choices: frozenset[str] | None = None
+
+    def check(self, value: object, where: str) -> str:
+        if type(value) is not str:
+            raise MalformedMessage(f"{where} must be a string, got {_type_name(value)}")
+        if len(value) > self.max_len:
+            raise MalformedMessage(f"{where} has {len(value)} characters, over the limit of {self.max_len}")
+        if self.choices is not None and value not in self.choices:
+            raise MalformedMessage(f"{where}={value!r} is not one of {', '.join(sorted(self.choices))}")
+        if self.pattern is not None and re.fullmatch(self.pattern, value) is None:
+            raise MalformedMessage(f"{where}={value!r} does not match {self.pattern}")
+        return value
+
+    def dump(self, value: Any) -> Any:
+        return value
+
+
+@dataclass(frozen=True)
+class Optional:
+    inner: Int | Float | Str | Bool | IntList
+
+    def check(self, value: object, where: str) -> Any:
+        return None if value is None else self.inner.check(value, where)
+
+    def dump(self, value: Any) -> Any:
+        return None if value is None else self.inner.dump(value)
+
+
+@dataclass(frozen=True)
+class IntList:
+    max_len: int
+    item: Int = Int()
+    unique: bool = False
+
+    def check(self, value: object, where: str) -> tuple[int, ...]:
+        if type(value) not in (list, tuple):
+            raise MalformedMessage(f"{where} must be a list, got {_type_name(value)}")
+        items: Sequence[object] = value  # type: ignore[assignment]
+        if len(items) > self.max_len:
+            raise MalformedMessage(f"{where} has {len(items)} items, over the limit of {self.max_len}")
+        checked = tuple(self.item.check(v, f"{where}[{i}]") for i, v in enumerate(items))
+        if self.unique and len(set(checked)) != len(checked):
+            raise MalformedMessage(f"{where} repeats a value: {list(checked)}")
+        return checked
+
+    def dump(self, value: Any) -> Any:
+        return list(value)
+
+
+@dataclass(frozen=True)
+class Records:
+    """A list of records (a dataclass with wire fields), maps on the wire."""
+
+    record: type
+    max_len: int
+
+    def check(self, value: object, where: str) -> tuple[Any, ...]:
+        if type(value) not in (list, tuple):
+            raise MalformedMessage(f"{where} must be a list, got {_type_name(value)}")
+        items: Sequence[object] = value  # type: ignore[assignment]
+        if len(items) > self.max_len:
+            raise MalformedMessage(f"{where} has {len(items)} items, over the limit of {self.max_len}")
+        return tuple(self._one(item, f"{where}[{i}]") for i, item in enumerate(items))
+
+    def _one(self, item: object, where: str) -> Any:
+        if isinstance(item, self.record):
+            return item
+        if type(item) is not dict:
+            raise MalformedMessage(f"{where} must be a map, got {_type_name(item)}")
+        return self.record(**_load_fields(self.record, item, where))
+
+    def dump(self, value: Any) -> Any:
+        return [_dump_fields(item) for item in value]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A payload frame: one of ``dtypes``, of rank ``ndim``."""
+
+    dtypes: tuple[str, ...]
+    ndim: int
+    optional: bool = False
+
+    def check(self, value: object, where: str) -> torch.Tensor | None:
+        if value is None:
+            if not self.optional:
+                raise MalformedMessage(f"{where} is required")
+            return None
+        if not isinstance(value, torch.Tensor):
+            raise MalformedMessage(f"{where} must be a tensor, got {_type_name(value)}")
+        if DTYPE_NAMES.get(value.dtype) not in self.dtypes:
+            raise MalformedMessage(f"{where} has dtype {value.dtype}; allowed: {', '.join(self.dtypes)}")
+        if value.dim() != self.ndim:
+            raise MalformedMessage(f"{where} has rank {value.dim()} (shape {list(value.shape)}), needs {self.ndim}")
+        return value
+
+
+HeaderKind = Int | Float | Bool | Str | Optional | IntList | Records
+Kind = HeaderKind | Tensor
+
+
+def wire(kind: Kind, default: Any = MISSING) -> Any:
+    """A dataclass field carrying its wire schema."""
+    if default is MISSING:
+        return field(metadata={"wire": kind})
+    return field(default=default, metadata={"wire": kind})
+
+
+def _kind(f: Any) -> Kind:
+    return f.metadata["wire"]  # type: ignore[no-any-return]
+
+
+def _header_fields(cls: type) -> list[tuple[str, HeaderKind]]:
+    return [(f.name, kind) for f in fields(cls) if not isinstance(kind := _kind(f), Tensor)]
+
+
+def _load_fields(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
+    """Header values for ``cls``'s non-tensor fields: exactly its keys, each checked."""
+    expected = {name for name, _ in _header_fields(cls)}
+    if unknown := sorted(set(data) - expected):
+        raise MalformedMessage(f"{where} has unknown field(s) {unknown}")
+    if missing := sorted(expected - set(data)):
+        raise MalformedMessage(f"{where} lacks field(s) {missing}")
+    return {name: kind.check(data[name], f"{where}.{name}") for name, kind in _header_fields(cls)}
+
+
+def _dump_fields(obj: Any) -> dict[str, Any]:
+    return {name: kind.dump(getattr(obj, name)) for name, kind in _header_fields(type(obj))}
+
+
+class Checked:
+    """Base of messages and records: every field is checked and normalised when built."""
+
+    TYPE: ClassVar[str] = "record"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            value = _kind(f).check(getattr(self, f.name), f"{self.TYPE}.{f.name}")
+            object.__setattr__(self, f.name, value)
+        self.check()
+
+    def check(self) -> None:
+        """Relations between fields (shapes that must agree, values that must be unique)."""
+
+
+# ---- messages -------------------------------------------------------------------------------
+
+SLOT = Int(0, MAX_SLOTS - 1)
+POSITION = Int(0, MAX_POSITION)
+COUNTER = Int(0, INT64_MAX)
+INT_IDS = Tensor(("int64",), 1)
+PLAN_HASH = Str(64, pattern=r"[0-9a-f]{64}|")  # empty when the sender has no plan
+ERROR_CODES = frozenset({"malformed", "capacity", "input", "unavailable", "internal"})
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids")
+
+
+@dataclass(frozen=True, eq=True)
+class StreamStart(Checked):
+    """Sampling parameters of a stream whose first rows are in this frame; the tail keeps them per slot."""
+
+    TYPE: ClassVar[str] = "stream_start"
+    slot: int = wire(SLOT)
+    temperature: float = wire(Float(0.0, 100.0), 0.0)
+    top_p: float = wire(Float(0.0, 1.0, lo_open=True), 1.0)
+    top_k: int = wire(Int(0, MAX_TOKEN_ID), 0)
+    min_p: float = wire(Float(0.0, 1.0), 0.0)
+    seed: int | None = wire(Optional(Int(0, UINT64_MAX)), None)
+    max_tokens: int = wire(Int(1, MAX_POSITION), 16)
+    stop_token_ids: tuple[int, ...] | None = wire(Optional(IntList(MAX_STOP_IDS, Int(0, MAX_TOKEN_ID))), None)
+
+    @classmethod
+    def of(cls, slot: int, params: SamplingParams) -> StreamStart:
+        return cls(slot=slot, **{name: getattr(params, name) for name in _SAMPLING_FIELDS})
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})
+
+
+class Message(Checked):
+    TYPE: ClassVar[str]
+
+
+@dataclass(frozen=True, eq=False)
+class FrameMsg(Message):
+    """Rows of independent streams for the next stage (see engine.frame.Frame).
+
+    Stage 0 sends ``token_ids`` [R] only when the receiver embeds; later stages send ``hidden``
+    [R, hidden_size] float32. ``sample_rows`` are the rows whose output the tail samples (the
+    last row of a finished prefill, every decode row, every speculative row).
+    """
+
+    TYPE: ClassVar[str] = "frame"
+    group: int = wire(Int(0, MAX_SLOTS))
+    step: int = wire(COUNTER)
+    slots: torch.Tensor = wire(INT_IDS)  # [R] int64
+    positions: torch.Tensor = wire(INT_IDS)  # [R] int64
+    token_ids: torch.Tensor | None = wire(Tensor(("int64",), 1, optional=True), None)  # [R]
+    hidden: torch.Tensor | None = wire(Tensor(("float32",), 2, optional=True), None)  # [R, H]
+    sample_rows: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_ROWS - 1)), ())
+    new_streams: tuple[StreamStart, ...] = wire(Records(StreamStart, MAX_SLOTS), ())
+
+    def check(self) -> None:
+        rows = _rows(self.TYPE, self.slots, MAX_ROWS)
+        _same_rows(self.TYPE, rows, positions=self.positions, token_ids=self.token_ids, hidden=self.hidden)
+        if (self.token_ids is None) == (self.hidden is None):
+            raise MalformedMessage("frame must carry exactly one of token_ids and hidden")
+        if self.hidden is not None and not 1 <= self.hidden.shape[1] <= MAX_HIDDEN:
+            raise MalformedMessage(f"frame.hidden has width {self.hidden.shape[1]}, outside [1, {MAX_HIDDEN}]")
+        _values_in("frame.slots", self.slots, 0, MAX_SLOTS - 1)
+        _values_in("frame.positions", self.positions, 0, MAX_POSITION)
+        if self.token_ids is not None:
+            _values_in("frame.token_ids", self.token_ids, 0, MAX_TOKEN_ID)
+        if any(b <= a for a, b in zip(self.sample_rows, self.sample_rows[1:], strict=False)):
+            raise MalformedMessage(f"frame.sample_rows must increase strictly, got {list(self.sample_rows)}")
+        if self.sample_rows and self.sample_rows[-1] >= rows:
+            raise MalformedMessage(f"frame.sample_rows names row {self.sample_rows[-1]} of a {rows}-row frame")
+        _new_streams_in_frame(self.new_streams, self.slots)
+
+
+@dataclass(frozen=True, eq=False)
+class TokensMsg(Message):
+    """Sampled tokens, tail -> head: stream in ``slots[i]`` got ``token_ids[i]`` for ``positions[i]``."""
+
+    TYPE: ClassVar[str] = "tokens"
+    group: int = wire(Int(0, MAX_SLOTS))
+    step: int = wire(COUNTER)
+    slots: torch.Tensor = wire(INT_IDS)  # [N] int64
+    positions: torch.Tensor = wire(INT_IDS)  # [N] int64
+    token_ids: torch.Tensor = wire(INT_IDS)  # [N] int64
+
+    def check(self) -> None:
+        rows = _rows(self.TYPE, self.slots, MAX_ROWS)
+        _same_rows(self.TYPE, rows, positions=self.positions, token_ids=self.token_ids)
+        _values_in("tokens.slots", self.slots, 0, MAX_SLOTS - 1)
+        _values_in("tokens.positions", self.positions, 0, MAX_POSITION)
+        _values_in("tokens.token_ids", self.token_ids, 0, MAX_TOKEN_ID)
+
+
+@dataclass(frozen=True)
+class ReleaseMsg(Message):
+    """These streams are finished: free their slots on every stage."""
+
+    TYPE: ClassVar[str] = "release"
+    slots: tuple[int, ...] = wire(IntList(MAX_SLOTS, SLOT, unique=True))
+
+    def check(self) -> None:
+        if not self.slots:
+            raise MalformedMessage("release.slots must name at least one slot")
+
+
+@dataclass(frozen=True)
+class RewindMsg(Message):
+    """Keep positions [0, position) of the stream in ``slot``; drop the rest (a rejected draft)."""
+
+    TYPE: ClassVar[str] = "rewind"
+    slot: int = wire(SLOT)
+    position: int = wire(POSITION)
+
+
+@dataclass(frozen=True, eq=False)
+class ProbeMsg(Message):
+    """Liveness and latency; ``padding`` (uint8 [n]) makes it a bandwidth probe."""
+
+    TYPE: ClassVar[str] = "probe"
+    nonce: int = wire(Int(0, UINT64_MAX))
+    sent_ns: int = wire(COUNTER)
+    plan_hash: str = wire(PLAN_HASH, "")
+    padding: torch.Tensor | None = wire(Tensor(("uint8",), 1, optional=True), None)
+
+
+@dataclass(frozen=True)
+class ProbeAckMsg(Message):
+    """The answer to a probe, echoing its nonce and send time, with the answering stage's plan hash."""
+
+    TYPE: ClassVar[str] = "probe_ack"
+    nonce: int = wire(Int(0, UINT64_MAX))
+    sent_ns: int = wire(COUNTER)
+    group_index: int = wire(Int(0, MAX_SLOTS))
+    stage_index: int = wire(Int(0, MAX_SLOTS))
+    ready: bool = wire(Bool())
+    plan_hash: str = wire(PLAN_HASH, "")
+
+
+@dataclass(frozen=True)
+class ErrorMsg(Message):
+    """A failure to report upstream; ``slot`` when it concerns one stream."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str = wire(Str(32, choices=ERROR_CODES))
+    message: str = wire(Str(4096))
+    slot: int | None = wire(Optional(SLOT), None)
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (FrameMsg, TokensMsg, ReleaseMsg, RewindMsg, ProbeMsg, ProbeAckMsg, ErrorMsg)
+}
+
+
+def _rows(where: str, slots: torch.Tensor, limit: int) -> int:
+    rows = int(slots.shape[0])
+    if not 1 <= rows <= limit:
+        raise MalformedMessage(f"{where}.slots has {rows} rows, outside [1, {limit}]")
+    return rows
+
+
+def _same_rows(where: str, rows: int, **tensors: torch.Tensor | None) -> None:
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.shape[0] != rows:
+            raise MalformedMessage(f"{where}.{name} has {tensor.shape[0]} rows, {where}.slots has {rows}")
+
+
+def _values_in(where: str, tensor: torch.Tensor, lo: int, hi: int) -> None:
+    if tensor.numel() and (int(tensor.min()) < lo or int(tensor.max()) > hi):
+        raise MalformedMessage(f"{where} holds values outside [{lo}, {hi}]")
+
+
+def _new_streams_in_frame(starts: tuple[StreamStart, ...], slots: torch.Tensor) -> None:
+    started = [s.slot for s in starts]
+    if len(set(started)) != len(started):
+        raise MalformedMessage(f"frame.new_streams repeats a slot: {started}")
+    if missing := sorted(set(started) - set(slots.tolist())):
+        raise MalformedMessage(f"frame.new_streams starts slot(s) {missing} that have no rows in the frame")
+
+
+# ---- codec ----------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> list[bytes]:
+    """[msgpack header, payload bytes...]; payloads are the C-contiguous CPU bytes of each tensor."""
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE, **_dump_fields(msg)}
+    descriptors, payloads = [], []
+    for f in fields(msg):  # type: ignore[arg-type]
+        value = getattr(msg, f.name)
+        if isinstance(_kind(f), Tensor) and value is not None:
+            descriptors.append({"name": f.name, "dtype": DTYPE_NAMES[value.dtype], "shape": list(value.shape)})
+            payloads.append(_tensor_bytes(value))
+    header["tensors"] = descriptors
+    return [msgpack.packb(header, use_bin_type=True), *payloads]
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def decode(parts: Sequence[bytes | bytearray | memoryview], max_message_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """The message in ``parts`` (as received with recv_multipart), or MalformedMessage."""
+    if not parts:
+        raise MalformedMessage("empty message: no header frame")
+    sizes = [memoryview(part).nbytes for part in parts]
+    if sum(sizes) > max_message_bytes:
+        raise MalformedMessage(f"message of {sum(sizes)} bytes exceeds the limit of {max_message_bytes}")
+    if sizes[0] > MAX_HEADER_BYTES:
+        raise MalformedMessage(f"header of {sizes[0]} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    header = _unpack(parts[0])
+    cls = _message_class(header)
+    descriptors = _descriptors(cls, header["tensors"], sizes[1:])
+    body = {k: v for k, v in header.items() if k not in RESERVED_KEYS}
+    kwargs = _load_fields(cls, body, cls.TYPE)
+    for (name, dtype, shape), part in zip(descriptors, parts[1:], strict=True):
+        kwargs[name] = _tensor_from(part, dtype, shape)
+    return cls(**kwargs)
+
+
+def _reject_ext(code: int, data: bytes) -> object:
+    raise MalformedMessage(f"header holds msgpack extension type {code}; extensions are not accepted")
+
+
+def _unpack(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    try:
+        # str, bin, array and map lengths are bounded by the header's size (unpackb's default)
+        header = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, ext_hook=_reject_ext)
+    except MalformedMessage:
+        raise
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise MalformedMessage(f"header is not valid msgpack: {exc}") from exc
+    _plain(header, "header", 0)
+    if type(header) is not dict:
+        raise MalformedMessage(f"header must be a map, got {_type_name(header)}")
+    return header
+
+
+def _plain(value: object, where: str, depth: int) -> None:
+    """Only None, bool, int, float, str, list and dict with str keys, nested at most MAX_NESTING deep."""
+    if depth > MAX_NESTING:
+        raise MalformedMessage(f"{where} is nested deeper than {MAX_NESTING} levels")
+    if type(value) is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise MalformedMessage(f"{where} has a key of type {_type_name(key)}; keys must be strings")
+            _plain(item, f"{where}.{key}", depth + 1)
+    elif type(value) is list:
+        for i, item in enumerate(value):
+            _plain(item, f"{where}[{i}]", depth + 1)
+    elif value is not None and type(value) not in (bool, int, float, str):
+        raise MalformedMessage(f"{where} has type {_type_name(value)}; the header holds only plain values")
+
+
+def _message_class(header: dict[str, Any]) -> type[Message]:
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise MalformedMessage(f"protocol version v={version!r} is not supported; this side speaks {PROTOCOL_VERSION}")
+    kind = header.get("type")
+    if type(kind) is not str or kind not in MESSAGE_TYPES:
+        raise MalformedMessage(f"message type {kind!r} is unknown; known: {', '.join(MESSAGE_TYPES)}")
+    if "tensors" not in header:
+        raise MalformedMessage(f"{kind} header lacks 'tensors'")
+    return MESSAGE_TYPES[kind]
+
+
+Descriptor = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape of one payload
+
+
+def _descriptors(cls: type[Message], listed: object, sizes: list[int]) -> list[Descriptor]:
+    """One descriptor per payload, each checked against the schema and the payload's size."""
+    where = f"{cls.TYPE}.tensors"
+    if type(listed) is not list:
+        raise MalformedMessage(f"{where} must be a list, got {_type_name(listed)}")
+    if len(listed) != len(sizes):
+        raise MalformedMessage(f"{where} lists {len(listed)} payload(s), the message has {len(sizes)}")
+    specs = {f.name: _kind(f) for f in fields(cls) if isinstance(_kind(f), Tensor)}  # type: ignore[arg-type]
+    out: list[Descriptor] = []
+    for i, (entry, size) in enumerate(zip(listed, sizes, strict=True)):
+        name, dtype, shape = _descriptor(entry, f"{where}[{i}]", specs)
+        if name in (seen := [n for n, _, _ in out]):
+            raise MalformedMessage(f"{where} lists {name!r} twice ({seen})")
+        expected = math.prod(shape) * dtype.itemsize
+        if size != expected:
+            need = f"shape {list(shape)} of {DTYPE_NAMES[dtype]} needs {expected}"
+            raise MalformedMessage(f"{cls.TYPE}.{name} payload has {size} bytes; {need}")
+        out.append((name, dtype, shape))
+    return out
+
+
+def _descriptor(entry: object, where: str, specs: dict[str, Any]) -> Descriptor:
+    if type(entry) is not dict or set(entry) != {"name", "dtype", "shape"}:
+        raise MalformedMessage(f"{where} must be a map of exactly name, dtype and shape")
+    name, dtype, shape = entry["name"], entry["dtype"], entry["shape"]
+    if type(name) is not str or name not in specs:
+        raise MalformedMessage(f"{where}.name={name!r} is not a tensor field; tensor fields: {sorted(specs)}")
+    spec: Tensor = specs[name]
+    if type(dtype) is not str or dtype not in spec.dtypes:
+        raise MalformedMessage(f"{where}.dtype={dtype!r} is not allowed for {name}; allowed: {', '.join(spec.dtypes)}")
+    dims = IntList(spec.ndim, Int(0, MAX_MESSAGE_BYTES)).check(shape, f"{where}.shape")
+    if len(dims) != spec.ndim:
+        raise MalformedMessage(f"{where}.shape={list(dims)} has rank {len(dims)}; {name} needs rank {spec.ndim}")
+    return name, DTYPES[dtype], dims
+
+
+def _tensor_from(part: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(part), dtype=dtype).reshape(shape)  # owns a copy of the frame
+
+
+def send(socket: zmq.Socket[Any], msg: Message, flags: int = 0) -> None:
+    socket.send_multipart(encode(msg), flags=flags)
+
+
+def recv(socket: zmq.Socket[Any], flags: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    return decode(socket.recv_multipart(flags=flags), max_message_bytes)
+
+
+def limit_message_bytes(socket: zmq.Socket[Any], max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    """Make libzmq drop a peer that sends a frame over the limit before it is buffered whole."""
+    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+
+
+# ---- CURVE: authentication and encryption between agents ------------------------------------
+
+ZAP_DOMAIN = "modelfleet"
+_Z85_KEY = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    public: bytes  # z85, 40 bytes
+    secret: bytes = field(repr=False)
+
+
+def generate_keypair() -> KeyPair:
+    public, secret = zmq.curve_keypair()
+    return KeyPair(public, secret)
+
+
+def parse_key(text: str | bytes, where: str = "key") -> bytes:
+    key = (text.decode("ascii", "replace") if isinstance(text, bytes) else text).strip()
+    if _Z85_KEY.fullmatch(key) is None:
+        raise TransportConfigError(f"{where} is not a CURVE key: expected 40 z85 characters, got {len(key)}")
+    return key.encode("ascii")
+
+
+def save_key(path: str | Path, key: bytes, secret: bool = False) -> None:
+    """Write a z85 key as one line of text; a secret key is created readable by its owner only."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(path, flags, 0o600 if secret else 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(parse_key(key).decode("ascii") + "\n")
+
+
+def load_key(path: str | Path) -> bytes:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TransportConfigError(f"cannot read the CURVE key file {str(path)!r}: {exc.strerror}") from exc
+    return parse_key(text, f"key file {str(path)!r}")
+
+
+def save_keypair(keys: KeyPair, directory: str | Path, name: str) -> None:
+    """``{name}.key`` (public) and ``{name}.key_secret``: the layout of the operator's Secret."""
+    save_key(Path(directory) / f"{name}.key", keys.public)
+    save_key(Path(directory) / f"{name}.key_secret", keys.secret, secret=True)
+
+
+def load_keypair(directory: str | Path, name: str) -> KeyPair:
+    return KeyPair(load_key(Path(directory) / f"{name}.key"), load_key(Path(directory) / f"{name}.key_secret"))
+
+
+def load_public_keys(path: str | Path) -> frozenset[bytes]:
+    """Allowed client keys: a folder of *.key files, or a file of one key per line.
+
+    In a file, a line holds a key, optionally followed by whitespace and a comment, or is a
+    comment starting with '#'. A z85 key may contain '#' but never starts with it (its first
+    z85 digit is at most 82 = (2**32 - 1) // 85**4, and '#' is digit 84).
+    """
+    source = Path(path)
+    if source.is_dir():
+        return frozenset(load_key(p) for p in sorted(source.glob("*.key")))
+    try:
+        lines = source.read_text().splitlines()
+    except OSError as exc:
+        raise TransportConfigError(f"cannot read the client key list {str(source)!r}: {exc.strerror}") from exc
+    keys = set()
+    for n, line in enumerate(lines, 1):
+        first = line.split(maxsplit=1)[0] if line.strip() else ""
+        if first and not first.startswith("#"):
+            keys.add(parse_key(first, f"{source}:{n}"))
+    return frozenset(keys)
+
+
+def curve_server(socket: zmq.Socket[Any], keys: KeyPair) -> None:
+    """Make ``socket`` (before bind) a CURVE server whose clients the ZAP authenticator vets.
+
+    libzmq admits every CURVE client when no ZAP handler is running; ZAP_ENFORCE_DOMAIN turns
+    that into a refusal, so a server whose authenticator is missing or stopped admits no one.
+    """
+    socket.curve_secretkey = keys.secret
+    socket.curve_publickey = keys.public
+    socket.curve_server = True
+    socket.zap_domain = ZAP_DOMAIN.encode()
+    socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+
+def curve_client(socket: zmq.Socket[Any], keys: KeyPair, server_public: bytes) -> None:
+    """Make ``socket`` (before connect) a CURVE client of the server holding ``server_public``."""
+    socket.curve_secretkey = keys.secret
+    socket.curve_publickey = keys.public
+    socket.curve_serverkey = parse_key(server_public, "server public key")
+
+
+class _AllowList:
+    def __init__(self, keys: frozenset[bytes]):
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+def start_authenticator(context: zmq.Context[Any], allowed_client_keys: Iterable[bytes]) -> ThreadAuthenticator:
+    """A ZAP handler admitting only ``allowed_client_keys`` to this context's CURVE servers.
+
+    One per context, for the context's lifetime: its endpoint (inproc://zeromq.zap.01) is freed
+    asynchronously after ``stop()``, so a second one started at once on the same context may
+    find it still taken. Stop it before terminating the context.
+    """
+    allowed = frozenset(parse_key(key, "allowed client key") for key in allowed_client_keys)
+    if not allowed:
+        raise TransportConfigError("no client keys are allowed; list at least one client public key")
+    auth = ThreadAuthenticator(context)
+    auth.configure_curve_callback(ZAP_DOMAIN, _AllowList(allowed))  # before any request can arrive
+    try:
+        auth.start()
+    except zmq.ZMQError as exc:
+        auth.stop()  # closes the ZAP socket that failed to bind, or the context could never terminate
+        raise TransportConfigError(
+            f"cannot start the ZAP authenticator ({exc}); this context already has one, use one per context"
+        ) from exc
+    return auth

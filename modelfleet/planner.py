@@ -1,0 +1,380 @@
+"""Pure planners: from a checkpoint's sizes and a list of nodes to a FleetPlan.
+
+Decisions are functions on plain data (lists of byte counts, Kubernetes Node objects as dicts),
+so the operator and ``modelfleet up`` share them and tests read as tables. Only
+:func:`layer_bytes`, :func:`kv_bytes_per_layer` and :func:`build_plan` look at a checkpoint, and
+they read its config and safetensors headers, never tensor data; torch and the engine are
+imported inside them, so importing this module costs neither.
+
+Layer ranges are half-open ``[layer_start, layer_end)``. The embedding is counted on the first
+stage and the final norm + output head on the last. The memory split minimises
+``sum_k need_k**2 / usable_k`` under ``need_k <= usable_k``: with layers of equal size this is the
+split in proportion to each node's usable memory, and it is solved exactly by dynamic programming
+over (stage, first layer), O(stages * layers**2).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .plan import FleetPlan, Formats, PlanError, ServingLimits, build
+
+if TYPE_CHECKING:
+    from .engine.spec import ModelSpec
+
+GiB = 1 << 30
+# Python, torch, the agent's buffers and the operating system's own needs on each node.
+RUNTIME_RESERVE_BYTES = 2 * GiB
+DEFAULT_BASE_PORT = 5555
+# KV positions kept beyond a sliding window so a speculative rewind stays possible (as Shard does).
+REWIND_SLACK_POSITIONS = 64
+
+EMBED_NAME, NORM_NAME, HEAD_NAME = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class InfeasiblePlan(PlanError):
+    """The nodes cannot hold the model's weights plus the KV reservation."""
+
+    def __init__(self, message: str, missing_bytes: int, shortfall_bytes: tuple[int, ...]):
+        super().__init__(message)
+        self.missing_bytes = missing_bytes
+        self.shortfall_bytes = shortfall_bytes  # per node, in node order
+
+
+# ---- sizes from a checkpoint ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Weight bytes of a checkpoint, per decoder layer and for the parts around them."""
+
+    per_layer: tuple[int, ...]
+    embed_bytes: int
+    norm_bytes: int  # the final norm
+    head_matrix_bytes: int  # lm_head, or the embedding again when tied
+    tied: bool
+
+    @property
+    def head_bytes(self) -> int:
+        """What the last stage holds beyond its layers: final norm + output head."""
+        return self.norm_bytes + self.head_matrix_bytes
+
+    def stage_bytes(self, layer_start: int, layer_end: int) -> int:
+        first, last = layer_start == 0, layer_end == len(self.per_layer)
+        total = sum(self.per_layer[layer_start:layer_end])
+        total += self.embed_bytes if first else 0
+        if last:  # a single stage with tied weights holds the one matrix once
+            total += self.norm_bytes + (0 if first and self.tied else self.head_matrix_bytes)
+        return total
+
+
+def layer_bytes(model_dir: str | Path, dtype: str | None = None) -> LayerBytes:
+    """Sizes from config.json and safetensors headers only (no tensor data is read).
+
+    With ``dtype`` (float32, bfloat16, float16), floating tensors are counted at that element size,
+    as the shard converts them on load; otherwise at their stored size. Tensors of layers at or past
+    ``num_hidden_layers`` (e.g. multi-token-prediction layers) are not served and not counted.
+    """
+    from .engine.checkpoint import Checkpoint
+    from .engine.spec import load_spec
+
+    spec = load_spec(model_dir)
+    checkpoint = Checkpoint(model_dir)
+    itemsize = _itemsize(dtype)
+    per_layer = [0] * spec.num_layers
+    named: dict[str, int] = {}
+    for name in checkpoint.names():
+        info = checkpoint.info(name)
+        size = math.prod(info.shape) * itemsize if itemsize and info.dtype.is_floating_point else info.nbytes
+        match = _LAYER_NAME.match(name)
+        if match and int(match.group(1)) < spec.num_layers:
+            per_layer[int(match.group(1))] += size
+        elif name in (EMBED_NAME, NORM_NAME, HEAD_NAME):
+            named[name] = size
+    tied = spec.tie_word_embeddings or HEAD_NAME not in named
+    head = named.get(EMBED_NAME, 0) if tied else named[HEAD_NAME]
+    return LayerBytes(tuple(per_layer), named.get(EMBED_NAME, 0), named.get(NORM_NAME, 0), head, tied)
+
+
+def _itemsize(dtype: str | None) -> int | None:
+    if dtype is None:
+        return None
+    if dtype not in _ITEMSIZE:
+        raise PlanError(f"dtype={dtype!r} is not a compute dtype; choose one of {', '.join(_ITEMSIZE)}")
+    return _ITEMSIZE[dtype]
+
+
+def kv_bytes_per_layer(spec: ModelSpec, max_streams: int, context_length: int, dtype: str) -> list[int]:
+    """KV cache bytes each layer reserves for ``max_streams`` streams of ``context_length`` positions.
+
+    Standard attention caches K and V ([kv_heads, head_dim] each per position); DeepSeek's MLA
+    caches one latent (kv_lora_rank + qk_rope_head_dim). Layers listed as ``sliding_attention`` in
+    ``layer_types`` keep the window plus a rewind slack; without ``layer_types`` every layer is
+    counted at full context, an upper bound.
+    """
+    if spec.family == "deepseek_v3":
+        per_position = int(spec.require("kv_lora_rank")) + int(spec.require("qk_rope_head_dim"))
+    else:
+        per_position = 2 * spec.num_kv_heads * spec.head_dim
+    types = spec.get("layer_types") or ["full_attention"] * spec.num_layers
+    window = spec.get("sliding_window")
+    itemsize = _itemsize(dtype) or 4
+    sizes = []
+    for kind in types[: spec.num_layers]:
+        positions = context_length
+        if kind == "sliding_attention" and window:
+            positions = min(context_length, int(window) + REWIND_SLACK_POSITIONS)
+        sizes.append(max_streams * positions * per_position * itemsize)
+    return sizes
+
+
+# ---- node memory ----------------------------------------------------------------------------
+
+_QUANTITY = re.compile(r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+))(?:([KMGTPE]i|[numkMGTPE])|[eE]([+-]?\d+))?$")
+_SUFFIX: dict[str, int | Decimal] = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}  # fmt: skip
+
+
+def parse_quantity(value: str | int | float) -> int:
+    """A Kubernetes quantity ('16Gi', '1.5Gi', '500M', '128974848', '1e9') as an integer, rounded up."""
+    if isinstance(value, bool):
+        raise PlanError(f"{value!r} is not a Kubernetes quantity")
+    text = str(value).strip()
+    match = _QUANTITY.match(text)
+    if match is None:
+        raise PlanError(f"{value!r} is not a Kubernetes quantity (e.g. '16Gi', '1.5Gi', '500M', '1024')")
+    number, suffix, exponent = match.groups()
+    try:
+        amount = Decimal(number)
+    except InvalidOperation as exc:  # the pattern admits only decimal numbers; kept for safety
+        raise PlanError(f"{value!r} is not a Kubernetes quantity") from exc
+    if suffix:
+        amount *= _SUFFIX[suffix]
+    elif exponent:
+        amount = amount.scaleb(int(exponent))
+    return math.ceil(amount)
+
+
+def node_name(node: Mapping[str, Any]) -> str:
+    return str((node.get("metadata") or {}).get("name", "<unnamed node>"))
+
+
+def node_device(node: Mapping[str, Any]) -> str:
+    """cuda for NVIDIA GPUs, GPU (OpenVINO) for Intel GPUs, else cpu; from status.allocatable."""
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    if parse_quantity(allocatable.get("nvidia.com/gpu", 0)) > 0:
+        return "cuda"
+    if any(parse_quantity(allocatable.get(k, 0)) > 0 for k in ("gpu.intel.com/i915", "gpu.intel.com/xe")):
+        return "GPU"
+    return "cpu"
+
+
+def usable_memory(node: Mapping[str, Any], runtime_reserve_bytes: int = RUNTIME_RESERVE_BYTES) -> int:
+    """Bytes a stage may fill on this node: allocatable memory minus the runtime reserve.
+
+    Integrated GPUs (Intel Arc, through OpenVINO) share host RAM, so they add nothing. Discrete
+    NVIDIA GPUs add their memory as published by GPU feature discovery (``nvidia.com/gpu.memory``
+    in MiB per GPU, times the allocatable ``nvidia.com/gpu``): weights may live on the device or,
+    for experts, in host banks.
+    """
+    name = node_name(node)
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    if "memory" not in allocatable:
+        raise PlanError(f"node {name!r} has no status.allocatable.memory; is it a Kubernetes Node object?")
+    try:
+        host = parse_quantity(allocatable["memory"])
+        gpus = parse_quantity(allocatable.get("nvidia.com/gpu", 0))
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        gpu_mib = parse_quantity(labels.get("nvidia.com/gpu.memory", 0))
+    except PlanError as exc:
+        raise PlanError(f"node {name!r}: status.allocatable.memory or a GPU quantity: {exc}") from exc
+    return max(0, host + gpus * gpu_mib * 2**20 - runtime_reserve_bytes)
+
+
+# ---- layer splits ---------------------------------------------------------------------------
+
+
+def split_even(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous [layer_start, layer_end) per stage; the first ``num_layers % stages`` get one more."""
+    _check_counts(num_layers, stages)
+    base, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for k in range(stages):
+        end = start + base + (1 if k < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def _check_counts(num_layers: int, stages: int) -> None:
+    if stages < 1:
+        raise PlanError(f"stages={stages} must be >= 1")
+    if stages > num_layers:
+        raise PlanError(f"stages={stages} exceeds the model's {num_layers} layers; every stage holds at least one")
+
+
+def split_by_memory(
+    layer_bytes: Sequence[int],
+    embed_bytes: int,
+    head_bytes: int,
+    usable_bytes_per_node: Sequence[int],
+    kv_bytes_per_layer: int | Sequence[int] = 0,
+    node_names: Sequence[str] | None = None,
+) -> list[tuple[int, int]]:
+    """One contiguous layer range per node, in node order, sized to each node's usable memory.
+
+    A layer costs its weights plus its KV reservation; stage 0 also holds ``embed_bytes`` and the
+    last stage ``head_bytes``. Raises InfeasiblePlan with the missing bytes and each node's
+    shortfall when no split fits.
+    """
+    num_layers, stages = len(layer_bytes), len(usable_bytes_per_node)
+    _check_counts(num_layers, stages)
+    kv = [kv_bytes_per_layer] * num_layers if isinstance(kv_bytes_per_layer, int) else list(kv_bytes_per_layer)
+    if len(kv) != num_layers:
+        raise PlanError(f"kv_bytes_per_layer has {len(kv)} entries for {num_layers} layers")
+    prefix = [0]
+    for weights, reserve in zip(layer_bytes, kv, strict=True):
+        prefix.append(prefix[-1] + weights + reserve)
+
+    def need(k: int, start: int, end: int) -> int:
+        return prefix[end] - prefix[start] + (embed_bytes if k == 0 else 0) + (head_bytes if k == stages - 1 else 0)
+
+    usable = list(usable_bytes_per_node)
+    ranges = _best_split(num_layers, usable, need, capped=True)
+    if ranges is None:
+        closest = _best_split(num_layers, usable, need, capped=False)
+        assert closest is not None  # without caps every split with >= 1 layer per stage is allowed
+        names = list(node_names) if node_names is not None else [f"node {k}" for k in range(stages)]
+        raise _infeasible(closest, [need(k, a, b) for k, (a, b) in enumerate(closest)], usable, names)
+    return ranges
+
+
+def _best_split(
+    num_layers: int, usable: list[int], need: Callable[[int, int, int], int], capped: bool
+) -> list[tuple[int, int]] | None:
+    """argmin sum_k need_k**2 / usable_k over contiguous splits, each stage >= 1 layer (DP)."""
+    stages, inf = len(usable), math.inf
+    # best[k][i]: least cost of stages k.. covering layers [i, num_layers); choice[k][i]: stage k's end.
+    best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
+    choice = [[0] * (num_layers + 1) for _ in range(stages)]
+    best[stages][num_layers] = 0.0
+    for k in range(stages - 1, -1, -1):
+        for start in range(k, num_layers - (stages - k) + 1):
+            ends = [num_layers] if k == stages - 1 else range(start + 1, num_layers - (stages - k - 1) + 1)
+            for end in ends:
+                bytes_needed = need(k, start, end)
+                if capped and bytes_needed > usable[k]:
+                    continue
+                cost = best[k + 1][end] + bytes_needed**2 / max(usable[k], 1)
+                if cost < best[k][start]:
+                    best[k][start], choice[k][start] = cost, end
+    if best[0][0] == inf:
+        return None
+    ranges, start = [], 0
+    for k in range(stages):
+        ranges.append((start, choice[k][start]))
+        start = choice[k][start]
+    return ranges
+
+
+def _infeasible(ranges: list[tuple[int, int]], needs: list[int], usable: list[int], names: list[str]) -> InfeasiblePlan:
+    missing = max(0, sum(needs) - sum(usable))
+    shortfall = tuple(max(0, n - u) for n, u in zip(needs, usable, strict=True))
+    lines = [
+        f"{names[k]} (stage {k}, layers [{a}, {b})) needs {needs[k]} bytes, has {usable[k]}, "
+        f"short by {shortfall[k]} bytes ({_human(shortfall[k])})"
+        for k, (a, b) in enumerate(ranges)
+        if shortfall[k] > 0
+    ]
+    if missing > 0:
+        head = (
+            f"the fleet cannot hold the model: weights + KV reservation need {sum(needs)} bytes, the nodes "
+            f"offer {sum(usable)} usable bytes; {missing} bytes ({_human(missing)}) missing"
+        )
+    else:
+        head = "the nodes offer enough memory in all, but no contiguous split of the layers fits each node"
+    fix = "add nodes, lower serving.max_streams or serving.context_length, or choose smaller weight formats"
+    return InfeasiblePlan(f"{head}. Per node: {'; '.join(lines)}. Fix: {fix}", missing, shortfall)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+# ---- the whole plan -------------------------------------------------------------------------
+
+
+def build_plan(
+    model_dir: str | Path,
+    stages: int,
+    nodes: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    groups: int = 1,
+    dtype: str = "bfloat16",
+    served_name: str | None = None,
+    model_path: str | None = None,
+    formats: Formats | None = None,
+    serving: ServingLimits | None = None,
+    address_of: Callable[[int, int], str] | None = None,
+    runtime_reserve_bytes: int = RUNTIME_RESERVE_BYTES,
+) -> FleetPlan:
+    """A plan of ``groups`` pipelines of ``stages`` stages each (TP size 1).
+
+    Without ``nodes`` the layers are split evenly and every stage runs on the cpu. With ``nodes``
+    (Kubernetes Node objects, ``stages`` per group, group after group) each group's layers are
+    split by the nodes' usable memory. Each group's stages reserve KV for its share of
+    ``serving.max_streams`` (rounded up) at ``serving.context_length``.
+    """
+    from .engine.spec import load_spec
+
+    spec = load_spec(model_dir)
+    sizes = layer_bytes(model_dir, dtype)
+    limits = serving or ServingLimits()
+    streams_per_group = -(-limits.max_streams // groups)
+    kv = kv_bytes_per_layer(spec, streams_per_group, limits.context_length, dtype)
+    if nodes is not None and len(nodes) != stages * groups:
+        raise PlanError(f"{len(nodes)} nodes given for {groups} group(s) of {stages} stages; need {stages * groups}")
+    address = address_of or (lambda g, s: f"127.0.0.1:{DEFAULT_BASE_PORT + g * stages + s}")
+    plan_groups = []
+    for g in range(groups):
+        members = None if nodes is None else list(nodes[g * stages : (g + 1) * stages])
+        ranges = _group_ranges(sizes, kv, stages, members, runtime_reserve_bytes)
+        plan_groups.append({"group_index": g, "stages": [
+            {
+                "stage_index": s, "layer_start": a, "layer_end": b, "address": address(g, s),
+                "device": "cpu" if members is None else node_device(members[s]),
+                "weights_bytes": sizes.stage_bytes(a, b), "kv_budget_bytes": sum(kv[a:b]),
+            }
+            for s, (a, b) in enumerate(ranges)
+        ]})  # fmt: skip
+    model = {
+        "path": model_path or str(Path(model_dir).resolve()), "served_name": served_name or Path(model_dir).name,
+        "family": spec.family, "num_layers": spec.num_layers, "dtype": dtype, "formats": formats or Formats(),
+    }  # fmt: skip
+    return build(model=model, groups=plan_groups, serving=limits)
+
+
+def _group_ranges(
+    sizes: LayerBytes, kv: list[int], stages: int, members: list[Mapping[str, Any]] | None, reserve: int
+) -> list[tuple[int, int]]:
+    if members is None:
+        return split_even(len(sizes.per_layer), stages)
+    usable = [usable_memory(node, reserve) for node in members]
+    # one stage holding a tied embedding and head holds that matrix once
+    head = sizes.norm_bytes if stages == 1 and sizes.tied else sizes.head_bytes
+    names = [node_name(node) for node in members]
+    return split_by_memory(sizes.per_layer, sizes.embed_bytes, head, usable, kv, names)
