@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .frame import Segment
-from .kernels import expert_gemv, route_top_k
+from .kernels import cpu_linear, expert_gemv, route_top_k
 from .kvcache import LayerKV
 from .rope import Rotary
 
@@ -42,9 +42,21 @@ class Dense(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.packed: torch.Tensor | None = None  # oneDNN layout on CPU (bf16), replacing weight
+        self.packed_nbytes = 0
+        self.keep_plain = False  # set by layers that read .weight directly
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_linear.linear(x.to(torch.bfloat16), self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self) -> None:
+        if self.keep_plain or self.packed is not None or not cpu_linear.available(self.weight):
+            return
+        self.packed = cpu_linear.pack(self.weight)
+        self.packed_nbytes = self.weight.numel() * self.weight.element_size()
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
 @dataclass
@@ -280,15 +292,33 @@ class Experts(nn.Module):
         self.gate_up_bias = None if gate_up_bias is None else nn.Parameter(gate_up_bias, requires_grad=False)
         self.down_bias = None if down_bias is None else nn.Parameter(down_bias, requires_grad=False)
         self.activation = activation
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # CPU oneDNN layout, per expert
+        self.packed_nbytes = 0
 
     @property
     def num_experts(self) -> int:
-        return int(self.gate_up.shape[0])
+        return len(self.packed) if self.packed is not None else int(self.gate_up.shape[0])
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gu_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
         d_bias = None if self.down_bias is None else self.down_bias[e]
+        if self.packed is not None:
+            gate_up, down = self.packed[e]
+            h = cpu_linear.linear(x, gate_up, gu_bias)
+            return cpu_linear.linear(self.activation(h), down, d_bias)
         return F.linear(self.activation(F.linear(x, self.gate_up[e], gu_bias)), self.down[e], d_bias)
+
+    def pack_for_cpu(self) -> None:
+        """Reorder every expert's weights into oneDNN's layout (bf16 on CPU); the plain stacked
+        tensors are released, so memory does not grow."""
+        if self.packed is not None or not cpu_linear.available(self.gate_up[0]):
+            return
+        self.packed = [
+            (cpu_linear.pack(self.gate_up[e]), cpu_linear.pack(self.down[e])) for e in range(self.num_experts)
+        ]
+        self.packed_nbytes = (self.gate_up.numel() + self.down.numel()) * self.gate_up.element_size()
+        self.gate_up = nn.Parameter(self.gate_up.new_empty(0), requires_grad=False)
+        self.down = nn.Parameter(self.down.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""

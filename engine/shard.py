@@ -17,7 +17,7 @@ from .checkpoint import Checkpoint, TensorSource
 from .errors import CapacityError, InputError
 from .frame import Frame, Segment, segments_of
 from .kvcache import LayerKV, SlotTable
-from .layers import Dense, FrameContext, RMSNorm
+from .layers import Dense, Experts, FrameContext, RMSNorm
 from .models import family as family_module
 from .spec import ModelSpec, load_spec
 from .weights import LayerWeights
@@ -65,7 +65,14 @@ class Shard(nn.Module):
 
     @property
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        plain = sum(p.numel() * p.element_size() for p in self.parameters())
+        return plain + sum(getattr(m, "packed_nbytes", 0) for m in self.modules())
+
+    def pack_for_cpu(self) -> None:
+        """Reorder bf16 projections and experts into oneDNN's layout (faster small-batch matmuls)."""
+        for module in self.modules():
+            if isinstance(module, Dense | Experts):
+                module.pack_for_cpu()
 
     @property
     def kv_bytes(self) -> int:
@@ -82,10 +89,13 @@ class Shard(nn.Module):
         dtype: str | torch.dtype = torch.float32,
         progress: bool = False,
         checkpoint: Checkpoint | None = None,
+        pack: bool | None = None,
     ) -> Shard:
         spec = load_spec(model_dir)
         ckpt = checkpoint or Checkpoint(model_dir)
-        return cls.from_checkpoint(spec, ckpt, layer_start, layer_end, device=device, dtype=dtype, progress=progress)
+        return cls.from_checkpoint(
+            spec, ckpt, layer_start, layer_end, device=device, dtype=dtype, progress=progress, pack=pack
+        )
 
     @classmethod
     def from_checkpoint(
@@ -98,6 +108,7 @@ class Shard(nn.Module):
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = torch.float32,
         progress: bool = False,
+        pack: bool | None = None,
     ) -> Shard:
         """Build a shard from any tensor source (a checkpoint directory or tensors in memory)."""
         end = spec.num_layers if layer_end is None else layer_end
@@ -122,7 +133,11 @@ class Shard(nn.Module):
             if spec.tie_word_embeddings or head_name not in root:
                 head_name = "model.embed_tokens.weight"
             head = Dense(root.get(head_name) if embed is None or head_name == "lm_head.weight" else embed)
-        return cls(spec, layer_start, end, layers, embed, norm, head, torch_device, torch_dtype)
+        shard = cls(spec, layer_start, end, layers, embed, norm, head, torch_device, torch_dtype)
+        cpu_bf16 = torch_device.type == "cpu" and torch_dtype == torch.bfloat16
+        if cpu_bf16 if pack is None else pack:  # oneDNN's packed layout: faster small-batch matmuls
+            shard.pack_for_cpu()
+        return shard
 
     # ---- KV state -------------------------------------------------------------------------
 

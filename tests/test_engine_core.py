@@ -213,3 +213,21 @@ def test_cuda_graph_replays_give_the_tokens_of_eager_decoding(tiny_checkpoint) -
     expected = [r.token_ids for r in generate_batch(eager, prompts, params)]
     assert [r.token_ids for r in generate_batch(graphed, prompts, params)] == expected
     assert graphed._decoders and all(d.graph is not None for d in graphed._decoders.values())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_bfloat16_on_cpu_packs_weights_without_changing_the_logits(tiny_checkpoint, family: str) -> None:
+    from modelfleet.engine.kernels import cpu_linear
+
+    if not cpu_linear.available(torch.zeros(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN bfloat16 is not available on this CPU")
+    path, _ = tiny_checkpoint(family)
+    packed = Shard.load(path, dtype="bfloat16")
+    plain = Shard.load(path, dtype="bfloat16", pack=False)
+    assert any(getattr(m, "packed", None) is not None for m in packed.modules())
+    assert not any(getattr(m, "packed", None) is not None for m in plain.modules())
+    assert packed.weights_bytes == plain.weights_bytes
+    ours = packed(Frame.of_streams([(0, 0, PROMPT)]))
+    ref = plain(Frame.of_streams([(0, 0, PROMPT)]))
+    assert torch.nn.functional.cosine_similarity(ours, ref, dim=-1).min() > 0.999
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))

@@ -146,13 +146,15 @@ def latent_attention(spec: ModelSpec, w: LayerWeights) -> LatentAttention:
     a = w.sub("self_attn.")
     rope_dim = int(spec.raw["qk_rope_head_dim"])
     lora = spec.get("q_lora_rank") is not None
+    kv_up = dense(a, "kv_b_proj")
+    kv_up.keep_plain = True  # absorbed per head into the query and output: its weight is read directly
     return LatentAttention(
         q_down=dense(a, "q_a_proj") if lora else None,
         q_norm=RMSNorm(a.get("q_a_layernorm.weight"), spec.rms_norm_eps) if lora else None,
         q_up=dense(a, "q_b_proj") if lora else dense(a, "q_proj"),
         kv_down=dense(a, "kv_a_proj_with_mqa"),
         kv_norm=RMSNorm(a.get("kv_a_layernorm.weight"), spec.rms_norm_eps),
-        kv_up=dense(a, "kv_b_proj"),
+        kv_up=kv_up,
         o_proj=dense(a, "o_proj"),
         num_heads=spec.num_heads,
         dims=(int(spec.raw["kv_lora_rank"]), int(spec.raw["qk_nope_head_dim"]), rope_dim, int(spec.raw["v_head_dim"])),
