@@ -352,7 +352,8 @@ class FrameMsg(Message):
 
 @dataclass(frozen=True, eq=False)
 class TokensMsg(Message):
-    """Sampled tokens, tail -> head: stream in ``slots[i]`` got ``token_ids[i]`` for ``positions[i]``."""
+    """Sampled tokens, tail -> head: stream in ``slots[i]`` got ``token_ids[i]`` for ``positions[i]``.
+    Sent for every frame the tail computes, with no rows when the frame sampled none."""
 
     TYPE: ClassVar[str] = "tokens"
     group: int = wire(Int(0, MAX_SLOTS))
@@ -362,7 +363,10 @@ class TokensMsg(Message):
     token_ids: torch.Tensor = wire(INT_IDS)  # [N] int64
 
     def check(self) -> None:
-        rows = _rows(self.TYPE, self.slots, MAX_ROWS)
+        # zero rows is valid: a frame of prefill windows that sampled nothing still completes
+        rows = int(self.slots.shape[0])
+        if rows > MAX_ROWS:
+            raise MalformedMessage(f"tokens.slots has {rows} rows, over the limit of {MAX_ROWS}")
         _same_rows(self.TYPE, rows, positions=self.positions, token_ids=self.token_ids)
         _values_in("tokens.slots", self.slots, 0, MAX_SLOTS - 1)
         _values_in("tokens.positions", self.positions, 0, MAX_POSITION)
@@ -422,11 +426,69 @@ class ErrorMsg(Message):
     code: str = wire(Str(32, choices=ERROR_CODES))
     message: str = wire(Str(4096))
     slot: int | None = wire(Optional(SLOT), None)
+    group: int | None = wire(Optional(Int(0, MAX_SLOTS)), None)  # the frame that failed, when one did
+    step: int | None = wire(Optional(COUNTER), None)
+
+
+# ---- the head's client protocol (gateway or FleetClient <-> head, DEALER/ROUTER) ------------
+
+REQUEST_ID = Int(0, INT64_MAX)
+FINISH_REASONS = frozenset({"stop", "length", "cancelled", "error"})
+
+
+@dataclass(frozen=True, eq=False)
+class SubmitMsg(Message):
+    """A new stream: prompt token ids and sampling parameters, named by the client's request id."""
+
+    TYPE: ClassVar[str] = "submit"
+    request_id: int = wire(REQUEST_ID)
+    prompt_ids: torch.Tensor = wire(INT_IDS)  # [N] int64
+    temperature: float = wire(Float(0.0, 100.0), 0.0)
+    top_p: float = wire(Float(0.0, 1.0, lo_open=True), 1.0)
+    top_k: int = wire(Int(0, MAX_TOKEN_ID), 0)
+    min_p: float = wire(Float(0.0, 1.0), 0.0)
+    seed: int | None = wire(Optional(Int(0, UINT64_MAX)), None)
+    max_tokens: int = wire(Int(1, MAX_POSITION), 16)
+    stop_token_ids: tuple[int, ...] | None = wire(Optional(IntList(MAX_STOP_IDS, Int(0, MAX_TOKEN_ID))), None)
+
+    def check(self) -> None:
+        _rows(self.TYPE + ".prompt_ids", self.prompt_ids, MAX_POSITION)
+        _values_in("submit.prompt_ids", self.prompt_ids, 0, MAX_TOKEN_ID)
+
+    @classmethod
+    def of(cls, request_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SubmitMsg:
+        ids = torch.tensor(list(prompt_ids), dtype=torch.int64)
+        return cls(request_id=request_id, prompt_ids=ids, **{n: getattr(params, n) for n in _SAMPLING_FIELDS})
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})
+
+
+@dataclass(frozen=True)
+class OutputMsg(Message):
+    """New tokens of a request, head -> client; ``finish_reason`` set on its last message."""
+
+    TYPE: ClassVar[str] = "output"
+    request_id: int = wire(REQUEST_ID)
+    token_ids: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_TOKEN_ID)), ())
+    finish_reason: str | None = wire(Optional(Str(16, choices=FINISH_REASONS)), None)
+    error: str = wire(Str(4096), "")
+
+
+@dataclass(frozen=True)
+class CancelMsg(Message):
+    """The client gave up on a request: finish it and free its slot on every stage."""
+
+    TYPE: ClassVar[str] = "cancel"
+    request_id: int = wire(REQUEST_ID)
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (FrameMsg, TokensMsg, ReleaseMsg, RewindMsg, ProbeMsg, ProbeAckMsg, ErrorMsg)
-}
+    cls.TYPE: cls
+    for cls in (
+        FrameMsg, TokensMsg, ReleaseMsg, RewindMsg, ProbeMsg, ProbeAckMsg, ErrorMsg, SubmitMsg, OutputMsg, CancelMsg
+    )
+}  # fmt: skip
 
 
 def _rows(where: str, slots: torch.Tensor, limit: int) -> int:

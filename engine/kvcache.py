@@ -2,7 +2,9 @@
 
 Invariants:
 - A slot's state covers positions [0, length) where ``length`` is the slot's entry in
-  :class:`SlotTable`; a frame segment for that slot must start exactly at ``length``.
+  :class:`SlotTable`; a frame segment for that slot must start exactly at ``length``, or at 0,
+  which starts a new stream in the slot (the head of a pipeline owns slot assignment, so a
+  stage that missed a release still serves the slot's next stream correctly).
 - Full-attention layers store every position: k, v: [slots, kv_heads, capacity, head_dim].
 - Sliding-window layers keep a ring of ``window + rewind_slack`` positions (position p lives at
   index p % capacity), so a rewind of up to ``rewind_slack + 1`` positions stays exact.
@@ -67,7 +69,7 @@ class SlotTable:
     def check_segment(self, slot: int, pos_start: int, rows: int) -> None:
         self._check_slot(slot)
         length = self.lengths[slot] or 0
-        if pos_start != length:
+        if pos_start != length and pos_start != 0:  # position 0 starts a new stream in the slot
             raise CapacityError(f"slot {slot} holds {length} positions; a segment must start there, not at {pos_start}")
         if pos_start + rows > self.max_context:
             raise CapacityError(

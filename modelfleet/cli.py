@@ -113,5 +113,14 @@ def generate(
         typer.echo(json.dumps(out))
 
 
+def _register() -> None:
+    from modelfleet.commands import fleet
+
+    for command in (fleet.plan, fleet.up, fleet.agent, fleet.complete, fleet.keys):
+        app.command()(command)
+
+
+_register()
+
 if __name__ == "__main__":
     app()

@@ -75,6 +75,10 @@ class ModelRef(_Frozen):
 
 
 class StagePlan(_Frozen):
+    """One stage: its layers and where it listens. ``address`` is host:port of its frame socket;
+    the stage serves HTTP (/healthz, /readyz, /status, /metrics) on port + 1 and, at stage 0,
+    the client protocol on port + 2."""
+
     stage_index: NonNegativeInt
     layer_start: NonNegativeInt
     layer_end: PositiveInt = Field(description="exclusive")
@@ -104,6 +108,14 @@ class StagePlan(_Frozen):
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
 
 class GroupPlan(_Frozen):
     group_index: NonNegativeInt
@@ -116,6 +128,9 @@ class ServingLimits(_Frozen):
     window_rows: PositiveInt = Field(default=8, description="rows of one stream's prefill window per frame")
     max_queue: NonNegativeInt = 64
     queue_timeout_seconds: Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)] = 30.0
+    stream_groups: PositiveInt | None = Field(
+        default=None, description="groups of streams the head keeps in flight at once (default: one per stage)"
+    )
 
 
 class FleetPlan(_Frozen):

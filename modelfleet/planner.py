@@ -32,6 +32,7 @@ GiB = 1 << 30
 # Python, torch, the agent's buffers and the operating system's own needs on each node.
 RUNTIME_RESERVE_BYTES = 2 * GiB
 DEFAULT_BASE_PORT = 5555
+PORT_STRIDE = 10  # a stage uses its port (frames), +1 (HTTP health/metrics) and, at the head, +2 (clients)
 # KV positions kept beyond a sliding window so a speculative rewind stays possible (as Shard does).
 REWIND_SLACK_POSITIONS = 64
 
@@ -348,7 +349,7 @@ def build_plan(
     kv = kv_bytes_per_layer(spec, streams_per_group, limits.context_length, dtype)
     if nodes is not None and len(nodes) != stages * groups:
         raise PlanError(f"{len(nodes)} nodes given for {groups} group(s) of {stages} stages; need {stages * groups}")
-    address = address_of or (lambda g, s: f"127.0.0.1:{DEFAULT_BASE_PORT + g * stages + s}")
+    address = address_of or (lambda g, s: f"127.0.0.1:{DEFAULT_BASE_PORT + PORT_STRIDE * (g * stages + s)}")
     plan_groups = []
     for g in range(groups):
         members = None if nodes is None else list(nodes[g * stages : (g + 1) * stages])

@@ -348,7 +348,7 @@ def test_a_plan_without_nodes_splits_evenly_and_accounts_every_byte(tiny_model):
     assert [(s.layer_start, s.layer_end) for s in stages] == [(0, 2), (2, 4)]
     assert sum(s.weights_bytes for s in stages) == sum(sizes.per_layer) + sizes.embed_bytes + sizes.head_bytes
     assert all(s.kv_budget_bytes == 2 * 2 * 64 * 2 * 2 * 16 * 4 for s in stages)
-    assert [s.address for s in stages] == ["127.0.0.1:5555", "127.0.0.1:5556"]
+    assert [s.address for s in stages] == ["127.0.0.1:5555", "127.0.0.1:5565"]
     assert plan.model.family == "qwen3_moe" and plan.model.num_layers == 4 and plan.model.served_name == "qwen3_moe"
     assert FleetPlan.from_json(plan.to_json()) == plan
 

@@ -1,0 +1,160 @@
+"""A local fleet: every stage of a plan as a child process of this one.
+
+Children are started with the same Python (``-P``: the repository's operator/ folder must not
+shadow the standard library), their output is prefixed with their stage, and they die with
+their parent: on Linux each child asks the kernel for SIGTERM when the launcher exits, and the
+launcher itself stops them all (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..engine.errors import ModelfleetError
+from ..plan import FleetPlan
+
+PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(ModelfleetError):
+    """A local fleet could not start; the message says what to change."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(plan: FleetPlan, extra: Sequence[int] = ()) -> None:
+    """Every port a local fleet needs must be free; the error names the first busy one."""
+    for group in plan.groups:
+        for stage in group.stages:
+            for port in (stage.port, stage.port + 1, stage.port + 2):
+                if not port_free(stage.host, port):
+                    raise LaunchError(
+                        f"port {port} on {stage.host} (stage {stage.stage_index}) is in use; stop what holds it "
+                        "or choose other ports with --base-port"
+                    )
+    for port in extra:
+        if not port_free("127.0.0.1", port):
+            raise LaunchError(f"port {port} is in use; stop what holds it or choose another with --port")
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[str]
+    status_url: str | None = None
+
+
+class LocalFleet:
+    def __init__(self, plan: FleetPlan, plan_path: Path, out: TextIO | None = None):
+        self.plan, self.plan_path = plan, plan_path
+        self.out = out or sys.stdout
+        self.children: list[Child] = []
+        self._lock = threading.Lock()
+
+    def stage_command(self, stage_index: int) -> list[str]:
+        return [
+            sys.executable,
+            "-P",
+            "-m",
+            "modelfleet.cli",
+            "agent",
+            "--plan",
+            str(self.plan_path),
+            "--stage",
+            str(stage_index),
+        ]
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+        for stage in self.plan.groups[0].stages:
+            self.spawn(f"stage {stage.stage_index}", self.stage_command(stage.stage_index), env,
+                       f"http://{stage.host}:{stage.port + 1}/status")  # fmt: skip
+
+    def spawn(self, name: str, command: list[str], env: dict[str, str], status_url: str | None = None) -> Child:
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )  # fmt: skip
+        child = Child(name, process, status_url)
+        self.children.append(child)
+        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+        return child
+
+    def _pump(self, child: Child) -> None:
+        assert child.process.stdout is not None
+        for line in child.process.stdout:
+            with self._lock:
+                self.out.write(f"[{child.name}] {line}")
+                self.out.flush()
+
+    def statuses(self) -> list[dict[str, Any] | None]:
+        return [fetch_json(c.status_url) if c.status_url else None for c in self.children]
+
+    def wait_ready(
+        self, timeout_seconds: float, on_progress: Callable[[list[dict[str, Any] | None]], None] | None = None
+    ) -> None:
+        """Until the head reports ready; raises LaunchError if a child exits or time runs out."""
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            for child in self.children:
+                if child.process.poll() is not None:
+                    raise LaunchError(
+                        f"{child.name} exited with code {child.process.returncode}; see its log lines above"
+                    )
+            statuses = self.statuses()
+            if on_progress is not None:
+                on_progress(statuses)
+            head = statuses[0]
+            if head is not None and head.get("ready"):
+                return
+            time.sleep(0.2)
+        raise LaunchError(f"the fleet was not ready within {timeout_seconds:.0f} s")
+
+    def stop(self, grace_seconds: float = 10.0) -> None:
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        for child in self.children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+
+
+def fetch_json(url: str, timeout_seconds: float = 1.0) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_seconds) as response:
+            data = json.loads(response.read())
+            return data if isinstance(data, dict) else None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None

@@ -1,0 +1,314 @@
+"""A stage agent: one process holding layers [layer_start, layer_end) of one pipeline.
+
+Every stage receives frames on a PULL socket at its plan address, computes its shard, and
+pushes the result to the next stage. The last stage (the tail) samples the rows the head marked
+and pushes token ids straight back to the head. Stage 0 (the head) also runs the scheduler
+(:mod:`modelfleet.agent.head`): it admits client requests, builds frames and receives tokens.
+
+Control messages (release, rewind, probe) travel the same path as frames, so each stage sees
+them in the order the head sent them. Nothing from the wire is trusted: a malformed message is
+counted and dropped; a frame the engine refuses becomes an error message for the head.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from ..engine.errors import ModelfleetError
+from ..engine.frame import Frame
+from ..engine.sampling import StreamSampler, sample_rows
+from ..engine.shard import Shard
+from ..plan import FleetPlan
+from . import transport as wire
+from .health import AgentStatus, Phase, StageMetrics, serve_http
+
+log = logging.getLogger("modelfleet.agent")
+SEND_HWM = 10_000
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    plan: FleetPlan
+    stage_index: int
+    group_index: int = 0
+    http_host: str | None = None  # default: the stage's own host
+    keys: wire.KeyPair | None = None  # the fleet's CURVE key pair; None: plain TCP
+    probe_interval_seconds: float = 1.0
+    unready_after_seconds: float = 3.0  # the head turns unready when the chain is silent this long
+
+
+class StageAgent:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.plan = config.plan
+        self.stages = self.plan.groups[config.group_index].stages
+        self.stage = self.stages[config.stage_index]
+        self.is_head = config.stage_index == 0
+        self.is_tail = config.stage_index == len(self.stages) - 1
+        role = (
+            "head+tail"
+            if self.is_head and self.is_tail
+            else "head"
+            if self.is_head
+            else "tail"
+            if self.is_tail
+            else "middle"
+        )
+        self.status = AgentStatus(
+            config.group_index, config.stage_index, self.stage.layer_start, self.stage.layer_end, role,
+            layers_total=self.stage.num_layers,
+        )  # fmt: skip
+        self.metrics = StageMetrics(config.group_index, config.stage_index)
+        self.stopping = threading.Event()
+        self.shard: Shard | None = None
+        self.samplers: dict[int, StreamSampler] = {}  # tail: per-slot sampling state
+        self.context = zmq.Context()
+        self.inbox: zmq.Socket[Any] | None = None
+        self.outbox: zmq.Socket[Any] | None = None
+        self.authenticator: Any = None
+        self.pending: deque[tuple[float, list[bytes]]] = deque()
+        self.head: Any = None  # HeadScheduler at stage 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        http = serve_http(self.config.http_host or self.stage.host, self.stage.port + 1, self.status, self.metrics)
+        try:
+            self.load()
+            self.open_sockets()
+            if self.is_head:
+                from .head import HeadScheduler
+
+                self.head = HeadScheduler(self)
+            self.status.phase = Phase.READY
+            log.info(
+                "stage %d ready: layers [%d, %d)", self.stage.stage_index, self.stage.layer_start, self.stage.layer_end
+            )
+            self.loop()
+        except Exception as exc:
+            self.status.phase, self.status.reason = Phase.FAILED, f"{type(exc).__name__}: {exc}"
+            log.exception("stage %d failed", self.stage.stage_index)
+            raise
+        finally:
+            http.shutdown()
+            self.close()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def stop(self) -> None:
+        self.status.phase = Phase.DRAINING
+        self.stopping.set()
+
+    def load(self) -> None:
+        model = self.plan.model
+        self.shard = Shard.load(
+            model.path, self.stage.layer_start, self.stage.layer_end, device=self.stage.device, dtype=model.dtype,
+            on_layer=self._loaded,
+        )  # fmt: skip
+        serving = self.plan.serving
+        budget = self.stage.kv_budget_bytes or None
+        self.shard.allocate_cache(serving.max_streams, serving.context_length, budget)
+        self.status.weights_bytes, self.status.kv_bytes = self.shard.weights_bytes, self.shard.kv_bytes
+
+    def _loaded(self, done: int, total: int) -> None:
+        self.status.layers_loaded = done
+        self.metrics.layers_loaded.set(done)
+
+    def open_sockets(self) -> None:
+        keys = self.config.keys
+        self.inbox = self.context.socket(zmq.PULL)
+        wire.limit_message_bytes(self.inbox)
+        if keys is not None:
+            self.authenticator = wire.start_authenticator(self.context, [keys.public])
+            wire.curve_server(self.inbox, keys)
+        self.inbox.bind(f"tcp://{self.stage.address}")
+        if self.is_head and self.is_tail:
+            return
+        target = self.stages[0] if self.is_tail else self.stages[self.stage.stage_index + 1]
+        self.outbox = self.context.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is gone
+        self.outbox.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.outbox.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            wire.curve_client(self.outbox, keys, keys.public)
+        self.outbox.connect(f"tcp://{target.address}")
+        self.status.peers = {"next": target.address}
+
+    def close(self) -> None:
+        for sock in (self.inbox, self.outbox, getattr(self.head, "clients", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.context.term()
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def loop(self) -> None:
+        assert self.inbox is not None
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        if self.head is not None:
+            poller.register(self.head.clients, zmq.POLLIN)
+        while not self.stopping.is_set():
+            waited = time.perf_counter()
+            timeout_ms = 50 if self.head is None else self.head.poll_timeout_ms()
+            ready = dict(poller.poll(timeout_ms))
+            self.metrics.idle_seconds.inc(time.perf_counter() - waited)
+            if self.inbox in ready:
+                self._drain(self.inbox)
+            while self.pending:
+                arrived, parts = self.pending.popleft()
+                self._handle(parts, arrived)
+            if self.head is not None:
+                if self.head.clients in ready:
+                    self.head.drain_clients()
+                self.head.tick()
+            self._update_gauges()
+
+    def _drain(self, sock: zmq.Socket[Any]) -> None:
+        while True:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.pending.append((time.perf_counter(), parts))
+
+    def _handle(self, parts: list[bytes], arrived: float) -> None:
+        self.metrics.bytes("in", "in", sum(len(p) for p in parts))
+        try:
+            msg = wire.decode(parts)
+        except wire.MalformedMessage as exc:
+            self.metrics.malformed.inc()
+            log.warning("dropped a malformed message: %s", exc.reason)
+            return
+        try:
+            if self.head is not None:
+                self.head.on_chain_message(msg, arrived)
+            else:
+                self.on_message(msg, arrived)
+        except Exception as exc:  # a bug must not take the stage down: report it and keep serving
+            self.metrics.errors.inc()
+            log.exception("failed to handle a %s message", msg.TYPE)
+            if isinstance(msg, wire.FrameMsg):
+                self.send(wire.ErrorMsg(code="internal", message=str(exc)[:4000], group=msg.group, step=msg.step))
+
+    def on_message(self, msg: wire.Message, arrived: float) -> None:
+        """A message arriving at a stage after the head."""
+        if isinstance(msg, wire.FrameMsg):
+            self.on_frame(msg, arrived)
+        elif isinstance(msg, wire.ReleaseMsg):
+            self.release(msg.slots)
+            self.forward(msg)
+        elif isinstance(msg, wire.RewindMsg):
+            self.rewind(msg.slot, msg.position)
+            self.forward(msg)
+        elif isinstance(msg, wire.ProbeMsg):
+            if self.is_tail:
+                self.send(self._probe_ack(msg))
+            else:
+                self.forward(msg)
+        elif isinstance(msg, wire.ErrorMsg):
+            self.forward(msg)
+        else:
+            self.metrics.malformed.inc()
+            log.warning("dropped a %s message: stages accept frame, release, rewind, probe, error", msg.TYPE)
+
+    def _probe_ack(self, probe: wire.ProbeMsg) -> wire.ProbeAckMsg:
+        return wire.ProbeAckMsg(
+            nonce=probe.nonce, sent_ns=probe.sent_ns, group_index=self.config.group_index,
+            stage_index=self.stage.stage_index, ready=self.status.phase == Phase.READY, plan_hash=probe.plan_hash,
+        )  # fmt: skip
+
+    # ---- frames ---------------------------------------------------------------------------
+
+    def compute(self, frame: Frame, arrived: float) -> torch.Tensor:
+        assert self.shard is not None
+        started = time.perf_counter()
+        self.metrics.queue_wait_seconds.inc(max(0.0, started - arrived))
+        out = self.shard(frame)
+        self.metrics.compute_seconds.inc(time.perf_counter() - started)
+        self.metrics.frames.inc()
+        self.metrics.rows.inc(frame.rows)
+        return out
+
+    def on_frame(self, msg: wire.FrameMsg, arrived: float) -> None:
+        frame = Frame(msg.slots, msg.positions, token_ids=msg.token_ids, hidden=msg.hidden)
+        try:
+            out = self.compute(frame, arrived)
+        except ModelfleetError as exc:
+            self.metrics.errors.inc()
+            log.warning("refused frame %d of group %d: %s", msg.step, msg.group, exc)
+            self.send(wire.ErrorMsg(code="capacity", message=str(exc)[:4000], group=msg.group, step=msg.step))
+            return
+        if self.is_tail:
+            self.send(self.sample(msg, out))
+        else:
+            self.send(wire.FrameMsg(
+                group=msg.group, step=msg.step, slots=msg.slots, positions=msg.positions, hidden=out,
+                sample_rows=msg.sample_rows, new_streams=msg.new_streams,
+            ))  # fmt: skip
+
+    def sample(self, msg: wire.FrameMsg, logits: torch.Tensor) -> wire.TokensMsg:
+        """Tail: sample the marked rows with each stream's own parameters."""
+        assert self.shard is not None
+        for start in msg.new_streams:
+            self.samplers[start.slot] = StreamSampler(start.sampling_params(), self.shard.spec.eos_token_ids)
+        rows = list(msg.sample_rows)
+        slots = msg.slots[rows]
+        samplers = [self.samplers[s] for s in slots.tolist()]
+        tokens = sample_rows(logits[rows], samplers)
+        return wire.TokensMsg(
+            group=msg.group, step=msg.step, slots=slots, positions=msg.positions[rows],
+            token_ids=torch.tensor(tokens, dtype=torch.int64),
+        )  # fmt: skip
+
+    def release(self, slots: tuple[int, ...]) -> None:
+        assert self.shard is not None and self.shard.slots is not None
+        for slot in slots:
+            if slot < self.shard.slots.max_slots:
+                self.shard.release(slot)
+            self.samplers.pop(slot, None)
+
+    def rewind(self, slot: int, position: int) -> None:
+        assert self.shard is not None
+        try:
+            self.shard.rewind(slot, position)
+        except ModelfleetError as exc:
+            log.warning("refused a rewind: %s", exc)
+
+    # ---- sending --------------------------------------------------------------------------
+
+    def forward(self, msg: wire.Message) -> None:
+        if not self.is_tail:
+            self.send(msg)
+        elif isinstance(msg, wire.ErrorMsg):
+            self.send(msg)  # errors reach the head from the tail
+
+    def send(self, msg: wire.Message) -> None:
+        if self.outbox is None:
+            return
+        parts = wire.encode(msg)
+        try:
+            self.outbox.send_multipart(parts, zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("next stage unreachable: dropped a %s message", msg.TYPE)
+            return
+        self.metrics.bytes("next", "out", sum(len(p) for p in parts))
+
+    def _update_gauges(self) -> None:
+        if self.shard is not None and self.shard.slots is not None:
+            in_use = self.shard.slots.in_use()
+            self.status.slots_in_use = in_use
+            self.metrics.active_slots.set(in_use)

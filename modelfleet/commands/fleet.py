@@ -1,0 +1,267 @@
+"""Fleet commands: ``plan``, ``agent``, ``up``, ``keys`` and ``complete``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+err = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
+
+
+def fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code=2)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def plan_table(plan: Any) -> Table:
+    table = Table(
+        title=f"fleet plan for {plan.model.served_name} ({plan.model.family}, {plan.model.num_layers} layers)"
+    )
+    for col in ("group", "stage", "layers", "weights", "KV budget", "device", "address"):
+        table.add_column(col, justify="right" if col in ("weights", "KV budget") else "left")
+    for group in plan.groups:
+        for s in group.stages:
+            table.add_row(
+                str(group.group_index), str(s.stage_index), f"[{s.layer_start}, {s.layer_end})",
+                _gib(s.weights_bytes), _gib(s.kv_budget_bytes), s.device, s.address,
+            )  # fmt: skip
+    return table
+
+
+def _load_nodes(path: Path) -> list[dict[str, Any]]:
+    import yaml
+
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    except (OSError, yaml.YAMLError) as exc:
+        fail(f"cannot read Node objects from {path}: {exc}")
+    nodes: list[dict[str, Any]] = []
+    for doc in docs:
+        items = doc.get("items", [doc]) if isinstance(doc, dict) else doc
+        nodes += [n for n in items if isinstance(n, dict)]
+    if not nodes:
+        fail(f"{path} holds no Node objects (a YAML list, a NodeList, or documents of kind Node)")
+    return nodes
+
+
+def make_plan(
+    model: Path, stages: int, *, nodes: Path | None = None, max_streams: int = 16, context_length: int = 2048,
+    window_rows: int = 8, stream_groups: int | None = None, max_queue: int = 64, dtype: str = "float32",
+    device: str = "cpu", base_port: int = 5555, served_name: str | None = None,
+) -> Any:  # fmt: skip
+    from modelfleet.plan import ServingLimits
+    from modelfleet.planner import PORT_STRIDE, build_plan
+
+    serving = ServingLimits(
+        max_streams=max_streams, context_length=context_length, window_rows=window_rows,
+        stream_groups=stream_groups, max_queue=max_queue,
+    )  # fmt: skip
+    plan = build_plan(
+        model, stages, _load_nodes(nodes) if nodes else None, dtype=dtype, serving=serving,
+        served_name=served_name or model.resolve().name, model_path=str(model.resolve()),
+        address_of=lambda g, s: f"127.0.0.1:{base_port + PORT_STRIDE * (g * stages + s)}",
+    )  # fmt: skip
+    if device != "cpu" and nodes is None:
+        plan = plan.model_copy(update={"groups": tuple(
+            g.model_copy(update={"stages": tuple(s.model_copy(update={"device": device}) for s in g.stages)})
+            for g in plan.groups
+        )})  # fmt: skip
+    return plan
+
+
+def plan(
+    model: Path = typer.Option(..., "--model", help="Checkpoint directory."),
+    stages: int = typer.Option(2, "--stages", min=1, help="Pipeline stages."),
+    nodes: Path | None = typer.Option(None, "--nodes", help="YAML of Kubernetes Node objects: split by their memory."),
+    out_path: Path = typer.Option(Path("plan.json"), "--out", help="Where to write the plan."),
+    max_streams: int = typer.Option(16, "--max-streams", min=1),
+    context_length: int = typer.Option(2048, "--context-length", min=1),
+    window_rows: int = typer.Option(8, "--window-rows", min=1, help="Rows of one stream's prefill window per frame."),
+    dtype: str = typer.Option("float32", "--dtype"),
+) -> None:
+    """Plan a fleet: contiguous layer ranges per stage, printed as a table and written as JSON."""
+    from modelfleet.engine.errors import ModelfleetError
+
+    try:
+        fleet_plan = make_plan(model, stages, nodes=nodes, max_streams=max_streams, context_length=context_length,
+                               window_rows=window_rows, dtype=dtype)  # fmt: skip
+    except ModelfleetError as exc:
+        fail(str(exc))
+    out.print(plan_table(fleet_plan))
+    out_path.write_text(fleet_plan.to_json())
+    out.print(f"wrote {out_path} (plan hash {fleet_plan.plan_hash()[:12]})")
+
+
+def agent(
+    plan_path: Path = typer.Option(..., "--plan", envvar="MF_PLAN", help="Fleet plan JSON."),
+    stage: int = typer.Option(..., "--stage", envvar="MF_STAGE", min=0, help="Stage index in the group."),
+    group: int = typer.Option(0, "--group", envvar="MF_GROUP", min=0, help="Pipeline group (replica) index."),
+    keys_dir: Path | None = typer.Option(
+        None, "--keys-dir", envvar="MF_KEYS_DIR", help="Folder with fleet.key and fleet.key_secret (CURVE)."
+    ),
+    http_host: str | None = typer.Option(None, "--http-host", envvar="MF_HTTP_HOST", help="Bind /healthz etc. here."),
+    log_level: str = typer.Option("INFO", "--log-level", envvar="MF_LOG_LEVEL"),
+) -> None:
+    """Run one stage of a fleet: load its layers, serve frames (stage 0 also schedules streams)."""
+    import logging
+
+    from modelfleet.agent import transport
+    from modelfleet.agent.stage import AgentConfig, StageAgent
+    from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.plan import load
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        fleet_plan = load(plan_path)
+        if group >= len(fleet_plan.groups) or stage >= len(fleet_plan.groups[group].stages):
+            fail(f"the plan has no stage {stage} in group {group}")
+        keys = transport.load_keypair(keys_dir, "fleet") if keys_dir else None
+        runner = StageAgent(AgentConfig(fleet_plan, stage, group, http_host=http_host, keys=keys))
+    except ModelfleetError as exc:
+        fail(str(exc))
+    runner.install_signal_handlers()
+    runner.run()
+
+
+def keys(
+    out_dir: Path = typer.Option(Path("keys"), "--out", help="Folder for fleet.key and fleet.key_secret."),
+) -> None:
+    """Generate the fleet's CURVE key pair: agents with keys refuse peers without them."""
+    from modelfleet.agent import transport
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    transport.save_keypair(transport.generate_keypair(), out_dir, "fleet")
+    out.print(f"wrote {out_dir / 'fleet.key'} and {out_dir / 'fleet.key_secret'} (keep the secret one secret)")
+
+
+def up(
+    model: Path = typer.Option(..., "--model", help="Checkpoint directory."),
+    stages: int = typer.Option(2, "--stages", min=1),
+    groups: int | None = typer.Option(
+        None, "--groups", min=1, help="Stream groups in flight (default: one per stage)."
+    ),
+    window_rows: int = typer.Option(8, "--window-rows", min=1),
+    max_streams: int = typer.Option(16, "--max-streams", min=1),
+    max_queue: int = typer.Option(64, "--max-queue", min=0),
+    context_length: int = typer.Option(2048, "--context-length", min=2),
+    dtype: str = typer.Option("float32", "--dtype"),
+    device: str = typer.Option("cpu", "--device"),
+    base_port: int = typer.Option(5555, "--base-port", help="First stage port; each stage takes 3 ports, 10 apart."),
+    ready_timeout: float = typer.Option(600.0, "--ready-timeout", help="Seconds to wait for the fleet."),
+) -> None:
+    """Run a whole fleet on this machine: plan, start every stage, wait until the chain is ready."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from modelfleet.agent.launcher import LaunchError, LocalFleet, check_ports
+    from modelfleet.engine.errors import ModelfleetError
+
+    if not model.is_dir():
+        fail(f"model directory {str(model)!r} does not exist; pass --model DIR with a checkpoint")
+    try:
+        fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
+                               window_rows=window_rows, stream_groups=groups, max_queue=max_queue, dtype=dtype,
+                               device=device, base_port=base_port)  # fmt: skip
+        check_ports(fleet_plan)
+    except ModelfleetError as exc:
+        fail(str(exc))
+    out.print(plan_table(fleet_plan))
+    workdir = Path(tempfile.mkdtemp(prefix="modelfleet-"))
+    plan_path = workdir / "plan.json"
+    plan_path.write_text(fleet_plan.to_json())
+    fleet = LocalFleet(fleet_plan, plan_path)
+    stop_requested = _trap_signals()
+    try:
+        fleet.start()
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
+                      console=err, transient=True) as progress:  # fmt: skip
+            tasks = [
+                progress.add_task(f"stage {s.stage_index}", total=s.num_layers) for s in fleet_plan.groups[0].stages
+            ]
+
+            def show(statuses: list[dict[str, Any] | None]) -> None:
+                for task, status in zip(tasks, statuses, strict=False):
+                    if status is not None:
+                        progress.update(task, completed=status.get("layers_loaded", 0))
+
+            fleet.wait_ready(ready_timeout, show)
+        head = fleet_plan.groups[0].stages[0]
+        out.print(f"[bold green]fleet ready[/]: head at {head.address} (clients on port {head.port + 2}), "
+                  f"status at http://{head.host}:{head.port + 1}/status")  # fmt: skip
+        out.print(f"try: modelfleet complete --plan {plan_path} --prompt-ids 1,2,3 --max-tokens 16")
+        while not stop_requested() and all(c.process.poll() is None for c in fleet.children):
+            time.sleep(0.2)
+    except LaunchError as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(code=1) from exc
+    finally:
+        err.print("stopping the fleet...")
+        fleet.stop()
+
+
+def _trap_signals():  # type: ignore[no-untyped-def]
+    import signal
+
+    flag = {"stop": False}
+
+    def handler(signum: int, frame: Any) -> None:
+        flag["stop"] = True
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return lambda: flag["stop"]
+
+
+def complete(
+    plan_path: Path = typer.Option(..., "--plan", envvar="MF_PLAN", help="The running fleet's plan."),
+    prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (the checkpoint needs tokenizer.json)."),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0),
+    seed: int | None = typer.Option(None, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object last."),
+) -> None:
+    """Send one prompt to a running fleet's head and stream the answer."""
+    from modelfleet.agent.client import FleetClient, FleetError
+    from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.engine.sampling import SamplingParams
+    from modelfleet.engine.tokenizer import IncrementalDecoder, TextTokenizer
+    from modelfleet.plan import load
+
+    if (prompt is None) == (prompt_ids is None):
+        fail("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    try:
+        fleet_plan = load(plan_path)
+        model_dir = Path(fleet_plan.model.path)
+        tokenizer = TextTokenizer(model_dir) if prompt is not None else None
+        ids = (
+            tokenizer.encode(prompt)
+            if tokenizer and prompt is not None
+            else [int(t) for t in (prompt_ids or "").split(",") if t.strip()]
+        )
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+        decoder = IncrementalDecoder(tokenizer) if tokenizer else None
+        with FleetClient(fleet_plan.groups[0].stages[0].address) as client:
+            request = client.submit(ids, params)
+            for token in client.stream(request):
+                sys.stdout.write(decoder.push(token) if decoder else f"{token} ")
+                sys.stdout.flush()
+            result = client.results[request]
+    except (ModelfleetError, ValueError) as exc:
+        fail(str(exc) if not isinstance(exc, FleetError) else f"the fleet answered: {exc}")
+        return
+    sys.stdout.write((decoder.flush() if decoder else "") + "\n")
+    if as_json:
+        print(json.dumps({"token_ids": result.token_ids, "finish_reason": result.finish_reason}))

@@ -1,0 +1,236 @@
+"""A local fleet of stage processes over ZeroMQ against the single-process engine: the same
+greedy tokens for concurrent streams, slots freed on every stage, hostile input dropped, and a
+killed stage failing its requests fast and rejoining."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import zmq
+
+from modelfleet.agent import transport as wire
+from modelfleet.agent.client import FleetClient
+from modelfleet.agent.launcher import LocalFleet, fetch_json, port_free
+from modelfleet.commands.fleet import make_plan
+from modelfleet.engine.generate import LocalModel, generate_batch
+from modelfleet.engine.sampling import SamplingParams
+
+STAGES = 3
+
+
+def free_base_port(stages: int) -> int:
+    for _ in range(50):
+        base = random.randrange(20000, 60000, 10)
+        if all(port_free("127.0.0.1", base + 10 * s + k) for s in range(stages) for k in range(3)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+class Fleet:
+    def __init__(self, model_dir: Path, workdir: Path, keys: wire.KeyPair | None = None, stages: int = STAGES):
+        self.plan = make_plan(model_dir, stages, max_streams=16, context_length=256, window_rows=4,
+                              base_port=free_base_port(stages))  # fmt: skip
+        self.plan_path = workdir / "plan.json"
+        self.plan_path.write_text(self.plan.to_json())
+        self.keys = keys
+        if keys is not None:
+            wire.save_keypair(keys, workdir, "fleet")
+        self.keys_dir = workdir
+        self.log = (workdir / "fleet.log").open("w")
+        self.local = LocalFleet(self.plan, self.plan_path, out=self.log)
+        self.stages = self.plan.groups[0].stages
+
+    def command(self, stage: int) -> list[str]:
+        keys = ["--keys-dir", str(self.keys_dir)] if self.keys is not None else []
+        return [*self.local.stage_command(stage), *keys]
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
+        for s in self.stages:
+            self.local.spawn(f"stage {s.stage_index}", self.command(s.stage_index), env, self.status_url(s.stage_index))
+        self.local.wait_ready(120)
+
+    def restart(self, stage: int) -> None:
+        env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
+        self.local.children[stage] = self.local.spawn(
+            f"stage {stage}", self.command(stage), env, self.status_url(stage)
+        )
+        self.local.children.pop()  # spawn appended it; it now sits at its stage's place
+
+    def status_url(self, stage: int) -> str:
+        s = self.stages[stage]
+        return f"http://{s.host}:{s.port + 1}/status"
+
+    def status(self, stage: int) -> dict:
+        data = fetch_json(self.status_url(stage))
+        assert data is not None, f"stage {stage} does not answer /status"
+        return data
+
+    def metric(self, stage: int, name: str) -> float:
+        s = self.stages[stage]
+        text = urllib.request.urlopen(f"http://{s.host}:{s.port + 1}/metrics", timeout=2).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    def readyz(self) -> int:
+        s = self.stages[0]
+        try:
+            return urllib.request.urlopen(f"http://{s.host}:{s.port + 1}/readyz", timeout=2).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    def client(self) -> FleetClient:
+        return FleetClient(self.stages[0].address, keys=self.keys, timeout_seconds=60)
+
+    def stop(self) -> None:
+        self.local.stop()
+        self.log.close()
+
+
+def wait_until(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+@pytest.fixture(scope="module")
+def secure_fleet(tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
+    path, _ = tiny_checkpoint("qwen3_moe")
+    fleet = Fleet(path, tmp_path_factory.mktemp("fleet"), keys=wire.generate_keypair())
+    fleet.start()
+    yield fleet
+    fleet.stop()
+
+
+def prompts_and_params(count: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 128) for _ in range(1 + (5 * i) % 19)] for i in range(count)]
+    params = [SamplingParams(max_tokens=4 + (3 * i) % 13) for i in range(count)]
+    return prompts, params
+
+
+def run_concurrently(fleet: Fleet, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    with fleet.client() as client:
+        ids = [client.submit(p, s) for p, s in zip(prompts, params, strict=True)]
+        results = client.wait(ids)
+    assert all(r.finish_reason in ("stop", "length") for r in results), [r.error for r in results]
+    return [r.token_ids for r in results]
+
+
+def reference(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    lm = LocalModel.load(model_dir, max_slots=len(prompts), max_context=256)
+    return [r.token_ids for r in generate_batch(lm, prompts, params)]
+
+
+def test_three_stage_fleet_with_keys_gives_the_greedy_tokens_of_the_single_process_engine(
+    secure_fleet, tiny_checkpoint
+) -> None:
+    prompts, params = prompts_and_params(12)
+    assert run_concurrently(secure_fleet, prompts, params) == reference(
+        tiny_checkpoint("qwen3_moe")[0], prompts, params
+    )
+    statuses = [secure_fleet.status(s) for s in range(STAGES)]
+    assert [s["slots_in_use"] for s in statuses] == [0, 0, 0]
+    assert statuses[0]["head"]["chain_ready"] and statuses[0]["role"] == "head" and statuses[2]["role"] == "tail"
+
+
+def test_three_stage_fleet_of_another_family_matches_too(tiny_checkpoint, tmp_path) -> None:
+    path, _ = tiny_checkpoint("mixtral")
+    fleet = Fleet(path, tmp_path)
+    fleet.start()
+    try:
+        prompts, params = prompts_and_params(12)
+        assert run_concurrently(fleet, prompts, params) == reference(path, prompts, params)
+    finally:
+        fleet.stop()
+
+
+def test_streams_arriving_and_leaving_mid_flight_do_not_disturb_the_others(secure_fleet, tiny_checkpoint) -> None:
+    prompts, params = prompts_and_params(8)
+    expected = reference(tiny_checkpoint("qwen3_moe")[0], prompts, params)
+    with secure_fleet.client() as client:
+        first = [client.submit(p, s) for p, s in zip(prompts[:4], params[:4], strict=True)]
+        client.poll(0.05)
+        doomed = client.submit([5, 6, 7], SamplingParams(max_tokens=200, stop_token_ids=()))
+        later = [client.submit(p, s) for p, s in zip(prompts[4:], params[4:], strict=True)]
+        wait_until(
+            lambda: (client.poll(0.01) or True) and client.results[doomed].token_ids, 10, "doomed stream started"
+        )
+        client.cancel(doomed)
+        results = client.wait([*first, *later, doomed])
+    assert [r.token_ids for r in results[:8]] == expected
+    assert results[8].finish_reason == "cancelled"
+
+
+def test_a_cancelled_stream_frees_its_slot_on_every_stage(secure_fleet) -> None:
+    with secure_fleet.client() as client:
+        request = client.submit([9, 8, 7, 6], SamplingParams(max_tokens=240, stop_token_ids=()))
+        wait_until(lambda: (client.poll(0.01) or True) and len(client.results[request].token_ids) >= 2, 10, "tokens")
+        assert [secure_fleet.status(s)["slots_in_use"] for s in range(STAGES)] == [1, 1, 1]
+        client.cancel(request)
+        assert client.wait([request])[0].finish_reason == "cancelled"
+    wait_until(lambda: all(secure_fleet.status(s)["slots_in_use"] == 0 for s in range(STAGES)), 1.0, "slots freed")
+
+
+def test_malformed_and_unauthenticated_messages_are_dropped_while_the_fleet_serves(secure_fleet) -> None:
+    ctx = zmq.Context()
+    stage1 = secure_fleet.stages[1]
+    # an authenticated peer sending garbage and a header whose payload size does not match
+    good = ctx.socket(zmq.PUSH)
+    keys = secure_fleet.keys
+    assert keys is not None
+    wire.curve_client(good, keys, keys.public)
+    good.connect(f"tcp://{stage1.address}")
+    before = secure_fleet.metric(1, "modelfleet_stage_malformed_messages_total")
+    good.send_multipart([b"\x93not a header"])
+    frame = wire.encode(wire.TokensMsg(group=0, step=1, slots=_ids([1]), positions=_ids([1]), token_ids=_ids([1])))
+    good.send_multipart([frame[0], frame[1][:-1], frame[2], frame[3]])
+    wait_until(lambda: secure_fleet.metric(1, "modelfleet_stage_malformed_messages_total") >= before + 2, 5, "drops")
+    # a peer without the fleet's keys never gets a message through
+    frames_before = secure_fleet.metric(1, "modelfleet_stage_frames_total")
+    plain = ctx.socket(zmq.PUSH)
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.connect(f"tcp://{stage1.address}")
+    plain.send_multipart(wire.encode(wire.ReleaseMsg(slots=(1,))), zmq.NOBLOCK)
+    with secure_fleet.client() as client:
+        assert client.generate([4, 5, 6], SamplingParams(max_tokens=5, stop_token_ids=())).finish_reason == "length"
+    assert secure_fleet.metric(1, "modelfleet_stage_malformed_messages_total") == before + 2
+    assert secure_fleet.metric(1, "modelfleet_stage_frames_total") > frames_before
+    for sock in (good, plain):
+        sock.close(linger=0)
+    ctx.term()
+
+
+def _ids(values: list[int]):  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def test_killing_a_stage_fails_requests_fast_and_the_restarted_stage_rejoins(secure_fleet) -> None:
+    with secure_fleet.client() as client:
+        request = client.submit([1, 2, 3], SamplingParams(max_tokens=240, stop_token_ids=()))
+        wait_until(lambda: (client.poll(0.01) or True) and len(client.results[request].token_ids) >= 1, 10, "tokens")
+        secure_fleet.local.children[1].process.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        result = client.wait([request])[0]
+        assert result.finish_reason == "error" and "stopped answering" in result.error
+        assert time.monotonic() - killed_at < 5.0
+        wait_until(lambda: secure_fleet.readyz() == 503, 5, "/readyz turns false")
+        refused = client.generate([1, 2], SamplingParams(max_tokens=2))
+        assert refused.finish_reason == "error" and "not ready" in refused.error
+        secure_fleet.local.children[1].process.wait()
+        secure_fleet.restart(1)
+        wait_until(lambda: secure_fleet.readyz() == 200, 60, "the fleet is ready again")
+        again = client.generate([4, 5, 6], SamplingParams(max_tokens=6, stop_token_ids=()))
+        assert again.finish_reason == "length" and len(again.token_ids) == 6
+    assert [secure_fleet.status(s)["phase"] for s in range(STAGES)] == ["Ready"] * 3
