@@ -29,6 +29,8 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str = ""
+    submitted_at: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # perf_counter time each token arrived
     first_token_at: float | None = None
     finished_at: float | None = None
 
@@ -58,7 +60,7 @@ class FleetClient:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         request_id = next(self.ids)
-        self.results[request_id] = Completion(request_id)
+        self.results[request_id] = Completion(request_id, submitted_at=time.perf_counter())
         self.socket.send_multipart(wire.encode(wire.SubmitMsg.of(request_id, prompt_ids, params)))
         return request_id
 
@@ -85,6 +87,7 @@ class FleetClient:
         if msg.token_ids and result.first_token_at is None:
             result.first_token_at = now
         result.token_ids += msg.token_ids
+        result.token_times += [now] * len(msg.token_ids)
         if msg.finish_reason is not None:
             result.finish_reason, result.error, result.finished_at = msg.finish_reason, msg.error, now
 
