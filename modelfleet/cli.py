@@ -121,6 +121,7 @@ def _register() -> None:
 
 
 _register()
+app.add_typer(__import__("modelfleet.commands.render", fromlist=["app"]).app)  # render, operator
 
 if __name__ == "__main__":
     app()

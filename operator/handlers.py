@@ -1,0 +1,50 @@
+"""kopf handlers for ModelFleet: thin shells over :func:`modelfleet.operator.reconcile.reconcile`.
+
+Create, update and resume run one reconcile pass; a timer runs it again every
+``RESYNC_SECONDS`` to follow pods (members' phases, failed stages replaced alone and counted).
+An invalid spec ends in ``kopf.PermanentError``; "not yet" (no model summary, no capacity) in
+``kopf.TemporaryError`` with a delay. Status is written through kopf's ``patch``, which kopf
+applies whether the handler succeeds or raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from .reconcile import Cluster, reconcile
+from .spec import GROUP, PLURAL, VERSION
+
+RESYNC_SECONDS = 15.0
+_cluster: Cluster | None = None
+
+
+def cluster() -> Cluster:
+    """The API client, made once per process (tests replace it with ``use_cluster``)."""
+    global _cluster
+    if _cluster is None:
+        from .kube import KubeCluster
+
+        _cluster = KubeCluster()
+    return _cluster
+
+
+def use_cluster(replacement: Cluster | None) -> None:
+    global _cluster
+    _cluster = replacement
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def reconcile_fleet(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    outcome = reconcile(body, cluster())
+    patch.status.update(outcome.status)
+    for line in outcome.applied:
+        logger.debug(line)
+    if outcome.permanent_error:
+        raise kopf.PermanentError(outcome.permanent_error)
+    if outcome.retry_after_seconds is not None:
+        raise kopf.TemporaryError(outcome.message, delay=outcome.retry_after_seconds)

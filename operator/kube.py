@@ -1,0 +1,64 @@
+"""The real :class:`~modelfleet.operator.reconcile.Cluster`: the Kubernetes API through the
+``kubernetes`` client's dynamic client (one code path for every kind).
+
+The client is imported on first use: it reads ``$KUBECONFIG`` at import time, and importing it
+costs a second that ``modelfleet render`` does not need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+Obj = dict[str, Any]
+
+
+class KubeCluster:
+    def __init__(self) -> None:
+        from kubernetes import config, dynamic
+        from kubernetes.client import api_client
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:  # $KUBECONFIG as it is now, not as it was at import
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+        self._client = dynamic.DynamicClient(api_client.ApiClient())
+
+    def _resource(self, api_version: str, kind: str) -> Any:
+        return self._client.resources.get(api_version=api_version, kind=kind)
+
+    def list_nodes(self) -> list[Obj]:
+        return [item.to_dict() for item in self._resource("v1", "Node").get().items]
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
+        from kubernetes.dynamic.exceptions import NotFoundError
+
+        try:
+            return dict(self._resource(api_version, kind).get(name=name, namespace=namespace).to_dict())
+        except NotFoundError:
+            return None
+
+    def create(self, obj: Obj) -> None:
+        self._resource(obj["apiVersion"], obj["kind"]).create(body=obj, namespace=obj["metadata"].get("namespace"))
+
+    def patch(self, obj: Obj) -> None:
+        meta = obj["metadata"]
+        resource = self._resource(obj["apiVersion"], obj["kind"])
+        resource.patch(
+            body=obj, name=meta["name"], namespace=meta["namespace"], content_type="application/merge-patch+json"
+        )
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        from kubernetes.dynamic.exceptions import NotFoundError
+
+        with contextlib.suppress(NotFoundError):  # already gone: what deleting asked for
+            self._resource(api_version, kind).delete(name=name, namespace=namespace)
+
+    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Obj]:
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        return [
+            item.to_dict()
+            for item in self._resource("v1", "Pod").get(namespace=namespace, label_selector=selector).items
+        ]

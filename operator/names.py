@@ -1,0 +1,45 @@
+"""Names shared by the planner, the object builders and the handlers: one definition each.
+
+Pod names are stable (``<fleet>-g<group>-s<stage>``, ``-r<rank>`` when a stage has several
+tensor-parallel ranks), so a replaced pod keeps its DNS name under the headless Service
+(``<pod>.<fleet>-stages.<namespace>.svc``) and the plan's addresses stay true.
+"""
+
+from __future__ import annotations
+
+LABEL_FLEET = "modelfleet.io/fleet"
+LABEL_GROUP = "modelfleet.io/group"
+LABEL_STAGE = "modelfleet.io/stage"
+LABEL_TP_RANK = "modelfleet.io/tp-rank"
+LABEL_COMPONENT = "modelfleet.io/component"  # stage | gateway
+ANNOTATION_PLAN_HASH = "modelfleet.io/plan-hash"
+ANNOTATION_GENERATION = "modelfleet.io/generation"
+
+AGENT_PORT = 5555
+AGENT_HTTP_PORT = 8080  # /healthz, /readyz, /status, /metrics
+GATEWAY_PORT = 8000
+PLAN_MOUNT_DIR = "/etc/modelfleet"
+PLAN_KEY = "plan.json"
+MEMBERS_KEY = "members.json"
+
+
+def pod_name(fleet: str, group: int, stage: int, tp_rank: int = 0, tp_size: int = 1) -> str:
+    base = f"{fleet}-g{group}-s{stage}"
+    return f"{base}-r{tp_rank}" if tp_size > 1 else base
+
+
+def stage_service(fleet: str) -> str:
+    return f"{fleet}-stages"
+
+
+def plan_config_map(fleet: str) -> str:
+    return f"{fleet}-plan"
+
+
+def gateway_name(fleet: str) -> str:
+    return f"{fleet}-gateway"
+
+
+def stage_address(fleet: str, namespace: str, group: int, stage: int, tp_size: int = 1) -> str:
+    """host:port of a stage's rank 0, through the headless Service's per-pod DNS record."""
+    return f"{pod_name(fleet, group, stage, 0, tp_size)}.{stage_service(fleet)}.{namespace}.svc:{AGENT_PORT}"

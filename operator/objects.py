@@ -1,0 +1,260 @@
+"""Kubernetes objects of a fleet, as plain dicts: pure functions of the fleet, its spec and plan.
+
+Every object carries ``modelfleet.io/fleet`` and an ownerReference to the ModelFleet (deleting the
+fleet deletes them). Quantities are strings. Stage pods use ``restartPolicy: Never``: a failed
+stage is replaced by the operator, which counts the replacements (``restartPolicy.maxStageRestarts``).
+A pod is bound to its planned node by a required node affinity on ``metadata.name`` (as DaemonSets
+are), so the scheduler still checks resources; ``placement.affinity``'s other parts are kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from modelfleet import __version__
+from modelfleet.plan import FleetPlan
+
+from . import names
+from .placement import MemberAssignment, Placement
+from .spec import GROUP, KIND, VERSION, ModelFleetSpec
+
+Obj = dict[str, Any]
+DEFAULT_IMAGE = f"ghcr.io/modelfleet/modelfleet:{__version__}"
+MODEL_MOUNT_DIR = "/models"
+
+
+def owner_reference(fleet: Mapping[str, Any]) -> Obj:
+    meta = fleet["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+        "controller": True, "blockOwnerDeletion": True,
+    }  # fmt: skip
+
+
+def _metadata(fleet: Mapping[str, Any], name: str, component: str | None = None, **labels: str) -> Obj:
+    meta = fleet["metadata"]
+    all_labels = {names.LABEL_FLEET: meta["name"], **labels}
+    if component:
+        all_labels[names.LABEL_COMPONENT] = component
+    result: Obj = {"name": name, "namespace": meta["namespace"], "labels": all_labels}
+    if meta.get("uid"):  # render prints objects for a fleet that does not exist yet
+        result["ownerReferences"] = [owner_reference(fleet)]
+    return result
+
+
+def selector(fleet: str, component: str) -> dict[str, str]:
+    return {names.LABEL_FLEET: fleet, names.LABEL_COMPONENT: component}
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+
+
+def plan_config_map(fleet: Mapping[str, Any], placement: Placement) -> Obj:
+    """The plan agents read, plus the member nodes and the fleet generation they were planned for
+    (the operator keeps a plan while its generation holds and its nodes still match)."""
+    name = names.plan_config_map(fleet["metadata"]["name"])
+    meta = _metadata(fleet, name)
+    meta["annotations"] = {
+        names.ANNOTATION_PLAN_HASH: placement.plan.plan_hash(),
+        names.ANNOTATION_GENERATION: str(fleet["metadata"].get("generation", 0)),
+    }
+    members = json.dumps([dataclasses.asdict(m) for m in placement.members], indent=1)
+    data = {names.PLAN_KEY: placement.plan.to_json(), names.MEMBERS_KEY: members}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+
+
+# ---- stage pods -------------------------------------------------------------------------------
+
+
+def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: FleetPlan, member: MemberAssignment) -> Obj:
+    fleet_name = fleet["metadata"]["name"]
+    tp = plan.stage(member.group, member.stage).tp_size
+    name = names.pod_name(fleet_name, member.group, member.stage, member.tp_rank, tp)
+    labels = {
+        names.LABEL_GROUP: str(member.group), names.LABEL_STAGE: str(member.stage),
+        names.LABEL_TP_RANK: str(member.tp_rank),
+    }  # fmt: skip
+    meta = _metadata(fleet, name, "stage", **labels)
+    meta["annotations"] = {names.ANNOTATION_PLAN_HASH: plan.plan_hash()}
+    model_volume, model_env = _model_volume(spec)
+    env = [
+        _env("MF_PLAN", f"{names.PLAN_MOUNT_DIR}/{names.PLAN_KEY}"), _env("MF_GROUP", str(member.group)),
+        _env("MF_STAGE", str(member.stage)), _env("MF_TP_RANK", str(member.tp_rank)), _env("MF_TP_SIZE", str(tp)),
+        _env("MF_BACKEND", spec.backend), _env("MF_NUMA", spec.placement.numa), *model_env,
+        {"name": "MF_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "MF_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    ]  # fmt: skip
+    container = {
+        "name": "agent", "image": spec.images.agent or DEFAULT_IMAGE, "imagePullPolicy": spec.images.pull_policy,
+        "command": ["modelfleet", "agent"], "env": env, "resources": _resources(spec, member),
+        "ports": [
+            {"name": "agent", "containerPort": names.AGENT_PORT},
+            {"name": "http", "containerPort": names.AGENT_HTTP_PORT},
+        ],
+        "readinessProbe": _probe("/readyz", names.AGENT_HTTP_PORT, period=5),
+        # weights load for minutes; the agent answers /healthz while loading
+        "livenessProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=6),
+        "volumeMounts": [
+            {"name": "plan", "mountPath": names.PLAN_MOUNT_DIR, "readOnly": True},
+            {"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": spec.model.uri.startswith("pvc://")},
+        ],
+    }  # fmt: skip
+    pod_spec = {
+        "hostname": name, "subdomain": names.stage_service(fleet_name), "restartPolicy": "Never",
+        "affinity": _affinity(spec, member.node), "containers": [container],
+        "volumes": [_plan_volume(fleet_name), model_volume], "automountServiceAccountToken": False,
+    }  # fmt: skip
+    if spec.placement.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _env(name: str, value: str) -> Obj:
+    return {"name": name, "value": value}
+
+
+def _probe(path: str, port: int, period: int, failures: int = 3) -> Obj:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
+
+
+def _resources(spec: ModelFleetSpec, member: MemberAssignment) -> Obj:
+    requests = {k: v for k, v in (("cpu", spec.resources.cpu), ("memory", spec.resources.memory)) if v}
+    limits = dict(requests) if spec.placement.numa == "single-numa-node" else {}  # Guaranteed QoS for NUMA pinning
+    if "memory" in requests:
+        limits["memory"] = requests["memory"]
+    if member.accelerator_resource and spec.accelerator.devices_per_pod:
+        limits[member.accelerator_resource] = str(spec.accelerator.devices_per_pod)
+    result: Obj = {}
+    if requests:
+        result["requests"] = requests
+    if limits:
+        result["limits"] = limits
+    return result
+
+
+def _affinity(spec: ModelFleetSpec, node: str) -> Obj:
+    affinity = copy.deepcopy(spec.placement.affinity or {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": [term]}
+    return affinity
+
+
+def _plan_volume(fleet_name: str) -> Obj:
+    return {"name": "plan", "configMap": {"name": names.plan_config_map(fleet_name)}}
+
+
+def _model_volume(spec: ModelFleetSpec) -> tuple[Obj, list[Obj]]:
+    """The checkpoint volume and MF_MODEL_PATH; hf:// models download into an emptyDir cache."""
+    uri = spec.model.uri
+    if uri.startswith("pvc://"):
+        claim, _, path = uri.removeprefix("pvc://").partition("/")
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return volume, [_env("MF_MODEL_PATH", f"{MODEL_MOUNT_DIR}/{path}")]
+    if uri.startswith("hostpath://"):
+        volume = {"name": "model", "hostPath": {"path": uri.removeprefix("hostpath://"), "type": "Directory"}}
+        return volume, [_env("MF_MODEL_PATH", MODEL_MOUNT_DIR)]
+    return {"name": "model", "emptyDir": {}}, [_env("MF_MODEL_URI", uri), _env("MF_MODEL_CACHE", MODEL_MOUNT_DIR)]
+
+
+# ---- services, gateway, policies --------------------------------------------------------------
+
+
+def stage_service(fleet: Mapping[str, Any]) -> Obj:
+    """Headless: one DNS record per stage pod, published before the pod is ready (peers dial early)."""
+    fleet_name = fleet["metadata"]["name"]
+    ports = [
+        {"name": "agent", "port": names.AGENT_PORT, "targetPort": "agent"},
+        {"name": "http", "port": names.AGENT_HTTP_PORT, "targetPort": "http"},
+    ]
+    spec = {
+        "clusterIP": "None",
+        "publishNotReadyAddresses": True,
+        "selector": selector(fleet_name, "stage"),
+        "ports": ports,
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(fleet, names.stage_service(fleet_name)),
+        "spec": spec,
+    }
+
+
+def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: FleetPlan) -> Obj:
+    fleet_name = fleet["metadata"]["name"]
+    labels = selector(fleet_name, "gateway")
+    mounts: list[Obj] = [{"name": "plan", "mountPath": names.PLAN_MOUNT_DIR, "readOnly": True}]
+    volumes: list[Obj] = [_plan_volume(fleet_name)]
+    env = [_env("MF_PLAN", f"{names.PLAN_MOUNT_DIR}/{names.PLAN_KEY}")]
+    if spec.gateway.api_keys_secret:
+        mounts.append({"name": "api-keys", "mountPath": "/etc/modelfleet-keys", "readOnly": True})
+        volumes.append({"name": "api-keys", "secret": {"secretName": spec.gateway.api_keys_secret}})
+        env.append(_env("MF_API_KEYS_DIR", "/etc/modelfleet-keys"))
+    container = {
+        "name": "gateway", "image": spec.images.gateway or DEFAULT_IMAGE, "imagePullPolicy": spec.images.pull_policy,
+        "command": ["modelfleet", "gateway"], "env": env, "volumeMounts": mounts,
+        "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],
+        "readinessProbe": _probe("/readyz", names.GATEWAY_PORT, period=5),
+        "livenessProbe": _probe("/healthz", names.GATEWAY_PORT, period=10),
+    }  # fmt: skip
+    template = {
+        "metadata": {"labels": labels, "annotations": {names.ANNOTATION_PLAN_HASH: plan.plan_hash()}},
+        "spec": {"containers": [container], "volumes": volumes, "automountServiceAccountToken": False},
+    }
+    deployment_spec = {"replicas": spec.gateway.replicas, "selector": {"matchLabels": labels}, "template": template}
+    meta = _metadata(fleet, names.gateway_name(fleet_name), "gateway")
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": deployment_spec}
+
+
+def gateway_service(fleet: Mapping[str, Any], spec: ModelFleetSpec) -> Obj:
+    fleet_name = fleet["metadata"]["name"]
+    port = {"name": "http", "port": names.GATEWAY_PORT, "targetPort": "http"}
+    service_spec = {"type": spec.gateway.service_type, "selector": selector(fleet_name, "gateway"), "ports": [port]}
+    meta = _metadata(fleet, names.gateway_name(fleet_name), "gateway")
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": service_spec}
+
+
+def endpoint(fleet: Mapping[str, Any]) -> str:
+    meta = fleet["metadata"]
+    return f"http://{names.gateway_name(meta['name'])}.{meta['namespace']}.svc:{names.GATEWAY_PORT}/v1"
+
+
+def network_policies(fleet: Mapping[str, Any]) -> list[Obj]:
+    """Stage pods accept only pods of the same fleet; the gateway's port is open to all."""
+    fleet_name = fleet["metadata"]["name"]
+    same_fleet = {"podSelector": {"matchLabels": {names.LABEL_FLEET: fleet_name}}}
+    stages = {
+        "podSelector": {"matchLabels": selector(fleet_name, "stage")},
+        "policyTypes": ["Ingress"], "ingress": [{"from": [same_fleet]}],
+    }  # fmt: skip
+    gateway = {
+        "podSelector": {"matchLabels": selector(fleet_name, "gateway")}, "policyTypes": ["Ingress"],
+        "ingress": [{"ports": [{"protocol": "TCP", "port": names.GATEWAY_PORT}]}],
+    }  # fmt: skip
+    return [
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _metadata(fleet, f"{fleet_name}-{part}"), "spec": body}
+        for part, body in (("stages", stages), ("gateway", gateway))
+    ]  # fmt: skip
+
+
+def disruption_budget(fleet: Mapping[str, Any]) -> Obj:
+    """At most one stage pod evicted at a time: a drain degrades one group, never all at once."""
+    fleet_name = fleet["metadata"]["name"]
+    spec = {"maxUnavailable": 1, "selector": {"matchLabels": selector(fleet_name, "stage")}}
+    meta = _metadata(fleet, f"{fleet_name}-stages")
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta, "spec": spec}
+
+
+def fleet_objects(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placement) -> list[Obj]:
+    """Everything the operator applies for a fleet, in apply order (the plan before its readers)."""
+    plan = placement.plan
+    return [
+        plan_config_map(fleet, placement), stage_service(fleet), *network_policies(fleet), disruption_budget(fleet),
+        *(stage_pod(fleet, spec, plan, member) for member in placement.members),
+        gateway_deployment(fleet, spec, plan), gateway_service(fleet, spec),
+    ]  # fmt: skip

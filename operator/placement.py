@@ -1,0 +1,217 @@
+"""Placement: from a ModelFleetSpec, a ModelSummary and Kubernetes Node objects to a FleetPlan and
+the node of every stage member. Pure: plain data in, plain data out, no API calls.
+
+A node matches a fleet when it is Ready and schedulable, carries every ``placement.nodeSelector``
+label, tolerates every NoSchedule/NoExecute taint, and offers the accelerator profile through its
+device plugin's allocatable resource (the pods request that resource, so labels alone would not do):
+
+- ``nvidia-gpu``: ``status.allocatable["nvidia.com/gpu"] >= count`` (NVIDIA device plugin; GPU
+  feature discovery's ``nvidia.com/gpu.memory`` label adds device memory, see
+  :func:`modelfleet.planner.usable_memory`);
+- ``intel-igpu``: ``gpu.intel.com/i915`` or ``gpu.intel.com/xe`` allocatable ``>= count`` (Intel
+  GPU device plugin); iGPUs share host RAM and add no memory;
+- ``cpu``: every node.
+
+``placement.affinity`` is copied into the pods and not evaluated here. Members are taken from the
+matching nodes with the most usable memory, then ordered by name and dealt group by group, stage by
+stage, rank by rank. A stage of ``tensor`` ranks offers ``tensor * min(usable of its nodes)``
+(weights are split evenly across ranks). Layer ranges come from
+:func:`modelfleet.planner.split_by_memory` (in proportion to usable memory) unless the spec lists
+them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from modelfleet.plan import FleetPlan, PlanError, build
+from modelfleet.planner import InfeasiblePlan, node_name, parse_quantity, split_by_memory, usable_memory
+
+from .names import stage_address
+from .spec import ModelFleetSpec
+from .summary import ModelSummary
+
+Node = Mapping[str, Any]
+ACCELERATOR_RESOURCES = {"nvidia-gpu": ("nvidia.com/gpu",), "intel-igpu": ("gpu.intel.com/i915", "gpu.intel.com/xe")}
+PLAN_DEVICE = {"nvidia-gpu": "cuda", "intel-igpu": "GPU", "cpu": "cpu"}
+
+
+@dataclass(frozen=True)
+class MemberAssignment:
+    group: int
+    stage: int
+    tp_rank: int
+    node: str
+    accelerator_resource: str | None  # what the pod requests, e.g. nvidia.com/gpu
+
+
+@dataclass(frozen=True)
+class Placement:
+    plan: FleetPlan
+    members: tuple[MemberAssignment, ...]
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    """Why no plan fits: a condition reason, a message naming the shortfall, the nodes considered."""
+
+    reason: Literal["NoMatchingNodes", "InsufficientCapacity", "InvalidForModel"]
+    message: str
+    missing_bytes: int = 0
+    nodes_considered: tuple[str, ...] = ()
+    rejected: Mapping[str, str] | None = None  # node name -> why it does not match
+
+
+# ---- matching -------------------------------------------------------------------------------
+
+
+def rejection(node: Node, spec: ModelFleetSpec) -> str | None:
+    """Why ``node`` cannot hold a member of this fleet, or None when it can."""
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    for key, value in spec.placement.node_selector.items():
+        if labels.get(key) != value:
+            return f"label {key}={value} missing (nodeSelector)"
+    if (node.get("spec") or {}).get("unschedulable"):
+        return "unschedulable (cordoned)"
+    if not _ready(node):
+        return "not Ready"
+    for taint in (node.get("spec") or {}).get("taints") or []:
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerated(taint, spec):
+            return f"taint {taint.get('key')}={taint.get('value', '')}:{taint.get('effect')} not tolerated"
+    if spec.accelerator.profile != "cpu" and accelerator_resource(node, spec) is None:
+        names = " or ".join(ACCELERATOR_RESOURCES[spec.accelerator.profile])
+        return f"allocatable {names} below {spec.accelerator.devices_per_pod} (accelerator.profile={spec.accelerator.profile})"
+    return None
+
+
+def accelerator_resource(node: Node, spec: ModelFleetSpec) -> str | None:
+    """The device plugin resource this node offers enough of for one pod, or None."""
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    for resource in ACCELERATOR_RESOURCES.get(spec.accelerator.profile, ()):
+        if parse_quantity(allocatable.get(resource, 0)) >= spec.accelerator.devices_per_pod:
+            return resource
+    return None
+
+
+def _ready(node: Node) -> bool:
+    conditions = (node.get("status") or {}).get("conditions")
+    if not conditions:  # a Node object without conditions (e.g. in a test file) counts as ready
+        return True
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _tolerated(taint: Mapping[str, Any], spec: ModelFleetSpec) -> bool:
+    for tol in spec.placement.tolerations:
+        key_matches = tol.key is None and tol.operator == "Exists" or tol.key == taint.get("key")
+        value_matches = tol.operator == "Exists" or tol.value == taint.get("value")
+        if key_matches and value_matches and tol.effect in (None, taint.get("effect")):
+            return True
+    return False
+
+
+# ---- planning -------------------------------------------------------------------------------
+
+
+def place(
+    spec: ModelFleetSpec, summary: ModelSummary, nodes: Sequence[Node], fleet: str, namespace: str
+) -> Placement | Infeasible:
+    """The plan and member nodes for ``spec``, or why none fits."""
+    rejected = {node_name(n): why for n in nodes if (why := rejection(n, spec)) is not None}
+    matching = [n for n in nodes if node_name(n) not in rejected]
+    considered = tuple(sorted(node_name(n) for n in nodes))
+    if not matching:
+        return Infeasible("NoMatchingNodes", _no_match_message(spec, rejected), 0, considered, rejected)
+    per_stage = spec.parallelism.tensor
+    width = per_stage * spec.replicas
+    stages = spec.pipeline or min(summary.num_layers, len(matching) // width)
+    if stages < 1 or stages * width > len(matching):
+        need = max(stages, 1) * width
+        message = f"the fleet needs {need} matching nodes ({max(stages, 1)} stages x {per_stage} ranks x {spec.replicas} groups), {len(matching)} match: {', '.join(sorted(node_name(n) for n in matching))}"
+        return Infeasible("InsufficientCapacity", message, 0, considered, rejected)
+    if stages > summary.num_layers:
+        return Infeasible(
+            "InvalidForModel", f"parallelism.pipeline={stages} exceeds the model's {summary.num_layers} layers"
+        )
+    chosen = sorted(matching, key=lambda n: (-usable_memory(n), node_name(n)))[: stages * width]
+    chosen.sort(key=node_name)
+    try:
+        return _plan(spec, summary, chosen, stages, fleet, namespace)
+    except InfeasiblePlan as exc:
+        return Infeasible("InsufficientCapacity", str(exc), exc.missing_bytes, considered, rejected)
+    except PlanError as exc:
+        return Infeasible("InvalidForModel", str(exc), 0, considered, rejected)
+
+
+def _no_match_message(spec: ModelFleetSpec, rejected: Mapping[str, str]) -> str:
+    if not rejected:
+        return "the cluster has no nodes"
+    reasons = "; ".join(f"{name}: {why}" for name, why in sorted(rejected.items()))
+    return f"no node matches accelerator.profile={spec.accelerator.profile} and placement: {reasons}"
+
+
+def _plan(
+    spec: ModelFleetSpec, summary: ModelSummary, chosen: list[Node], stages: int, fleet: str, namespace: str
+) -> Placement:
+    tp, sizes = spec.parallelism.tensor, summary.sizes
+    streams_per_group = -(-spec.serving.max_streams // spec.replicas)
+    kv = summary.kv_bytes(streams_per_group, spec.serving.context_length)
+    members, groups = [], []
+    for g in range(spec.replicas):
+        group_nodes = chosen[g * stages * tp : (g + 1) * stages * tp]
+        stage_nodes = [group_nodes[s * tp : (s + 1) * tp] for s in range(stages)]
+        ranges = _ranges(spec, summary, kv, stage_nodes)
+        members += [
+            MemberAssignment(g, s, r, node_name(node), accelerator_resource(node, spec))
+            for s, ranks in enumerate(stage_nodes)
+            for r, node in enumerate(ranks)
+        ]
+        groups.append({"group_index": g, "stages": [
+            {
+                "stage_index": s, "layer_start": a, "layer_end": b, "tp_size": tp,
+                "address": stage_address(fleet, namespace, g, s, tp), "device": PLAN_DEVICE[spec.accelerator.profile],
+                "weights_bytes": sizes.stage_bytes(a, b), "kv_budget_bytes": sum(kv[a:b]),
+            }
+            for s, (a, b) in enumerate(ranges)
+        ]})  # fmt: skip
+    return Placement(_build(spec, summary, groups), tuple(members))
+
+
+def _ranges(
+    spec: ModelFleetSpec, summary: ModelSummary, kv: list[int], stage_nodes: list[list[Node]]
+) -> list[tuple[int, int]]:
+    """Layer ranges of one group: the spec's, checked against memory, or split by memory."""
+    sizes, stages = summary.sizes, len(stage_nodes)
+    usable = [len(ranks) * min(usable_memory(n) for n in ranks) for ranks in stage_nodes]
+    names = ["+".join(node_name(n) for n in ranks) for ranks in stage_nodes]
+    head = sizes.norm_bytes if stages == 1 and sizes.tied else sizes.head_bytes
+    if spec.stages is None:
+        return split_by_memory(sizes.per_layer, sizes.embed_bytes, head, usable, kv, names)
+    ranges = [(r.layer_start, r.layer_end) for r in spec.stages]
+    if ranges[-1][1] != summary.num_layers:
+        raise PlanError(
+            f"stages[{stages - 1}].layerEnd={ranges[-1][1]} must equal the model's {summary.num_layers} layers"
+        )
+    for k, (a, b) in enumerate(ranges):
+        need = sizes.stage_bytes(a, b) + sum(kv[a:b])
+        if need > usable[k]:
+            short = need - usable[k]
+            raise InfeasiblePlan(
+                f"{names[k]} (stage {k}, layers [{a}, {b})) needs {need} bytes, has {usable[k]}, short by {short} bytes",
+                short, tuple(max(0, need - u) if i == k else 0 for i, u in enumerate(usable)),
+            )  # fmt: skip
+    return ranges
+
+
+def _build(spec: ModelFleetSpec, summary: ModelSummary, groups: list[dict[str, Any]]) -> FleetPlan:
+    model = {
+        "path": spec.model.uri, "served_name": spec.model.served_name, "family": summary.family,
+        "num_layers": summary.num_layers, "dtype": summary.dtype, "formats": spec.model.formats,
+    }  # fmt: skip
+    serving = {
+        "max_streams": spec.serving.max_streams, "context_length": spec.serving.context_length,
+        "window_rows": spec.serving.window_rows, "max_queue": spec.gateway.max_queue,
+        "queue_timeout_seconds": float(spec.gateway.queue_timeout_seconds),
+    }  # fmt: skip
+    return build(model=model, groups=groups, serving=serving)

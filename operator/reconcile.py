@@ -1,0 +1,243 @@
+"""One reconcile pass of a ModelFleet: read, plan, apply, replace failed stages, report status.
+
+Kubernetes is reached only through :class:`Cluster` (the real one in ``kube.py``, a dict in tests),
+and kopf not at all: :func:`reconcile` returns an :class:`Outcome` that the thin handlers turn
+into a status patch and ``kopf.PermanentError`` / ``kopf.TemporaryError``. A pass is idempotent:
+objects are created when missing, merge-patched when they differ, and stage pods (immutable) are
+deleted when their plan hash is stale, to be recreated on the next pass.
+
+A plan is kept while the fleet's generation is the one it was made for and every planned node
+still matches: nodes joining the cluster do not reshuffle a running fleet.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from modelfleet.plan import FleetPlan, PlanError
+
+from . import names, objects
+from .placement import Infeasible, MemberAssignment, Placement, place, rejection
+from .spec import ModelFleetSpec, SpecError, parse_spec
+from .status import Condition, Phase, Reason, condition, member_phase, members, scheduled, set_condition
+from .summary import SUMMARY_KEY, ModelSummary, summary_config_map_name
+
+Obj = dict[str, Any]
+SUMMARY_RETRY_SECONDS = 15.0
+PLAN_RETRY_SECONDS = 60.0
+
+
+class Cluster(Protocol):
+    def list_nodes(self) -> list[Obj]: ...
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None: ...
+    def create(self, obj: Obj) -> None: ...
+    def patch(self, obj: Obj) -> None: ...  # JSON merge patch of the object's own fields
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
+    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Obj]: ...
+
+
+@dataclass
+class Outcome:
+    """The status to write, and whether to stop for good or try again after a delay."""
+
+    status: dict[str, Any]
+    permanent_error: str | None = None
+    retry_after_seconds: float | None = None
+    message: str = ""
+    applied: list[str] = field(default_factory=list)
+
+
+def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
+    meta, old = fleet["metadata"], dict(fleet.get("status") or {})
+    generation = int(meta.get("generation") or 0)
+    report = _Report(old, generation)
+    if report.crash_looped():
+        return Outcome(old, message="stopped: a stage exceeded restartPolicy.maxStageRestarts")
+    try:
+        spec = parse_spec(fleet.get("spec") or {})
+    except SpecError as exc:
+        report.fail(Condition.MODEL_INSPECTED, Reason.INVALID_SPEC, str(exc))
+        return Outcome(report.status, permanent_error=str(exc))
+    summary = _summary(fleet, cluster, report)
+    if summary is None:
+        return Outcome(report.status, retry_after_seconds=SUMMARY_RETRY_SECONDS, message=report.last_message)
+    placement = _current_placement(fleet, spec, cluster) or place(
+        spec, summary, cluster.list_nodes(), meta["name"], meta["namespace"]
+    )
+    if isinstance(placement, Infeasible):
+        report.fail(Condition.PLANNED, Reason(placement.reason), placement.message, Phase.PENDING)
+        return Outcome(report.status, retry_after_seconds=PLAN_RETRY_SECONDS, message=placement.message)
+    report.set(Condition.PLANNED, True, Reason.PLANNED, f"{len(placement.members)} members on {_nodes(placement)}")
+    if _replace_failed_stages(fleet, spec, cluster, report):
+        return Outcome(report.status, message=report.last_message)
+    applied = [
+        f"{obj['kind']}/{obj['metadata']['name']}: {apply(cluster, obj)}"
+        for obj in objects.fleet_objects(fleet, spec, placement)
+    ]
+    report.observe(fleet, placement, cluster)
+    return Outcome(report.status, applied=applied)
+
+
+def _nodes(placement: Placement) -> str:
+    return ", ".join(sorted({m.node for m in placement.members}))
+
+
+def _summary(fleet: Mapping[str, Any], cluster: Cluster, report: _Report) -> ModelSummary | None:
+    meta = fleet["metadata"]
+    name = summary_config_map_name(meta["name"])
+    config_map = cluster.get("v1", "ConfigMap", meta["namespace"], name)
+    text = ((config_map or {}).get("data") or {}).get(SUMMARY_KEY)
+    if text is None:
+        report.fail(
+            Condition.MODEL_INSPECTED, Reason.AWAITING_MODEL_SUMMARY,
+            f"waiting for ConfigMap {name} with key {SUMMARY_KEY} (the checkpoint's sizes)", Phase.PENDING,
+        )  # fmt: skip
+        return None
+    try:
+        summary = ModelSummary.from_json(text)
+    except PlanError as exc:
+        report.fail(Condition.MODEL_INSPECTED, Reason.INVALID_MODEL_SUMMARY, f"ConfigMap {name}: {exc}", Phase.PENDING)
+        return None
+    report.set(Condition.MODEL_INSPECTED, True, Reason.SUMMARY_FOUND, f"{summary.family}, {summary.num_layers} layers")
+    return summary
+
+
+def _current_placement(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster) -> Placement | None:
+    """The applied plan when it was made for this generation and its nodes still match."""
+    meta = fleet["metadata"]
+    config_map = cluster.get("v1", "ConfigMap", meta["namespace"], names.plan_config_map(meta["name"]))
+    if config_map is None:
+        return None
+    annotations = config_map["metadata"].get("annotations") or {}
+    if annotations.get(names.ANNOTATION_GENERATION) != str(meta.get("generation") or 0):
+        return None
+    try:
+        plan = FleetPlan.from_json(config_map["data"][names.PLAN_KEY])
+        assigned = tuple(MemberAssignment(**m) for m in json.loads(config_map["data"][names.MEMBERS_KEY]))
+    except (KeyError, TypeError, ValueError):
+        return None  # written by another version or edited by hand: plan again
+    nodes = {(n.get("metadata") or {}).get("name"): n for n in cluster.list_nodes()}
+    if any(m.node not in nodes or rejection(nodes[m.node], spec) is not None for m in assigned):
+        return None
+    return Placement(plan, assigned)
+
+
+def apply(cluster: Cluster, obj: Obj) -> str:
+    """Create ``obj``, or bring the live object to it; returns what was done."""
+    meta = obj["metadata"]
+    live = cluster.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+    if live is None:
+        cluster.create(obj)
+        return "created"
+    if obj["kind"] == "Pod":  # a pod's spec is immutable: replace it when its plan changed
+        if live["metadata"].get("deletionTimestamp"):
+            return "terminating"
+        live_hash = (live["metadata"].get("annotations") or {}).get(names.ANNOTATION_PLAN_HASH)
+        if live_hash != meta["annotations"][names.ANNOTATION_PLAN_HASH]:
+            cluster.delete("v1", "Pod", meta["namespace"], meta["name"])
+            return "deleted (stale plan)"
+        return "unchanged"
+    if _contains(live, obj):
+        return "unchanged"
+    cluster.patch(obj)
+    return "patched"
+
+
+def _contains(live: Any, desired: Any) -> bool:
+    """Every field of ``desired`` is in ``live`` with the same value (the server may add more)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(k in live and _contains(live[k], v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(live) == len(desired) and all(map(_contains, live, desired))
+    return bool(live == desired)
+
+
+def _replace_failed_stages(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster, report: _Report) -> bool:
+    """Delete failed stage pods (recreated by apply), counting; True once a stage is out of restarts."""
+    meta = fleet["metadata"]
+    labels = objects.selector(meta["name"], "stage")
+    for pod in cluster.list_pods(meta["namespace"], labels):
+        name = pod["metadata"]["name"]
+        if member_phase(pod) != "Failed" or pod["metadata"].get("deletionTimestamp"):
+            continue
+        restarts = report.restarts.get(name, 0)
+        if restarts >= spec.restart_policy.max_stage_restarts:
+            message = f"stage pod {name} failed after {restarts} replacements (restartPolicy.maxStageRestarts={spec.restart_policy.max_stage_restarts})"
+            report.fail(Condition.READY, Reason.STAGE_CRASH_LOOPING, message, Phase.FAILED)
+            return True
+        cluster.delete("v1", "Pod", meta["namespace"], name)
+        report.restarts[name] = restarts + 1
+    return False
+
+
+class _Report:
+    """The status being written: conditions, phase and the rest, starting from the live status."""
+
+    def __init__(self, old: Mapping[str, Any], generation: int):
+        restarts = dict(old.get("stageRestarts") or {}) if old.get("observedGeneration") == generation else {}
+        self.generation, self.old = generation, old
+        self.conditions: list[dict[str, Any]] = list(old.get("conditions") or [])
+        self.restarts: dict[str, int] = restarts  # a new generation starts its count afresh
+        self.fields: dict[str, Any] = {"phase": str(Phase.PLANNING)}
+        self.last_message = ""
+
+    def crash_looped(self) -> bool:
+        ready = condition(self.conditions, Condition.READY) or {}
+        return (
+            ready.get("reason") == Reason.STAGE_CRASH_LOOPING and self.old.get("observedGeneration") == self.generation
+        )
+
+    def set(self, kind: Condition, ok: bool, reason: Reason, message: str) -> None:
+        self.conditions = set_condition(self.conditions, kind, ok, reason, message, self.generation)
+        self.last_message = message
+
+    def fail(self, kind: Condition, reason: Reason, message: str, phase: Phase = Phase.FAILED) -> None:
+        self.set(kind, False, reason, message)
+        if kind != Condition.READY:
+            self.set(Condition.READY, False, reason, message)
+        self.fields["phase"] = str(phase)
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return {
+            **self.fields,
+            "observedGeneration": self.generation,
+            "conditions": self.conditions,
+            "stageRestarts": self.restarts,
+        }
+
+    def flag(self, kind: Condition, ok: bool, if_true: Reason, if_false: Reason, message: str) -> None:
+        self.set(kind, ok, if_true if ok else if_false, message)
+
+    def observe(self, fleet: Mapping[str, Any], placement: Placement, cluster: Cluster) -> None:
+        """Members, readiness conditions and the summary phase from the pods and the gateway."""
+        meta = fleet["metadata"]
+        stage_pods = cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage"))
+        pods = {p["metadata"]["name"]: p for p in stage_pods}
+        listed = members(meta["name"], placement, pods)
+        total, groups = len(listed), len(placement.plan.groups)
+        ready_groups = sum(all(m["phase"] == "Ready" for m in listed if m["group"] == g) for g in range(groups))
+        gateway = cluster.get("apps/v1", "Deployment", meta["namespace"], names.gateway_name(meta["name"])) or {}
+        gateway_replicas = int((gateway.get("status") or {}).get("readyReplicas") or 0)
+        on_nodes = sum(scheduled(pods.get(m["pod"])) for m in listed)
+        loaded = sum(m["phase"] == "Ready" for m in listed)
+        ready = ready_groups == groups and gateway_replicas >= 1
+        some = Reason.SOME_GROUPS_READY if ready_groups else Reason.NO_GROUP_READY
+        flags = [
+            (Condition.SCHEDULED, on_nodes == total, Reason.PODS_SCHEDULED, Reason.PODS_PENDING, f"{on_nodes}/{total} stage pods on their nodes"),
+            (Condition.WEIGHTS_LOADED, loaded == total, Reason.ALL_LAYERS_LOADED, Reason.LAYERS_LOADING, f"{loaded}/{total} members loaded"),
+            (Condition.CHAIN_READY, ready_groups == groups, Reason.ALL_GROUPS_READY, some, f"{ready_groups}/{groups} groups ready"),
+            (Condition.GATEWAY_READY, gateway_replicas >= 1, Reason.GATEWAY_AVAILABLE, Reason.GATEWAY_UNAVAILABLE, f"{gateway_replicas} gateway replicas ready"),
+            (Condition.READY, ready, Reason.FLEET_READY, Reason.FLEET_NOT_READY, "serving" if ready else "not serving yet"),
+        ]  # fmt: skip
+        for kind, ok, if_true, if_false, message in flags:
+            self.flag(kind, ok, if_true, if_false, message)
+        phase = Phase.READY if ready else Phase.DEGRADED if ready_groups else Phase.LOADING
+        self.fields.update(
+            phase=str(phase), members=listed, ready=f"{loaded}/{total}", stages=len(placement.plan.groups[0].stages),
+            replicas=ready_groups, selector=",".join(f"{k}={v}" for k, v in objects.selector(meta["name"], "stage").items()),
+            endpoint=objects.endpoint(fleet), planHash=placement.plan.plan_hash(),
+        )  # fmt: skip

@@ -1,0 +1,125 @@
+"""A fleet's status as types: phases, condition types and reasons, members; pure functions of
+the placement and the pods the API reports.
+
+``layersLoaded`` is ``layersTotal`` once a member's pod is Ready and 0 before: the operator does
+not yet read the agents' ``/status`` for progress during loading.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from typing import Any
+
+from . import names
+from .placement import Placement
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    PLANNING = "Planning"
+    LOADING = "Loading"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+
+
+class MemberPhase(StrEnum):
+    PENDING = "Pending"
+    LOADING = "Loading"
+    READY = "Ready"
+    FAILED = "Failed"
+
+
+class Condition(StrEnum):
+    MODEL_INSPECTED = "ModelInspected"
+    PLANNED = "Planned"
+    SCHEDULED = "Scheduled"
+    WEIGHTS_LOADED = "WeightsLoaded"
+    CHAIN_READY = "ChainReady"
+    GATEWAY_READY = "GatewayReady"
+    READY = "Ready"
+
+
+class Reason(StrEnum):
+    INVALID_SPEC = "InvalidSpec"
+    SUMMARY_FOUND = "SummaryFound"
+    AWAITING_MODEL_SUMMARY = "AwaitingModelSummary"
+    INVALID_MODEL_SUMMARY = "InvalidModelSummary"
+    PLANNED = "Planned"
+    NO_MATCHING_NODES = "NoMatchingNodes"
+    INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+    INVALID_FOR_MODEL = "InvalidForModel"
+    PODS_SCHEDULED = "PodsScheduled"
+    PODS_PENDING = "PodsPending"
+    ALL_LAYERS_LOADED = "AllLayersLoaded"
+    LAYERS_LOADING = "LayersLoading"
+    ALL_GROUPS_READY = "AllGroupsReady"
+    SOME_GROUPS_READY = "SomeGroupsReady"
+    NO_GROUP_READY = "NoGroupReady"
+    GATEWAY_AVAILABLE = "GatewayAvailable"
+    GATEWAY_UNAVAILABLE = "GatewayUnavailable"
+    FLEET_READY = "FleetReady"
+    FLEET_NOT_READY = "FleetNotReady"
+    STAGE_CRASH_LOOPING = "StageCrashLooping"
+
+
+Status = dict[str, Any]
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(
+    conditions: Sequence[Mapping[str, Any]], kind: Condition, ok: bool, reason: Reason, message: str, generation: int
+) -> list[dict[str, Any]]:
+    """``conditions`` with ``kind`` set; lastTransitionTime moves only when the status flips."""
+    status = "True" if ok else "False"
+    old = next((c for c in conditions if c.get("type") == kind), None)
+    changed = old is None or old.get("status") != status
+    new = {
+        "type": str(kind), "status": status, "reason": str(reason), "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": now() if changed or old is None else old.get("lastTransitionTime", now()),
+    }  # fmt: skip
+    return [dict(c) for c in conditions if c.get("type") != kind] + [new]
+
+
+def condition(conditions: Sequence[Mapping[str, Any]], kind: Condition) -> Mapping[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == kind), None)
+
+
+def member_phase(pod: Mapping[str, Any] | None) -> MemberPhase:
+    if pod is None:
+        return MemberPhase.PENDING
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return MemberPhase.FAILED
+    if any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []):
+        return MemberPhase.READY
+    return MemberPhase.LOADING if status.get("phase") == "Running" else MemberPhase.PENDING
+
+
+def members(fleet: str, placement: Placement, pods: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per stage member, in plan order (group, stage, rank)."""
+    result = []
+    for m in placement.members:
+        stage = placement.plan.stage(m.group, m.stage)
+        pod = names.pod_name(fleet, m.group, m.stage, m.tp_rank, stage.tp_size)
+        phase = member_phase(pods.get(pod))
+        result.append({
+            "group": m.group, "stage": m.stage, "tpRank": m.tp_rank, "pod": pod, "node": m.node,
+            "layerStart": stage.layer_start, "layerEnd": stage.layer_end, "phase": str(phase),
+            "layersLoaded": stage.num_layers if phase == MemberPhase.READY else 0, "layersTotal": stage.num_layers,
+        })  # fmt: skip
+    return result
+
+
+def scheduled(pod: Mapping[str, Any] | None) -> bool:
+    if pod is None:
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    on_node = bool((pod.get("spec") or {}).get("nodeName"))
+    return on_node or any(c.get("type") == "PodScheduled" and c.get("status") == "True" for c in conditions)

@@ -1,0 +1,86 @@
+"""ModelSummary: what the operator's planner needs to know about a checkpoint, as plain JSON.
+
+The operator never opens a checkpoint: an inspection Job (or the user, or ``modelfleet render
+--model-summary``) writes this summary into the ConfigMap ``<fleet>-model-summary`` under the key
+``summary.json``. Sizes are bytes at the compute ``dtype``; KV is per layer for one position of
+one stream, with ``kv_window_positions`` the positions a sliding-window layer keeps (0 = all).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+
+from modelfleet.plan import ComputeDtype, PlanError, _describe
+from modelfleet.planner import REWIND_SLACK_POSITIONS, LayerBytes, kv_bytes_per_layer, layer_bytes
+
+SUMMARY_KEY = "summary.json"
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+
+
+def summary_config_map_name(fleet: str) -> str:
+    return f"{fleet}-model-summary"
+
+
+class ModelSummary(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    family: StrictStr = Field(min_length=1)
+    num_layers: Annotated[StrictInt, Field(ge=1)]
+    dtype: ComputeDtype = "bfloat16"
+    layer_bytes: tuple[NonNegativeInt, ...]
+    embed_bytes: NonNegativeInt
+    norm_bytes: NonNegativeInt
+    head_matrix_bytes: NonNegativeInt
+    tied: StrictBool = False
+    kv_bytes_per_position: tuple[NonNegativeInt, ...]
+    kv_window_positions: tuple[NonNegativeInt, ...] | None = None
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> ModelSummary:
+        for name in ("layer_bytes", "kv_bytes_per_position", "kv_window_positions"):
+            values = getattr(self, name)
+            if values is not None and len(values) != self.num_layers:
+                raise ValueError(f"{name} has {len(values)} entries for num_layers={self.num_layers}")
+        return self
+
+    @property
+    def sizes(self) -> LayerBytes:
+        return LayerBytes(self.layer_bytes, self.embed_bytes, self.norm_bytes, self.head_matrix_bytes, self.tied)
+
+    def kv_bytes(self, streams: int, context_length: int) -> list[int]:
+        """KV bytes each layer reserves for ``streams`` streams of ``context_length`` positions."""
+        windows = self.kv_window_positions or (0,) * self.num_layers
+        return [
+            streams * (min(context_length, window) if window else context_length) * per_position
+            for per_position, window in zip(self.kv_bytes_per_position, windows, strict=True)
+        ]
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ModelSummary:
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            raise PlanError(f"invalid model summary: {_describe(exc)}") from exc
+
+
+def inspect_checkpoint(model_dir: str | Path, dtype: str = "bfloat16") -> ModelSummary:
+    """The summary of a local checkpoint, from config.json and safetensors headers only."""
+    from modelfleet.engine.spec import load_spec
+
+    spec = load_spec(model_dir)
+    sizes = layer_bytes(model_dir, dtype)
+    per_position = kv_bytes_per_layer(spec, 1, 1, dtype)
+    window = spec.get("sliding_window")
+    types = spec.get("layer_types") or ["full_attention"] * spec.num_layers
+    windows = [
+        int(window) + REWIND_SLACK_POSITIONS if kind == "sliding_attention" and window else 0
+        for kind in types[: spec.num_layers]
+    ]
+    return ModelSummary(
+        family=spec.family, num_layers=spec.num_layers, dtype=dtype, layer_bytes=sizes.per_layer,  # type: ignore[arg-type]
+        embed_bytes=sizes.embed_bytes, norm_bytes=sizes.norm_bytes, head_matrix_bytes=sizes.head_matrix_bytes,
+        tied=sizes.tied, kv_bytes_per_position=tuple(per_position), kv_window_positions=tuple(windows),
+    )  # fmt: skip

@@ -1,0 +1,173 @@
+"""Object builders: the Kubernetes objects of a fleet, and `modelfleet render` printing them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+from fleet_fixtures import fleet, node, summary
+from typer.testing import CliRunner
+
+from modelfleet.cli import app
+from modelfleet.operator import objects
+from modelfleet.operator.placement import Placement, place
+from modelfleet.operator.spec import parse_spec
+from modelfleet.plan import FleetPlan
+
+
+def build(**spec_fields: Any) -> tuple[dict[str, Any], list[dict[str, Any]], Placement]:
+    body = fleet(**spec_fields)
+    spec = parse_spec(body["spec"])
+    nodes = [node(n, allocatable={"nvidia.com/gpu": "1"}) for n in ("a", "b", "c", "d")]
+    placement = place(spec, summary(8), nodes, "qwen", "ai")
+    assert isinstance(placement, Placement)
+    return body, objects.fleet_objects(body, spec, placement), placement
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "<ref>") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_one_pod_per_stage_member_with_stable_names_labels_and_mf_environment():
+    _, objs, _ = build(parallelism={"pipeline": 2}, replicas=2)
+    pods = by_kind(objs, "Pod")
+    assert sorted(pods) == ["qwen-g0-s0", "qwen-g0-s1", "qwen-g1-s0", "qwen-g1-s1"]
+    pod = pods["qwen-g1-s0"]
+    assert pod["metadata"]["labels"] == {
+        "modelfleet.io/fleet": "qwen", "modelfleet.io/group": "1", "modelfleet.io/stage": "0",
+        "modelfleet.io/tp-rank": "0", "modelfleet.io/component": "stage",
+    }  # fmt: skip
+    env = env_of(pod)
+    assert (env["MF_PLAN"], env["MF_GROUP"], env["MF_STAGE"]) == ("/etc/modelfleet/plan.json", "1", "0")
+    assert env["MF_MODEL_PATH"] == "/models/qwen3"
+    assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == ("qwen-g1-s0", "qwen-stages")
+
+
+def test_tensor_parallel_members_get_a_rank_suffix():
+    _, objs, _ = build(parallelism={"pipeline": 2, "tensor": 2})
+    assert sorted(by_kind(objs, "Pod")) == ["qwen-g0-s0-r0", "qwen-g0-s0-r1", "qwen-g0-s1-r0", "qwen-g0-s1-r1"]
+
+
+def test_a_pod_is_bound_to_its_planned_node_and_mounts_the_plan_with_probes():
+    _, objs, placement = build(parallelism={"pipeline": 2}, placement={"affinity": {"podAntiAffinity": {"x": 1}}})
+    pod = by_kind(objs, "Pod")["qwen-g0-s1"]
+    term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ][0]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": [placement.members[1].node]}]
+    assert pod["spec"]["affinity"]["podAntiAffinity"] == {"x": 1}  # the user's affinity is kept
+    container = pod["spec"]["containers"][0]
+    assert {"name": "plan", "configMap": {"name": "qwen-plan"}} in pod["spec"]["volumes"]
+    assert {"name": "plan", "mountPath": "/etc/modelfleet", "readOnly": True} in container["volumeMounts"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_resources_are_strings_with_the_accelerator_and_guaranteed_for_numa_pinning():
+    _, objs, _ = build(
+        accelerator={"profile": "nvidia-gpu", "count": 1}, resources={"cpu": "4", "memory": "16Gi"},
+        placement={"numa": "single-numa-node"},
+    )  # fmt: skip
+    resources = next(iter(by_kind(objs, "Pod").values()))["spec"]["containers"][0]["resources"]
+    assert resources == {
+        "requests": {"cpu": "4", "memory": "16Gi"},
+        "limits": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
+    }
+
+
+def test_plan_config_map_holds_the_plan_and_its_hash():
+    _, objs, placement = build()
+    config_map = by_kind(objs, "ConfigMap")["qwen-plan"]
+    plan = FleetPlan.from_json(config_map["data"]["plan.json"])
+    assert plan == placement.plan
+    assert config_map["metadata"]["annotations"]["modelfleet.io/plan-hash"] == plan.plan_hash()
+    assert [m["node"] for m in json.loads(config_map["data"]["members.json"])] == ["a", "b", "c", "d"]
+
+
+def test_services_gateway_policies_and_budget():
+    body, objs, _ = build(gateway={"replicas": 2, "serviceType": "NodePort", "apiKeysSecret": "keys"})
+    services = by_kind(objs, "Service")
+    assert services["qwen-stages"]["spec"]["clusterIP"] == "None"
+    assert services["qwen-stages"]["spec"]["publishNotReadyAddresses"] is True
+    assert services["qwen-gateway"]["spec"]["type"] == "NodePort"
+    deployment = by_kind(objs, "Deployment")["qwen-gateway"]
+    assert deployment["spec"]["replicas"] == 2
+    assert {"name": "api-keys", "secret": {"secretName": "keys"}} in deployment["spec"]["template"]["spec"]["volumes"]
+    policies = by_kind(objs, "NetworkPolicy")
+    assert policies["qwen-stages"]["spec"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}}}]}
+    ]
+    assert policies["qwen-gateway"]["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+    assert by_kind(objs, "PodDisruptionBudget")["qwen-stages"]["spec"]["maxUnavailable"] == 1
+    assert objects.endpoint(body) == "http://qwen-gateway.ai.svc:8000/v1"
+
+
+def test_every_object_is_owned_by_the_fleet_and_labelled_with_it():
+    _, objs, _ = build()
+    owner = {
+        "apiVersion": "modelfleet.io/v1alpha1",
+        "kind": "ModelFleet",
+        "name": "qwen",
+        "uid": "uid-qwen",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    for obj in objs:
+        assert obj["metadata"]["ownerReferences"] == [owner]
+        assert obj["metadata"]["labels"]["modelfleet.io/fleet"] == "qwen"
+        assert obj["metadata"]["namespace"] == "ai"
+
+
+@pytest.mark.parametrize("kind, model", [("Pod", "V1Pod"), ("Service", "V1Service"), ("ConfigMap", "V1ConfigMap"), ("Deployment", "V1Deployment"), ("NetworkPolicy", "V1NetworkPolicy"), ("PodDisruptionBudget", "V1PodDisruptionBudget")])  # fmt: skip
+def test_objects_deserialize_as_kubernetes_models_with_string_quantities(kind, model):
+    from kubernetes.client import ApiClient
+
+    _, objs, _ = build(resources={"cpu": "1", "memory": "2Gi"})
+    client = ApiClient()
+    for obj in by_kind(objs, kind).values():
+        typed = client._ApiClient__deserialize(obj, model)  # type: ignore[attr-defined]
+        assert client.sanitize_for_serialization(typed) == obj
+        assert not any(isinstance(v, float) for v in _leaves(obj))
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, list):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+# ---- modelfleet render ------------------------------------------------------------------------
+
+
+def test_render_prints_the_objects_the_operator_would_create(tmp_path):
+    body = fleet(parallelism={"pipeline": 2})
+    del body["metadata"]["uid"]
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(body))
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump({"kind": "List", "items": [node("a"), node("b")]}))
+    (tmp_path / "summary.json").write_text(summary(8).model_dump_json())
+    args = ["render", "--fleet", str(tmp_path / "fleet.yaml"), "--nodes", str(tmp_path / "nodes.yaml")]
+    result = CliRunner().invoke(app, [*args, "--model-summary", str(tmp_path / "summary.json")])
+    assert result.exit_code == 0, result.output
+    docs = list(yaml.safe_load_all(result.output))
+    assert [d["kind"] for d in docs].count("Pod") == 2
+    plan = FleetPlan.from_json(docs[0]["data"]["plan.json"])
+    assert [(s.layer_start, s.layer_end) for s in plan.groups[0].stages] == [(0, 4), (4, 8)]
+
+
+def test_render_of_an_infeasible_fleet_names_the_reason_and_nodes(tmp_path):
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet(accelerator={"profile": "nvidia-gpu"})))
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump_all([node("a"), node("b")]))
+    (tmp_path / "summary.json").write_text(summary(8).model_dump_json())
+    args = ["render", "--fleet", str(tmp_path / "fleet.yaml"), "--nodes", str(tmp_path / "nodes.yaml")]
+    result = CliRunner().invoke(app, [*args, "--model-summary", str(tmp_path / "summary.json")])
+    assert result.exit_code == 2
+    assert "NoMatchingNodes" in result.output and "nodes considered: a, b" in result.output

@@ -1,0 +1,201 @@
+"""Reconcile passes against an in-memory API: plan, apply, observe, replace failed stages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+import pytest
+from fleet_fixtures import FakeCluster, fleet, node, summary, summary_config_map
+
+from modelfleet.operator import handlers
+from modelfleet.operator.reconcile import reconcile
+
+
+def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def cluster_for(body: dict[str, Any], nodes: list[dict[str, Any]] | None = None, layers: int = 8) -> FakeCluster:
+    meta = body["metadata"]
+    model = summary_config_map(meta["name"], meta["namespace"], summary(layers))
+    return FakeCluster(nodes if nodes is not None else [node("a"), node("b")], [model])
+
+
+def with_status(body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "status": status}
+
+
+def test_without_a_model_summary_the_fleet_waits_and_creates_nothing():
+    body = fleet()
+    cluster = FakeCluster([node("a")])
+    outcome = reconcile(body, cluster)
+    assert conditions(outcome.status)["ModelInspected"] == ("False", "AwaitingModelSummary")
+    assert outcome.status["phase"] == "Pending" and outcome.retry_after_seconds is not None
+    assert cluster.log == []
+
+
+def test_a_fleet_is_planned_applied_and_reported_with_members():
+    body = fleet(parallelism={"pipeline": 2})
+    cluster = cluster_for(body)
+    outcome = reconcile(body, cluster)
+    assert outcome.permanent_error is None and outcome.retry_after_seconds is None
+    assert sorted(cluster.of_kind("Pod")) == ["qwen-g0-s0", "qwen-g0-s1"]
+    assert set(cluster.of_kind("Service")) == {"qwen-stages", "qwen-gateway"}
+    plan_map = cluster.of_kind("ConfigMap")["qwen-plan"]
+    status = outcome.status
+    assert status["planHash"] == plan_map["metadata"]["annotations"]["modelfleet.io/plan-hash"]
+    assert conditions(status)["Planned"] == ("True", "Planned")
+    assert conditions(status)["Ready"] == ("False", "FleetNotReady")
+    assert (status["phase"], status["observedGeneration"], status["stages"], status["ready"]) == (
+        "Loading",
+        1,
+        2,
+        "0/2",
+    )
+    assert status["members"][1] == {
+        "group": 0, "stage": 1, "tpRank": 0, "pod": "qwen-g0-s1", "node": "b", "layerStart": 4, "layerEnd": 8,
+        "phase": "Pending", "layersLoaded": 0, "layersTotal": 4,
+    }  # fmt: skip
+    assert status["endpoint"] == "http://qwen-gateway.ai.svc:8000/v1"
+
+
+def test_a_second_pass_changes_nothing():
+    body = fleet(parallelism={"pipeline": 2})
+    cluster = cluster_for(body)
+    first = reconcile(body, cluster)
+    cluster.log.clear()
+    second = reconcile(with_status(body, first.status), cluster)
+    assert cluster.log == []
+    assert second.status["planHash"] == first.status["planHash"]
+
+
+def test_ready_pods_and_gateway_make_the_fleet_ready():
+    body = fleet(parallelism={"pipeline": 2})
+    cluster = cluster_for(body)
+    reconcile(body, cluster)
+    for pod in ("qwen-g0-s0", "qwen-g0-s1"):
+        cluster.set_pod(pod, "Running", ready=True)
+    cluster.of_kind("Deployment")["qwen-gateway"]["status"] = {"readyReplicas": 1}
+    status = reconcile(body, cluster).status
+    assert status["phase"] == "Ready" and status["ready"] == "2/2" and status["replicas"] == 1
+    assert {k: v[0] for k, v in conditions(status).items()} == dict.fromkeys(
+        ["ModelInspected", "Planned", "Scheduled", "WeightsLoaded", "ChainReady", "GatewayReady", "Ready"], "True"
+    )
+    assert [m["layersLoaded"] for m in status["members"]] == [4, 4]
+
+
+def test_one_ready_group_of_two_is_degraded():
+    body = fleet(parallelism={"pipeline": 1}, replicas=2)
+    cluster = cluster_for(body)
+    reconcile(body, cluster)
+    cluster.set_pod("qwen-g0-s0", "Running", ready=True)
+    status = reconcile(body, cluster).status
+    assert status["phase"] == "Degraded" and conditions(status)["ChainReady"] == ("False", "SomeGroupsReady")
+
+
+def test_a_failed_stage_pod_is_replaced_alone_and_counted():
+    body = fleet(parallelism={"pipeline": 2})
+    cluster = cluster_for(body)
+    status = reconcile(body, cluster).status
+    cluster.set_pod("qwen-g0-s0", "Running", ready=True)
+    cluster.set_pod("qwen-g0-s1", "Failed")
+    cluster.log.clear()
+    status = reconcile(with_status(body, status), cluster).status
+    assert cluster.log == ["delete Pod/qwen-g0-s1", "create Pod/qwen-g0-s1"]
+    assert status["stageRestarts"] == {"qwen-g0-s1": 1}
+    assert "status" in cluster.of_kind("Pod")["qwen-g0-s0"]  # the healthy stage was left alone
+
+
+def test_a_stage_failing_past_max_stage_restarts_fails_the_fleet_for_good():
+    body = fleet(parallelism={"pipeline": 2}, restartPolicy={"maxStageRestarts": 1})
+    cluster = cluster_for(body)
+    status = reconcile(body, cluster).status
+    for _ in range(2):
+        cluster.set_pod("qwen-g0-s1", "Failed")
+        status = reconcile(with_status(body, status), cluster).status
+    assert status["phase"] == "Failed"
+    assert conditions(status)["Ready"] == ("False", "StageCrashLooping")
+    assert "failed after 1 replacements" in next(c["message"] for c in status["conditions"] if c["type"] == "Ready")
+    cluster.log.clear()
+    again = reconcile(with_status(body, status), cluster)
+    assert cluster.log == [] and again.status == status
+    # a new generation (the user changed the spec) counts afresh: this replacement is its first
+    fixed = reconcile(with_status(fleet(generation=2, parallelism={"pipeline": 2}), status), cluster).status
+    assert fixed["phase"] != "Failed" and fixed["stageRestarts"] == {"qwen-g0-s1": 1}
+
+
+def test_an_invalid_spec_is_a_permanent_error_with_a_failed_condition():
+    body = fleet(serving={"contextLength": 4, "windowRows": 8})
+    outcome = reconcile(body, cluster_for(body))
+    assert outcome.permanent_error is not None and "serving.windowRows=8" in outcome.permanent_error
+    assert outcome.status["phase"] == "Failed"
+    assert conditions(outcome.status)["Ready"] == ("False", "InvalidSpec")
+
+
+@pytest.mark.parametrize(
+    "spec, nodes, reason",
+    [
+        ({"accelerator": {"profile": "nvidia-gpu"}}, [node("a")], "NoMatchingNodes"),
+        ({"parallelism": {"pipeline": 3}}, [node("a"), node("b")], "InsufficientCapacity"),
+        ({}, [node("a", "4Gi")], "InsufficientCapacity"),
+    ],
+)
+def test_an_infeasible_fleet_is_not_planned_and_retried(spec, nodes, reason):
+    body = fleet(**spec)
+    cluster = cluster_for(body, nodes)
+    outcome = reconcile(body, cluster)
+    assert conditions(outcome.status)["Planned"] == ("False", reason)
+    assert outcome.status["phase"] == "Pending" and outcome.retry_after_seconds is not None
+    assert cluster.of_kind("Pod") == {}
+
+
+def test_a_node_joining_keeps_the_plan_and_a_new_generation_replans():
+    body = fleet()
+    cluster = cluster_for(body, [node("a"), node("b")])
+    first = reconcile(body, cluster).status
+    cluster.nodes.append(node("c"))
+    assert reconcile(body, cluster).status["planHash"] == first["planHash"]
+    cluster.log.clear()
+    replanned = reconcile(fleet(generation=2), cluster).status
+    assert replanned["stages"] == 3 and replanned["planHash"] != first["planHash"]
+    assert "delete Pod/qwen-g0-s0" in cluster.log  # stale plan: replaced on the next pass
+    assert "create Pod/qwen-g0-s2" in cluster.log
+
+
+def test_a_planned_node_that_disappears_triggers_a_new_plan():
+    body = fleet()
+    cluster = cluster_for(body, [node("a"), node("b"), node("c")])
+    first = reconcile(body, cluster).status
+    cluster.nodes.pop()
+    assert reconcile(body, cluster).status["members"][-1]["node"] == "b" != first["members"][-1]["node"]
+
+
+# ---- the kopf handler -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def use():
+    yield handlers.use_cluster
+    handlers.use_cluster(None)
+
+
+def test_the_handler_writes_status_and_raises_kopf_errors(use):
+    import logging
+
+    body = fleet(parallelism={"pipeline": 2})
+    use(cluster_for(body))
+    patch = kopf.Patch()
+    handlers.reconcile_fleet(body=body, patch=patch, logger=logging.getLogger("test"))
+    assert patch["status"]["phase"] == "Loading"
+
+    bad = fleet(serving={"contextLength": 4, "windowRows": 8})
+    patch = kopf.Patch()
+    with pytest.raises(kopf.PermanentError, match="windowRows"):
+        handlers.reconcile_fleet(body=bad, patch=patch, logger=logging.getLogger("test"))
+    assert patch["status"]["phase"] == "Failed"
+
+    use(FakeCluster([node("a")]))
+    with pytest.raises(kopf.TemporaryError) as raised:
+        handlers.reconcile_fleet(body=fleet(), patch=kopf.Patch(), logger=logging.getLogger("test"))
+    assert raised.value.delay == 15.0
