@@ -2,6 +2,7 @@
 
 Create, update and resume run one reconcile pass; a timer runs it again every
 ``RESYNC_SECONDS`` to follow pods (members' phases, failed stages replaced alone and counted).
+A stage pod that fails wakes its fleet at once: an annotation on the fleet is an update.
 An invalid spec ends in ``kopf.PermanentError``; "not yet" (no model summary, no capacity) in
 ``kopf.TemporaryError`` with a delay. Status is written through kopf's ``patch``, which kopf
 applies whether the handler succeeds or raises.
@@ -13,7 +14,8 @@ from typing import Any
 
 import kopf
 
-from .reconcile import Cluster, reconcile
+from . import names
+from .reconcile import Cluster, reconcile, wake_up
 from .spec import GROUP, PLURAL, VERSION
 
 RESYNC_SECONDS = 15.0
@@ -48,3 +50,12 @@ def reconcile_fleet(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_
         raise kopf.PermanentError(outcome.permanent_error)
     if outcome.retry_after_seconds is not None:
         raise kopf.TemporaryError(outcome.message, delay=outcome.retry_after_seconds)
+
+
+def _failed(status: kopf.Status, **_: Any) -> bool:
+    return status.get("phase") == "Failed"
+
+
+@kopf.on.event("", "v1", "pods", labels={names.LABEL_COMPONENT: "stage", names.LABEL_FLEET: kopf.PRESENT}, when=_failed)
+def wake_fleet_of_failed_stage(meta: kopf.Meta, **_: Any) -> None:
+    cluster().patch(wake_up(meta))

@@ -7,13 +7,17 @@ tensor-parallel ranks), so a replaced pod keeps its DNS name under the headless 
 
 from __future__ import annotations
 
+import hashlib
+
 LABEL_FLEET = "modelfleet.io/fleet"
 LABEL_GROUP = "modelfleet.io/group"
 LABEL_STAGE = "modelfleet.io/stage"
 LABEL_TP_RANK = "modelfleet.io/tp-rank"
-LABEL_COMPONENT = "modelfleet.io/component"  # stage | gateway
+LABEL_COMPONENT = "modelfleet.io/component"  # stage | gateway | inspect
+LABEL_MODEL = "modelfleet.io/model"  # names.model_key of the model URI, on inspection Jobs and summaries
 ANNOTATION_PLAN_HASH = "modelfleet.io/plan-hash"
 ANNOTATION_GENERATION = "modelfleet.io/generation"
+ANNOTATION_STAGE_FAILED = "modelfleet.io/stage-failed"  # on a fleet: <pod>/<uid> of its last failed stage
 
 AGENT_PORT = 5555
 AGENT_HTTP_PORT = 8080  # /healthz, /readyz, /status, /metrics
@@ -34,6 +38,15 @@ def stage_service(fleet: str) -> str:
 
 def plan_config_map(fleet: str) -> str:
     return f"{fleet}-plan"
+
+
+def model_key(uri: str) -> str:
+    """A label-safe key of a model URI: inspection Jobs and summaries of another model never match."""
+    return hashlib.sha256(uri.encode()).hexdigest()[:12]
+
+
+def inspection_job(fleet: str, uri: str) -> str:
+    return f"{fleet}-inspect-{model_key(uri)}"
 
 
 def gateway_name(fleet: str) -> str:

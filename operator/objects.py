@@ -161,6 +161,50 @@ def _model_volume(spec: ModelFleetSpec) -> tuple[Obj, list[Obj]]:
     return {"name": "model", "emptyDir": {}}, [_env("MF_MODEL_URI", uri), _env("MF_MODEL_CACHE", MODEL_MOUNT_DIR)]
 
 
+# ---- model inspection -------------------------------------------------------------------------
+
+
+def inspection_job(fleet: Mapping[str, Any], spec: ModelFleetSpec) -> Obj:
+    """A Job that reads the checkpoint's config and safetensors headers and reports its ModelSummary
+    as the pod's termination message (so it needs no Kubernetes credentials); the operator copies
+    the message into the summary ConfigMap. Only local checkpoints (pvc://, hostpath://) are read."""
+    fleet_name = fleet["metadata"]["name"]
+    model_volume, model_env = _model_volume(spec)
+    container = {
+        "name": "inspect", "image": spec.images.agent or DEFAULT_IMAGE, "imagePullPolicy": spec.images.pull_policy,
+        "command": ["sh", "-c", 'exec modelfleet inspect --model "$MF_MODEL_PATH" --output /dev/termination-log'],
+        "env": model_env, "terminationMessagePolicy": "File",
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True}],
+    }  # fmt: skip
+    pod_spec = {
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [model_volume],
+        "automountServiceAccountToken": False,
+    }
+    if spec.placement.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations]
+    labels = {**selector(fleet_name, "inspect"), names.LABEL_MODEL: names.model_key(spec.model.uri)}
+    template = {"metadata": {"labels": labels}, "spec": pod_spec}
+    meta = _metadata(fleet, names.inspection_job(fleet_name, spec.model.uri), "inspect")
+    meta["labels"] = labels
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {"backoffLimit": 2, "template": template},
+    }
+
+
+def summary_config_map(fleet: Mapping[str, Any], spec: ModelFleetSpec, text: str) -> Obj:
+    """The summary an inspection reported, labelled with the model it describes."""
+    from .summary import SUMMARY_KEY, summary_config_map_name
+
+    meta = _metadata(fleet, summary_config_map_name(fleet["metadata"]["name"]))
+    meta["labels"][names.LABEL_MODEL] = names.model_key(spec.model.uri)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {SUMMARY_KEY: text}}
+
+
 # ---- services, gateway, policies --------------------------------------------------------------
 
 

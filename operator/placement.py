@@ -80,6 +80,10 @@ def rejection(node: Node, spec: ModelFleetSpec) -> str | None:
     for taint in (node.get("spec") or {}).get("taints") or []:
         if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerated(taint, spec):
             return f"taint {taint.get('key')}={taint.get('value', '')}:{taint.get('effect')} not tolerated"
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    for resource, wanted in (("cpu", spec.resources.cpu), ("memory", spec.resources.memory)):
+        if wanted and resource in allocatable and parse_quantity(allocatable[resource]) < parse_quantity(wanted):
+            return f"allocatable {resource} {allocatable[resource]} below resources.{resource}={wanted}"
     if spec.accelerator.profile != "cpu" and accelerator_resource(node, spec) is None:
         names = " or ".join(ACCELERATOR_RESOURCES[spec.accelerator.profile])
         return f"allocatable {names} below {spec.accelerator.devices_per_pod} (accelerator.profile={spec.accelerator.profile})"

@@ -21,7 +21,7 @@ from modelfleet.plan import FleetPlan, PlanError
 
 from . import names, objects
 from .placement import Infeasible, MemberAssignment, Placement, place, rejection
-from .spec import ModelFleetSpec, SpecError, parse_spec
+from .spec import GROUP, KIND, VERSION, ModelFleetSpec, SpecError, parse_spec
 from .status import Condition, Phase, Reason, condition, member_phase, members, scheduled, set_condition
 from .summary import SUMMARY_KEY, ModelSummary, summary_config_map_name
 
@@ -61,7 +61,7 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
     except SpecError as exc:
         report.fail(Condition.MODEL_INSPECTED, Reason.INVALID_SPEC, str(exc))
         return Outcome(report.status, permanent_error=str(exc))
-    summary = _summary(fleet, cluster, report)
+    summary = _summary(fleet, spec, cluster, report)
     if summary is None:
         return Outcome(report.status, retry_after_seconds=SUMMARY_RETRY_SECONDS, message=report.last_message)
     placement = _current_placement(fleet, spec, cluster) or place(
@@ -81,20 +81,32 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
     return Outcome(report.status, applied=applied)
 
 
+def wake_up(pod_meta: Mapping[str, Any]) -> Obj:
+    """A patch that marks the failed stage pod on its fleet: an update that runs reconcile now.
+    The value names the pod's uid, so repeated events for one failure patch nothing new."""
+    fleet = {"name": pod_meta["labels"][names.LABEL_FLEET], "namespace": pod_meta["namespace"]}
+    failed = f"{pod_meta['name']}/{pod_meta.get('uid', '')}"
+    metadata = {**fleet, "annotations": {names.ANNOTATION_STAGE_FAILED: failed}}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata}
+
+
 def _nodes(placement: Placement) -> str:
     return ", ".join(sorted({m.node for m in placement.members}))
 
 
-def _summary(fleet: Mapping[str, Any], cluster: Cluster, report: _Report) -> ModelSummary | None:
+def _summary(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster, report: _Report) -> ModelSummary | None:
+    """The summary from its ConfigMap (given, or copied from an inspection); None while there is none.
+
+    A ConfigMap labelled for another model (the spec's model changed) is not used."""
     meta = fleet["metadata"]
     name = summary_config_map_name(meta["name"])
-    config_map = cluster.get("v1", "ConfigMap", meta["namespace"], name)
-    text = ((config_map or {}).get("data") or {}).get(SUMMARY_KEY)
+    config_map = cluster.get("v1", "ConfigMap", meta["namespace"], name) or {}
+    model = (config_map.get("metadata", {}).get("labels") or {}).get(names.LABEL_MODEL)
+    current = model in (None, names.model_key(spec.model.uri))
+    text = (config_map.get("data") or {}).get(SUMMARY_KEY) if current else None
+    if text is None and (text := _inspect(fleet, spec, cluster, report)) is not None:
+        apply(cluster, objects.summary_config_map(fleet, spec, text))
     if text is None:
-        report.fail(
-            Condition.MODEL_INSPECTED, Reason.AWAITING_MODEL_SUMMARY,
-            f"waiting for ConfigMap {name} with key {SUMMARY_KEY} (the checkpoint's sizes)", Phase.PENDING,
-        )  # fmt: skip
         return None
     try:
         summary = ModelSummary.from_json(text)
@@ -103,6 +115,40 @@ def _summary(fleet: Mapping[str, Any], cluster: Cluster, report: _Report) -> Mod
         return None
     report.set(Condition.MODEL_INSPECTED, True, Reason.SUMMARY_FOUND, f"{summary.family}, {summary.num_layers} layers")
     return summary
+
+
+def _inspect(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster, report: _Report) -> str | None:
+    """Start the inspection Job, or return the summary its pod reported; None until it has."""
+    meta = fleet["metadata"]
+    wanted = f"ConfigMap {summary_config_map_name(meta['name'])} with key {SUMMARY_KEY}"
+    if spec.model.uri.startswith("hf://"):
+        message = f"waiting for {wanted}: hf:// checkpoints are not inspected in the cluster yet"
+        report.fail(Condition.MODEL_INSPECTED, Reason.AWAITING_MODEL_SUMMARY, message, Phase.PENDING)
+        return None
+    job = objects.inspection_job(fleet, spec)
+    if cluster.get("batch/v1", "Job", meta["namespace"], job["metadata"]["name"]) is None:
+        cluster.create(job)  # a Job's template is immutable: never patched, a new model gets a new Job
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    reports = {p["metadata"]["name"]: (p.get("status") or {}) for p in cluster.list_pods(meta["namespace"], labels)}
+    for status in reports.values():
+        if status.get("phase") == "Succeeded" and (reported := _termination_message(status)):
+            return reported
+    failed = {name: _termination_message(s) for name, s in reports.items() if s.get("phase") == "Failed"}
+    if failed:
+        detail = "; ".join(f"pod {name}: {why or 'no message'}" for name, why in sorted(failed.items()))
+        report.fail(Condition.MODEL_INSPECTED, Reason.INSPECTION_FAILED, detail, Phase.PENDING)
+    else:
+        waiting = f"Job {job['metadata']['name']} reads the checkpoint's headers, or provide {wanted}"
+        report.fail(Condition.MODEL_INSPECTED, Reason.INSPECTING, waiting, Phase.PENDING)
+    return None
+
+
+def _termination_message(pod_status: Mapping[str, Any]) -> str | None:
+    for container in pod_status.get("containerStatuses") or []:
+        message = ((container.get("state") or {}).get("terminated") or {}).get("message")
+        if message:
+            return str(message)
+    return None
 
 
 def _current_placement(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster) -> Placement | None:

@@ -46,6 +46,8 @@ class Reason(StrEnum):
     INVALID_SPEC = "InvalidSpec"
     SUMMARY_FOUND = "SummaryFound"
     AWAITING_MODEL_SUMMARY = "AwaitingModelSummary"
+    INSPECTING = "Inspecting"
+    INSPECTION_FAILED = "InspectionFailed"
     INVALID_MODEL_SUMMARY = "InvalidModelSummary"
     PLANNED = "Planned"
     NO_MATCHING_NODES = "NoMatchingNodes"

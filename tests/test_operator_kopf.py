@@ -10,6 +10,7 @@ KopfRunner) from another, and the test drives both through the real ``kubernetes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import itertools
 import json
@@ -127,7 +128,9 @@ def wait_for(check: Callable[[], Any], timeout: float = 20.0) -> Any:
     raise AssertionError(f"not reached within {timeout} s")
 
 
-def test_the_operator_turns_a_model_fleet_into_a_plan_pods_services_and_status(api_url, cluster):
+@contextlib.contextmanager
+def operator_with_fleet(cluster: Any) -> Iterator[Any]:
+    """kopf running against the emulator, with two nodes, a model summary and a two-stage fleet."""
     import modelfleet.operator.handlers  # noqa: F401  (registers the handlers)
 
     for name in ("a", "b"):
@@ -135,14 +138,18 @@ def test_the_operator_turns_a_model_fleet_into_a_plan_pods_services_and_status(a
     cluster.create(summary_config_map("qwen", "ai", summary(8)))
     body = fleet(parallelism={"pipeline": 2})
     del body["metadata"]["uid"], body["metadata"]["generation"]  # the API server sets them
-
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False
     with KopfRunner(["run", "-A", "--standalone"], settings=settings) as runner:
         cluster.create(body)
+        yield runner
+    assert runner.exception is None, runner.output
+
+
+def test_the_operator_turns_a_model_fleet_into_a_plan_pods_services_and_status(cluster):
+    with operator_with_fleet(cluster):
         status = wait_for(lambda: _planned(cluster))
         pods = cluster.list_pods("ai", {"modelfleet.io/fleet": "qwen"})
-    assert runner.exception is None, runner.output
 
     assert sorted(p["metadata"]["name"] for p in pods) == ["qwen-g0-s0", "qwen-g0-s1"]
     plan_map = cluster.get("v1", "ConfigMap", "ai", "qwen-plan")
@@ -154,6 +161,27 @@ def test_the_operator_turns_a_model_fleet_into_a_plan_pods_services_and_status(a
     assert (owner["kind"], owner["name"]) == ("ModelFleet", "qwen")
     assert [(m["node"], m["layerStart"], m["layerEnd"]) for m in status["members"]] == [("a", 0, 4), ("b", 4, 8)]
     assert status["observedGeneration"] == 1 and status["phase"] == "Loading"
+
+
+def test_a_failed_stage_pod_wakes_the_operator_which_replaces_it_alone(cluster):
+    with operator_with_fleet(cluster):
+        wait_for(lambda: _planned(cluster))
+        healthy = cluster.get("v1", "Pod", "ai", "qwen-g0-s0")["metadata"]["uid"]
+        failing = cluster.get("v1", "Pod", "ai", "qwen-g0-s1")["metadata"]["uid"]
+        cluster.patch(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "qwen-g0-s1", "namespace": "ai"},
+                "status": {"phase": "Failed"},
+            }
+        )
+        status = wait_for(lambda: (_planned(cluster) or {}).get("stageRestarts"))  # well before the timer's first tick
+        replaced = wait_for(lambda: cluster.get("v1", "Pod", "ai", "qwen-g0-s1"))
+
+    assert status == {"qwen-g0-s1": 1}
+    assert replaced["metadata"]["uid"] != failing and (replaced.get("status") or {}).get("phase") != "Failed"
+    assert cluster.get("v1", "Pod", "ai", "qwen-g0-s0")["metadata"]["uid"] == healthy
 
 
 def _planned(cluster: Any) -> dict[str, Any] | None:

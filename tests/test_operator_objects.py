@@ -171,3 +171,41 @@ def test_render_of_an_infeasible_fleet_names_the_reason_and_nodes(tmp_path):
     result = CliRunner().invoke(app, [*args, "--model-summary", str(tmp_path / "summary.json")])
     assert result.exit_code == 2
     assert "NoMatchingNodes" in result.output and "nodes considered: a, b" in result.output
+
+
+def test_inspect_summarises_a_checkpoint_from_its_headers(tmp_path, tiny_checkpoint):
+    from modelfleet.operator.summary import ModelSummary
+    from modelfleet.planner import layer_bytes
+
+    path, _ = tiny_checkpoint("qwen3_moe")
+    result = CliRunner().invoke(app, ["inspect", "--model", str(path), "--output", str(tmp_path / "summary.json")])
+    assert result.exit_code == 0, result.output
+    inspected = ModelSummary.from_json((tmp_path / "summary.json").read_text())
+    sizes = layer_bytes(path, "bfloat16")
+    assert (inspected.layer_bytes, inspected.embed_bytes, inspected.tied) == (
+        sizes.per_layer,
+        sizes.embed_bytes,
+        sizes.tied,
+    )
+    assert inspected.kv_bytes(1, 1)[0] == 2 * 2 * 16 * 2  # K and V, 2 kv heads x head_dim 16, bf16
+
+
+def test_inspect_of_a_missing_checkpoint_reports_the_error_where_asked(tmp_path):
+    result = CliRunner().invoke(
+        app, ["inspect", "--model", str(tmp_path / "nowhere"), "--output", str(tmp_path / "log")]
+    )
+    assert result.exit_code == 2
+    assert str(tmp_path / "nowhere") in (tmp_path / "log").read_text()
+
+
+def test_the_inspection_job_reads_the_model_volume_and_reports_through_its_termination_message():
+    from kubernetes.client import ApiClient
+
+    body = fleet(model={"uri": "hostpath:///srv/models/qwen3", "servedName": "qwen3"})
+    job = objects.inspection_job(body, parse_spec(body["spec"]))
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["volumes"] == [{"name": "model", "hostPath": {"path": "/srv/models/qwen3", "type": "Directory"}}]
+    assert "--output /dev/termination-log" in pod_spec["containers"][0]["command"][-1]
+    assert pod_spec["restartPolicy"] == "Never" and pod_spec["automountServiceAccountToken"] is False
+    client = ApiClient()
+    assert client.sanitize_for_serialization(client._ApiClient__deserialize(job, "V1Job")) == job  # type: ignore[attr-defined]

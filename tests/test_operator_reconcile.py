@@ -26,13 +26,56 @@ def with_status(body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
     return {**body, "status": status}
 
 
-def test_without_a_model_summary_the_fleet_waits_and_creates_nothing():
-    body = fleet()
+def test_an_hf_model_without_a_summary_waits_for_one_and_creates_nothing():
+    body = fleet(model={"uri": "hf://Qwen/Qwen3-30B-A3B", "servedName": "qwen3"})
     cluster = FakeCluster([node("a")])
     outcome = reconcile(body, cluster)
     assert conditions(outcome.status)["ModelInspected"] == ("False", "AwaitingModelSummary")
     assert outcome.status["phase"] == "Pending" and outcome.retry_after_seconds is not None
     assert cluster.log == []
+
+
+def inspection_pod(cluster: FakeCluster, phase: str, message: str) -> None:
+    job = next(iter(cluster.of_kind("Job").values()))
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    terminated = {"state": {"terminated": {"exitCode": 0 if phase == "Succeeded" else 1, "message": message}}}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "inspect-1", "namespace": "ai", "labels": labels}}
+    pod["status"] = {"phase": phase, "containerStatuses": [terminated]}
+    cluster.objects["Pod", "ai", "inspect-1"] = pod
+
+
+def test_a_local_model_is_inspected_by_a_job_whose_report_becomes_the_summary():
+    body = fleet(parallelism={"pipeline": 2})
+    cluster = FakeCluster([node("a"), node("b")])
+    outcome = reconcile(body, cluster)
+    assert conditions(outcome.status)["ModelInspected"][1] == "Inspecting"
+    [job] = cluster.of_kind("Job").values()
+    assert job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
+    assert cluster.of_kind("Pod") == {}
+    inspection_pod(cluster, "Succeeded", summary(8).model_dump_json())
+    outcome = reconcile(body, cluster)
+    assert conditions(outcome.status)["ModelInspected"] == ("True", "SummaryFound")
+    assert "qwen-model-summary" in cluster.of_kind("ConfigMap")
+    assert [m["layerEnd"] for m in outcome.status["members"]] == [4, 8]
+
+
+def test_a_failed_inspection_is_reported_with_its_message():
+    body = fleet()
+    cluster = FakeCluster([node("a")])
+    reconcile(body, cluster)
+    inspection_pod(cluster, "Failed", "no config.json in /models/qwen3")
+    outcome = reconcile(body, cluster)
+    assert conditions(outcome.status)["ModelInspected"] == ("False", "InspectionFailed")
+    assert "no config.json in /models/qwen3" in outcome.status["conditions"][0]["message"]
+
+
+def test_a_summary_of_another_model_is_not_used():
+    body = fleet()
+    stale = summary_config_map("qwen", "ai", summary(8))
+    stale["metadata"]["labels"] = {"modelfleet.io/model": "another"}
+    cluster = FakeCluster([node("a")], [stale])
+    outcome = reconcile(body, cluster)
+    assert conditions(outcome.status)["ModelInspected"][1] == "Inspecting"
 
 
 def test_a_fleet_is_planned_applied_and_reported_with_members():

@@ -1,4 +1,5 @@
-"""Kubernetes commands: ``render`` (the objects the operator would create) and ``operator``.
+"""Kubernetes commands: ``render`` (the objects the operator would create), ``operator``, and
+``inspect`` (a checkpoint's summary, as the operator's inspection Job reports it).
 
 ``render`` runs the operator's own planner and builders on files, offline: a ModelFleet manifest,
 Node objects (``kubectl get nodes -o yaml`` output, a YAML list, or several documents) and the
@@ -90,6 +91,37 @@ def render(
         )
         return
     typer.echo(yaml.dump_all(objects.fleet_objects(fleet, spec, placement), Dumper=_Dumper, sort_keys=False), nl=False)
+
+
+TERMINATION_LOG = Path("/dev/termination-log")
+TERMINATION_LOG_BYTES = 4096  # what the kubelet keeps of a termination message
+
+
+@app.command()
+def inspect(
+    model_dir: Path = typer.Option(..., "--model", help="Local checkpoint (config.json + *.safetensors)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="Compute dtype the sizes are counted at."),
+    output: Path | None = typer.Option(None, "--output", help="Write the JSON here (errors too) instead of stdout."),
+) -> None:
+    """Print a checkpoint's model summary (JSON), read from its config and safetensors headers only."""
+    from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.operator.summary import inspect_checkpoint
+
+    try:
+        text = inspect_checkpoint(model_dir, dtype).model_dump_json()
+        if output == TERMINATION_LOG and len(text) > TERMINATION_LOG_BYTES:
+            raise ModelfleetError(
+                f"the summary is {len(text)} bytes; a termination message holds {TERMINATION_LOG_BYTES}"
+            )
+    except (ModelfleetError, OSError) as exc:
+        if output is not None:
+            output.write_text(f"{model_dir}: {exc}")
+        _fail(f"{model_dir}: {exc}")
+        return
+    if output is None:
+        typer.echo(text)
+    else:
+        output.write_text(text)
 
 
 @app.command()
