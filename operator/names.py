@@ -20,9 +20,13 @@ ANNOTATION_GENERATION = "modelfleet.io/generation"
 ANNOTATION_STAGE_FAILED = "modelfleet.io/stage-failed"  # on a fleet: <pod>/<uid> of its last failed stage
 
 AGENT_PORT = 5555
-AGENT_HTTP_PORT = 8080  # /healthz, /readyz, /status, /metrics
+AGENT_HTTP_PORT = AGENT_PORT + 1  # the agent serves /healthz, /readyz, /status, /metrics on its port + 1
 GATEWAY_PORT = 8000
 PLAN_MOUNT_DIR = "/etc/modelfleet"
+MODEL_MOUNT_DIR = "/models"
+TRANSPORT_KEYS_DIR = "/etc/modelfleet-transport"  # fleet.key, fleet.key_secret (CURVE), as agents load them
+API_KEYS_DIR = "/etc/modelfleet-api-keys"
+API_KEYS_KEY = "api-keys"  # the key of spec.gateway.apiKeysSecret: bearer keys, one per line
 PLAN_KEY = "plan.json"
 MEMBERS_KEY = "members.json"
 
@@ -56,3 +60,19 @@ def gateway_name(fleet: str) -> str:
 def stage_address(fleet: str, namespace: str, group: int, stage: int, tp_size: int = 1) -> str:
     """host:port of a stage's rank 0, through the headless Service's per-pod DNS record."""
     return f"{pod_name(fleet, group, stage, 0, tp_size)}.{stage_service(fleet)}.{namespace}.svc:{AGENT_PORT}"
+
+
+def transport_secret(fleet: str) -> str:
+    return f"{fleet}-transport"
+
+
+def model_path(uri: str) -> str:
+    """Where a pod finds the checkpoint: the plan's ``model.path`` inside the fleet's pods.
+
+    pvc://CLAIM/PATH mounts the claim at MODEL_MOUNT_DIR, hostpath:///PATH mounts PATH there;
+    hf:// checkpoints are not mounted, and the URI stays as it is."""
+    if uri.startswith("pvc://"):
+        return f"{MODEL_MOUNT_DIR}/{uri.removeprefix('pvc://').partition('/')[2]}"
+    if uri.startswith("hostpath://"):
+        return MODEL_MOUNT_DIR
+    return uri

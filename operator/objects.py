@@ -9,6 +9,7 @@ are), so the scheduler still checks resources; ``placement.affinity``'s other pa
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import json
@@ -24,7 +25,7 @@ from .spec import GROUP, KIND, VERSION, ModelFleetSpec
 
 Obj = dict[str, Any]
 DEFAULT_IMAGE = f"ghcr.io/modelfleet/modelfleet:{__version__}"
-MODEL_MOUNT_DIR = "/models"
+MODEL_MOUNT_DIR = names.MODEL_MOUNT_DIR
 
 
 def owner_reference(fleet: Mapping[str, Any]) -> Obj:
@@ -85,6 +86,7 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: FleetPlan, m
         _env("MF_PLAN", f"{names.PLAN_MOUNT_DIR}/{names.PLAN_KEY}"), _env("MF_GROUP", str(member.group)),
         _env("MF_STAGE", str(member.stage)), _env("MF_TP_RANK", str(member.tp_rank)), _env("MF_TP_SIZE", str(tp)),
         _env("MF_BACKEND", spec.backend), _env("MF_NUMA", spec.placement.numa), *model_env,
+        _env("MF_HTTP_HOST", "0.0.0.0"), _env("MF_KEYS_DIR", names.TRANSPORT_KEYS_DIR),
         {"name": "MF_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "MF_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]  # fmt: skip
@@ -98,15 +100,13 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: FleetPlan, m
         "readinessProbe": _probe("/readyz", names.AGENT_HTTP_PORT, period=5),
         # weights load for minutes; the agent answers /healthz while loading
         "livenessProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=6),
-        "volumeMounts": [
-            {"name": "plan", "mountPath": names.PLAN_MOUNT_DIR, "readOnly": True},
-            {"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": spec.model.uri.startswith("pvc://")},
-        ],
+        "volumeMounts": [_plan_mount(), _model_mount(spec), _transport_mount()],
     }  # fmt: skip
     pod_spec = {
         "hostname": name, "subdomain": names.stage_service(fleet_name), "restartPolicy": "Never",
         "affinity": _affinity(spec, member.node), "containers": [container],
-        "volumes": [_plan_volume(fleet_name), model_volume], "automountServiceAccountToken": False,
+        "volumes": [_plan_volume(fleet_name), model_volume, _transport_volume(fleet_name)],
+        "automountServiceAccountToken": False,
     }  # fmt: skip
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations]
@@ -148,16 +148,41 @@ def _plan_volume(fleet_name: str) -> Obj:
     return {"name": "plan", "configMap": {"name": names.plan_config_map(fleet_name)}}
 
 
+def _plan_mount() -> Obj:
+    return {"name": "plan", "mountPath": names.PLAN_MOUNT_DIR, "readOnly": True}
+
+
+def _model_mount(spec: ModelFleetSpec) -> Obj:
+    return {"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": not spec.model.uri.startswith("hf://")}
+
+
+def _transport_volume(fleet_name: str) -> Obj:
+    return {"name": "transport", "secret": {"secretName": names.transport_secret(fleet_name), "defaultMode": 0o400}}
+
+
+def _transport_mount() -> Obj:
+    return {"name": "transport", "mountPath": names.TRANSPORT_KEYS_DIR, "readOnly": True}
+
+
+def transport_secret(fleet: Mapping[str, Any], public_key: str, secret_key: str) -> Obj:
+    """The fleet's CURVE key pair (z85), shared by its agents and gateway; made once by the caller,
+    since keys are random and these builders are pure."""
+    data = {"fleet.key": public_key, "fleet.key_secret": secret_key}
+    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+    meta = _metadata(fleet, names.transport_secret(fleet["metadata"]["name"]))
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "data": encoded}
+
+
 def _model_volume(spec: ModelFleetSpec) -> tuple[Obj, list[Obj]]:
     """The checkpoint volume and MF_MODEL_PATH; hf:// models download into an emptyDir cache."""
     uri = spec.model.uri
     if uri.startswith("pvc://"):
-        claim, _, path = uri.removeprefix("pvc://").partition("/")
+        claim = uri.removeprefix("pvc://").partition("/")[0]
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        return volume, [_env("MF_MODEL_PATH", f"{MODEL_MOUNT_DIR}/{path}")]
+        return volume, [_env("MF_MODEL_PATH", names.model_path(uri))]
     if uri.startswith("hostpath://"):
         volume = {"name": "model", "hostPath": {"path": uri.removeprefix("hostpath://"), "type": "Directory"}}
-        return volume, [_env("MF_MODEL_PATH", MODEL_MOUNT_DIR)]
+        return volume, [_env("MF_MODEL_PATH", names.model_path(uri))]
     return {"name": "model", "emptyDir": {}}, [_env("MF_MODEL_URI", uri), _env("MF_MODEL_CACHE", MODEL_MOUNT_DIR)]
 
 
@@ -230,15 +255,24 @@ def stage_service(fleet: Mapping[str, Any]) -> Obj:
 
 
 def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: FleetPlan) -> Obj:
+    """The gateway: tokenizer from the model volume, CURVE keys to reach the head, API keys if given."""
     fleet_name = fleet["metadata"]["name"]
     labels = selector(fleet_name, "gateway")
-    mounts: list[Obj] = [{"name": "plan", "mountPath": names.PLAN_MOUNT_DIR, "readOnly": True}]
-    volumes: list[Obj] = [_plan_volume(fleet_name)]
-    env = [_env("MF_PLAN", f"{names.PLAN_MOUNT_DIR}/{names.PLAN_KEY}")]
+    model_volume, _ = _model_volume(spec)
+    mounts = [_plan_mount(), _model_mount(spec), _transport_mount()]
+    volumes = [_plan_volume(fleet_name), model_volume, _transport_volume(fleet_name)]
+    env = [
+        _env("MF_PLAN", f"{names.PLAN_MOUNT_DIR}/{names.PLAN_KEY}"), _env("MF_GATEWAY_HOST", "0.0.0.0"),
+        _env("MF_GATEWAY_PORT", str(names.GATEWAY_PORT)), _env("MF_KEYS_DIR", names.TRANSPORT_KEYS_DIR),
+    ]  # fmt: skip
     if spec.gateway.api_keys_secret:
-        mounts.append({"name": "api-keys", "mountPath": "/etc/modelfleet-keys", "readOnly": True})
-        volumes.append({"name": "api-keys", "secret": {"secretName": spec.gateway.api_keys_secret}})
-        env.append(_env("MF_API_KEYS_DIR", "/etc/modelfleet-keys"))
+        mounts.append({"name": "api-keys", "mountPath": names.API_KEYS_DIR, "readOnly": True})
+        secret = {
+            "secretName": spec.gateway.api_keys_secret,
+            "items": [{"key": names.API_KEYS_KEY, "path": names.API_KEYS_KEY}],
+        }
+        volumes.append({"name": "api-keys", "secret": secret})
+        env.append(_env("MF_API_KEYS_FILE", f"{names.API_KEYS_DIR}/{names.API_KEYS_KEY}"))
     container = {
         "name": "gateway", "image": spec.images.gateway or DEFAULT_IMAGE, "imagePullPolicy": spec.images.pull_policy,
         "command": ["modelfleet", "gateway"], "env": env, "volumeMounts": mounts,
@@ -269,12 +303,14 @@ def endpoint(fleet: Mapping[str, Any]) -> str:
 
 
 def network_policies(fleet: Mapping[str, Any]) -> list[Obj]:
-    """Stage pods accept only pods of the same fleet; the gateway's port is open to all."""
+    """Stage pods accept frames only from pods of the same fleet, and HTTP (health, status for
+    the operator, metrics) from anywhere; the gateway's port is open to all."""
     fleet_name = fleet["metadata"]["name"]
     same_fleet = {"podSelector": {"matchLabels": {names.LABEL_FLEET: fleet_name}}}
+    http = {"ports": [{"protocol": "TCP", "port": names.AGENT_HTTP_PORT}]}
     stages = {
         "podSelector": {"matchLabels": selector(fleet_name, "stage")},
-        "policyTypes": ["Ingress"], "ingress": [{"from": [same_fleet]}],
+        "policyTypes": ["Ingress"], "ingress": [{"from": [same_fleet]}, http],
     }  # fmt: skip
     gateway = {
         "podSelector": {"matchLabels": selector(fleet_name, "gateway")}, "policyTypes": ["Ingress"],

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from modelfleet.plan import FleetPlan, PlanError, build
 from modelfleet.planner import InfeasiblePlan, node_name, parse_quantity, split_by_memory, usable_memory
 
-from .names import stage_address
+from .names import model_path, stage_address
 from .spec import ModelFleetSpec
 from .summary import ModelSummary
 
@@ -133,6 +133,8 @@ def place(
     if stages < 1 or stages * width > len(matching):
         need = max(stages, 1) * width
         message = f"the fleet needs {need} matching nodes ({max(stages, 1)} stages x {per_stage} ranks x {spec.replicas} groups), {len(matching)} match: {', '.join(sorted(node_name(n) for n in matching))}"
+        if rejected:
+            message += "; not matching: " + "; ".join(f"{name}: {why}" for name, why in sorted(rejected.items()))
         return Infeasible("InsufficientCapacity", message, 0, considered, rejected)
     if stages > summary.num_layers:
         return Infeasible(
@@ -210,7 +212,7 @@ def _ranges(
 
 def _build(spec: ModelFleetSpec, summary: ModelSummary, groups: list[dict[str, Any]]) -> FleetPlan:
     model = {
-        "path": spec.model.uri, "served_name": spec.model.served_name, "family": summary.family,
+        "path": model_path(spec.model.uri), "served_name": spec.model.served_name, "family": summary.family,
         "num_layers": summary.num_layers, "dtype": summary.dtype, "formats": spec.model.formats,
     }  # fmt: skip
     serving = {

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import zmq
+
 from modelfleet.plan import FleetPlan, PlanError
 
 from . import names, objects
@@ -73,6 +75,7 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
     report.set(Condition.PLANNED, True, Reason.PLANNED, f"{len(placement.members)} members on {_nodes(placement)}")
     if _replace_failed_stages(fleet, spec, cluster, report):
         return Outcome(report.status, message=report.last_message)
+    _ensure_transport_keys(fleet, cluster)
     applied = [
         f"{obj['kind']}/{obj['metadata']['name']}: {apply(cluster, obj)}"
         for obj in objects.fleet_objects(fleet, spec, placement)
@@ -88,6 +91,14 @@ def wake_up(pod_meta: Mapping[str, Any]) -> Obj:
     failed = f"{pod_meta['name']}/{pod_meta.get('uid', '')}"
     metadata = {**fleet, "annotations": {names.ANNOTATION_STAGE_FAILED: failed}}
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata}
+
+
+def _ensure_transport_keys(fleet: Mapping[str, Any], cluster: Cluster) -> None:
+    """The fleet's CURVE key pair, made once: a new pair would cut running agents off each other."""
+    meta = fleet["metadata"]
+    if cluster.get("v1", "Secret", meta["namespace"], names.transport_secret(meta["name"])) is None:
+        public, secret = zmq.curve_keypair()
+        cluster.create(objects.transport_secret(fleet, public.decode(), secret.decode()))
 
 
 def _nodes(placement: Placement) -> str:

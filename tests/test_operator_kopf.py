@@ -31,7 +31,7 @@ from kopf.testing import KopfRunner
 
 KINDS = {
     "v1/nodes": "Node", "v1/namespaces": "Namespace", "v1/pods": "Pod", "v1/services": "Service",
-    "v1/configmaps": "ConfigMap", "v1/events": "Event", "apps/v1/deployments": "Deployment",
+    "v1/configmaps": "ConfigMap", "v1/secrets": "Secret", "v1/events": "Event", "batch/v1/jobs": "Job", "apps/v1/deployments": "Deployment",
     "networking.k8s.io/v1/networkpolicies": "NetworkPolicy", "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
 }  # fmt: skip
 CLUSTER_SCOPED = {"v1/nodes", "v1/namespaces"}

@@ -31,7 +31,8 @@ def by_kind(objs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
 
 
 def env_of(pod: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e.get("value", "<ref>") for e in pod["spec"]["containers"][0]["env"]}
+    pod_spec = pod.get("spec", pod)
+    return {e["name"]: e.get("value", "<ref>") for e in pod_spec["containers"][0]["env"]}
 
 
 def test_one_pod_per_stage_member_with_stable_names_labels_and_mf_environment():
@@ -45,7 +46,9 @@ def test_one_pod_per_stage_member_with_stable_names_labels_and_mf_environment():
     }  # fmt: skip
     env = env_of(pod)
     assert (env["MF_PLAN"], env["MF_GROUP"], env["MF_STAGE"]) == ("/etc/modelfleet/plan.json", "1", "0")
-    assert env["MF_MODEL_PATH"] == "/models/qwen3"
+    assert (env["MF_MODEL_PATH"], env["MF_KEYS_DIR"]) == ("/models/qwen3", "/etc/modelfleet-transport")
+    transport = {"secretName": "qwen-transport", "defaultMode": 0o400}
+    assert {"name": "transport", "secret": transport} in pod["spec"]["volumes"]
     assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == ("qwen-g1-s0", "qwen-stages")
 
 
@@ -87,6 +90,7 @@ def test_plan_config_map_holds_the_plan_and_its_hash():
     config_map = by_kind(objs, "ConfigMap")["qwen-plan"]
     plan = FleetPlan.from_json(config_map["data"]["plan.json"])
     assert plan == placement.plan
+    assert plan.model.path == "/models/qwen3"  # where every pod mounts pvc://models/qwen3
     assert config_map["metadata"]["annotations"]["modelfleet.io/plan-hash"] == plan.plan_hash()
     assert [m["node"] for m in json.loads(config_map["data"]["members.json"])] == ["a", "b", "c", "d"]
 
@@ -99,10 +103,15 @@ def test_services_gateway_policies_and_budget():
     assert services["qwen-gateway"]["spec"]["type"] == "NodePort"
     deployment = by_kind(objs, "Deployment")["qwen-gateway"]
     assert deployment["spec"]["replicas"] == 2
-    assert {"name": "api-keys", "secret": {"secretName": "keys"}} in deployment["spec"]["template"]["spec"]["volumes"]
+    gateway_pod = deployment["spec"]["template"]["spec"]
+    api_keys = {"secretName": "keys", "items": [{"key": "api-keys", "path": "api-keys"}]}
+    assert {"name": "api-keys", "secret": api_keys} in gateway_pod["volumes"]
+    assert env_of(gateway_pod)["MF_API_KEYS_FILE"] == "/etc/modelfleet-api-keys/api-keys"
+    assert env_of(gateway_pod)["MF_KEYS_DIR"] == "/etc/modelfleet-transport"
     policies = by_kind(objs, "NetworkPolicy")
     assert policies["qwen-stages"]["spec"]["ingress"] == [
-        {"from": [{"podSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}}}]}
+        {"from": [{"podSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}}}]},
+        {"ports": [{"protocol": "TCP", "port": 5556}]},  # health, status and metrics
     ]
     assert policies["qwen-gateway"]["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
     assert by_kind(objs, "PodDisruptionBudget")["qwen-stages"]["spec"]["maxUnavailable"] == 1

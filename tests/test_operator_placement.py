@@ -130,10 +130,12 @@ def test_insufficient_capacity_names_the_shortfall_in_bytes():
     assert result.nodes_considered == ("a", "b")
 
 
-def test_too_few_matching_nodes_for_a_fixed_pipeline_is_insufficient_capacity():
-    result = place(spec(parallelism={"pipeline": 3}), summary(8), [node("a"), node("b")], "qwen", "ai")
+def test_too_few_matching_nodes_for_a_fixed_pipeline_is_insufficient_capacity_naming_the_others():
+    nodes = [node("a"), node("b"), node("c", unschedulable=True)]
+    result = place(spec(parallelism={"pipeline": 3}), summary(8), nodes, "qwen", "ai")
     assert isinstance(result, Infeasible) and result.reason == "InsufficientCapacity"
     assert "needs 3 matching nodes" in result.message and "2 match: a, b" in result.message
+    assert "not matching: c: unschedulable" in result.message
 
 
 def test_a_listed_stage_larger_than_its_node_is_insufficient_capacity():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import kopf
@@ -85,6 +86,8 @@ def test_a_fleet_is_planned_applied_and_reported_with_members():
     assert outcome.permanent_error is None and outcome.retry_after_seconds is None
     assert sorted(cluster.of_kind("Pod")) == ["qwen-g0-s0", "qwen-g0-s1"]
     assert set(cluster.of_kind("Service")) == {"qwen-stages", "qwen-gateway"}
+    keys = cluster.of_kind("Secret")["qwen-transport"]["data"]
+    assert len(base64.b64decode(keys["fleet.key"])) == len(base64.b64decode(keys["fleet.key_secret"])) == 40
     plan_map = cluster.of_kind("ConfigMap")["qwen-plan"]
     status = outcome.status
     assert status["planHash"] == plan_map["metadata"]["annotations"]["modelfleet.io/plan-hash"]

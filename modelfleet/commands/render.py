@@ -60,6 +60,8 @@ def render(
     dtype: str = typer.Option("bfloat16", "--dtype", help="Compute dtype when summarising --model."),
 ) -> None:
     """Print the objects the operator would create for a ModelFleet on these nodes (YAML)."""
+    import zmq
+
     from modelfleet.operator import objects
     from modelfleet.operator.placement import Infeasible, place
     from modelfleet.operator.spec import SpecError, parse_spec
@@ -90,7 +92,12 @@ def render(
             f"{placement.reason}: {placement.message} (nodes considered: {', '.join(placement.nodes_considered) or 'none'})"
         )
         return
-    typer.echo(yaml.dump_all(objects.fleet_objects(fleet, spec, placement), Dumper=_Dumper, sort_keys=False), nl=False)
+    public, secret = zmq.curve_keypair()  # the operator makes the pair once per fleet, as here
+    rendered = [
+        *objects.fleet_objects(fleet, spec, placement),
+        objects.transport_secret(fleet, public.decode(), secret.decode()),
+    ]
+    typer.echo(yaml.dump_all(rendered, Dumper=_Dumper, sort_keys=False), nl=False)
 
 
 TERMINATION_LOG = Path("/dev/termination-log")
