@@ -8,11 +8,16 @@ costs a second that ``modelfleet render`` does not need.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from . import names
+
 Obj = dict[str, Any]
+AGENT_STATUS_TIMEOUT_SECONDS = 0.5  # per member, each pass; a loading agent answers at once
 
 
 class KubeCluster:
@@ -62,3 +67,19 @@ class KubeCluster:
             item.to_dict()
             for item in self._resource("v1", "Pod").get(namespace=namespace, label_selector=selector).items
         ]
+
+    def agent_status(self, pod: Obj) -> Obj | None:
+        return read_agent_status(pod)
+
+
+def read_agent_status(pod: Obj, port: int = names.AGENT_HTTP_PORT) -> Obj | None:
+    """GET the agent's /status on its pod IP; a slow or absent answer is None, not an error."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{port}/status", timeout=AGENT_STATUS_TIMEOUT_SECONDS) as response:
+            document = json.loads(response.read())
+    except (OSError, ValueError):
+        return None
+    return document if isinstance(document, dict) else None

@@ -39,6 +39,7 @@ class Cluster(Protocol):
     def patch(self, obj: Obj) -> None: ...  # JSON merge patch of the object's own fields
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Obj]: ...
+    def agent_status(self, pod: Obj) -> Obj | None: ...  # the agent's /status JSON; None if it does not answer
 
 
 @dataclass
@@ -152,6 +153,10 @@ def _inspect(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster, r
         waiting = f"Job {job['metadata']['name']} reads the checkpoint's headers, or provide {wanted}"
         report.fail(Condition.MODEL_INSPECTED, Reason.INSPECTING, waiting, Phase.PENDING)
     return None
+
+
+def _running(pod: Mapping[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp")
 
 
 def _termination_message(pod_status: Mapping[str, Any]) -> str | None:
@@ -274,7 +279,10 @@ class _Report:
         meta = fleet["metadata"]
         stage_pods = cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage"))
         pods = {p["metadata"]["name"]: p for p in stage_pods}
-        listed = members(meta["name"], placement, pods)
+        agents = {
+            name: a for name, pod in pods.items() if _running(pod) and (a := cluster.agent_status(pod)) is not None
+        }
+        listed = members(meta["name"], placement, pods, agents)
         total, groups = len(listed), len(placement.plan.groups)
         ready_groups = sum(all(m["phase"] == "Ready" for m in listed if m["group"] == g) for g in range(groups))
         gateway = cluster.get("apps/v1", "Deployment", meta["namespace"], names.gateway_name(meta["name"])) or {}

@@ -1,8 +1,8 @@
 """A fleet's status as types: phases, condition types and reasons, members; pure functions of
 the placement and the pods the API reports.
 
-``layersLoaded`` is ``layersTotal`` once a member's pod is Ready and 0 before: the operator does
-not yet read the agents' ``/status`` for progress during loading.
+Members' phases and ``layersLoaded`` come from each agent's ``/status`` (read by the operator;
+agents hold no Kubernetes credentials); where an agent does not answer, from its pod.
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ class Phase(StrEnum):
 
 
 class MemberPhase(StrEnum):
+    """A pod's phase before its agent answers, then the agent's own (modelfleet.agent.health.Phase)."""
+
     PENDING = "Pending"
     LOADING = "Loading"
     READY = "Ready"
+    DRAINING = "Draining"
     FAILED = "Failed"
 
 
@@ -93,28 +96,41 @@ def condition(conditions: Sequence[Mapping[str, Any]], kind: Condition) -> Mappi
     return next((c for c in conditions if c.get("type") == kind), None)
 
 
-def member_phase(pod: Mapping[str, Any] | None) -> MemberPhase:
+def member_phase(pod: Mapping[str, Any] | None, agent: Mapping[str, Any] | None = None) -> MemberPhase:
+    """The pod's word on failure, then the agent's own phase (its /status), then pod readiness."""
     if pod is None:
         return MemberPhase.PENDING
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
         return MemberPhase.FAILED
+    if agent is not None and agent.get("phase") in set(MemberPhase):
+        return MemberPhase(agent["phase"])
     if any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []):
         return MemberPhase.READY
     return MemberPhase.LOADING if status.get("phase") == "Running" else MemberPhase.PENDING
 
 
-def members(fleet: str, placement: Placement, pods: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per stage member, in plan order (group, stage, rank)."""
+def members(
+    fleet: str,
+    placement: Placement,
+    pods: Mapping[str, Mapping[str, Any]],
+    agents: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """One entry per stage member, in plan order (group, stage, rank); ``agents`` holds the
+    members' /status documents by pod name, where they answered."""
     result = []
     for m in placement.members:
         stage = placement.plan.stage(m.group, m.stage)
         pod = names.pod_name(fleet, m.group, m.stage, m.tp_rank, stage.tp_size)
-        phase = member_phase(pods.get(pod))
+        agent = (agents or {}).get(pod)
+        phase = member_phase(pods.get(pod), agent)
+        loaded = stage.num_layers if phase == MemberPhase.READY else 0
+        if agent is not None and isinstance(agent.get("layers_loaded"), int):
+            loaded = min(agent["layers_loaded"], stage.num_layers)
         result.append({
             "group": m.group, "stage": m.stage, "tpRank": m.tp_rank, "pod": pod, "node": m.node,
             "layerStart": stage.layer_start, "layerEnd": stage.layer_end, "phase": str(phase),
-            "layersLoaded": stage.num_layers if phase == MemberPhase.READY else 0, "layersTotal": stage.num_layers,
+            "layersLoaded": loaded, "layersTotal": stage.num_layers,
         })  # fmt: skip
     return result
 

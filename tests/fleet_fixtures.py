@@ -58,6 +58,7 @@ class FakeCluster:
         self.nodes = nodes
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.log: list[str] = []
+        self.agents: dict[str, dict[str, Any]] = {}  # /status documents by pod name
         for obj in objects:
             self.objects[self._key(obj)] = obj
 
@@ -89,6 +90,9 @@ class FakeCluster:
             o for (kind, ns, _), o in self.objects.items()
             if kind == "Pod" and ns == namespace and labels.items() <= (o["metadata"].get("labels") or {}).items()
         ]  # fmt: skip
+
+    def agent_status(self, pod: dict[str, Any]) -> dict[str, Any] | None:
+        return self.agents.get(pod["metadata"]["name"])
 
     def of_kind(self, kind: str) -> dict[str, dict[str, Any]]:
         return {name: o for (k, _, name), o in self.objects.items() if k == kind}

@@ -131,6 +131,21 @@ def test_ready_pods_and_gateway_make_the_fleet_ready():
     assert [m["layersLoaded"] for m in status["members"]] == [4, 4]
 
 
+def test_members_report_the_agents_own_phase_and_loading_progress():
+    body = fleet(parallelism={"pipeline": 2})
+    cluster = cluster_for(body)
+    reconcile(body, cluster)
+    cluster.set_pod("qwen-g0-s0", "Running")
+    cluster.set_pod("qwen-g0-s1", "Running", ready=True)
+    cluster.agents["qwen-g0-s0"] = {"phase": "Loading", "layers_loaded": 3, "layers_total": 4}
+    cluster.agents["qwen-g0-s1"] = {"phase": "Draining", "layers_loaded": 4, "layers_total": 4}
+    members = reconcile(body, cluster).status["members"]
+    assert [(m["phase"], m["layersLoaded"], m["layersTotal"]) for m in members] == [
+        ("Loading", 3, 4),
+        ("Draining", 4, 4),
+    ]
+
+
 def test_one_ready_group_of_two_is_degraded():
     body = fleet(parallelism={"pipeline": 1}, replicas=2)
     cluster = cluster_for(body)
@@ -245,3 +260,32 @@ def test_the_handler_writes_status_and_raises_kopf_errors(use):
     with pytest.raises(kopf.TemporaryError) as raised:
         handlers.reconcile_fleet(body=fleet(), patch=kopf.Patch(), logger=logging.getLogger("test"))
     assert raised.value.delay == 15.0
+
+
+def test_the_operator_reads_an_agents_status_over_http_and_tolerates_silence():
+    import http.server
+    import json
+    import threading
+
+    from modelfleet.operator.kube import read_agent_status
+
+    class Status(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"phase": "Loading", "layers_loaded": 2}).encode()
+            self.send_response(200 if self.path == "/status" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        pod = {"status": {"podIP": "127.0.0.1"}}
+        assert read_agent_status(pod, server.server_address[1]) == {"phase": "Loading", "layers_loaded": 2}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert read_agent_status(pod, server.server_address[1]) is None  # nobody listens now
+    assert read_agent_status({"status": {}}) is None  # not scheduled yet
