@@ -62,7 +62,7 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
     try:
         spec = parse_spec(fleet.get("spec") or {})
     except SpecError as exc:
-        report.fail(Condition.MODEL_INSPECTED, Reason.INVALID_SPEC, str(exc))
+        report.fail(Condition.READY, Reason.INVALID_SPEC, str(exc))
         return Outcome(report.status, permanent_error=str(exc))
     summary = _summary(fleet, spec, cluster, report)
     if summary is None:
