@@ -121,6 +121,7 @@ def _register() -> None:
 
 
 _register()
+app.command()(__import__("modelfleet.commands.gateway", fromlist=["gateway"]).gateway)
 app.add_typer(__import__("modelfleet.commands.render", fromlist=["app"]).app)  # render, operator
 
 if __name__ == "__main__":

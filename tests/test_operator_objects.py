@@ -45,29 +45,57 @@ def test_one_pod_per_stage_member_with_stable_names_labels_and_mf_environment():
         "modelfleet.io/tp-rank": "0", "modelfleet.io/component": "stage",
     }  # fmt: skip
     env = env_of(pod)
-    assert (env["MF_PLAN"], env["MF_GROUP"], env["MF_STAGE"]) == ("/etc/modelfleet/plan.json", "1", "0")
-    assert (env["MF_MODEL_PATH"], env["MF_KEYS_DIR"]) == ("/models/qwen3", "/etc/modelfleet-transport")
+    assert (env["MF_PLAN"], env["MF_GROUP"], env["MF_STAGE"]) == (
+        "/etc/modelfleet/plan.json",
+        "1",
+        "0",
+    )
+    assert (env["MF_MODEL_PATH"], env["MF_KEYS_DIR"]) == (
+        "/models/qwen3",
+        "/etc/modelfleet-transport",
+    )
     transport = {"secretName": "qwen-transport", "defaultMode": 0o400}
     assert {"name": "transport", "secret": transport} in pod["spec"]["volumes"]
-    assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == ("qwen-g1-s0", "qwen-stages")
+    assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == (
+        "qwen-g1-s0",
+        "qwen-stages",
+    )
 
 
 def test_tensor_parallel_members_get_a_rank_suffix():
     _, objs, _ = build(parallelism={"pipeline": 2, "tensor": 2})
-    assert sorted(by_kind(objs, "Pod")) == ["qwen-g0-s0-r0", "qwen-g0-s0-r1", "qwen-g0-s1-r0", "qwen-g0-s1-r1"]
+    assert sorted(by_kind(objs, "Pod")) == [
+        "qwen-g0-s0-r0",
+        "qwen-g0-s0-r1",
+        "qwen-g0-s1-r0",
+        "qwen-g0-s1-r1",
+    ]
 
 
 def test_a_pod_is_bound_to_its_planned_node_and_mounts_the_plan_with_probes():
-    _, objs, placement = build(parallelism={"pipeline": 2}, placement={"affinity": {"podAntiAffinity": {"x": 1}}})
+    _, objs, placement = build(
+        parallelism={"pipeline": 2},
+        placement={"affinity": {"podAntiAffinity": {"x": 1}}},
+    )
     pod = by_kind(objs, "Pod")["qwen-g0-s1"]
     term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ][0]
-    assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": [placement.members[1].node]}]
+    assert term["matchFields"] == [
+        {
+            "key": "metadata.name",
+            "operator": "In",
+            "values": [placement.members[1].node],
+        }
+    ]
     assert pod["spec"]["affinity"]["podAntiAffinity"] == {"x": 1}  # the user's affinity is kept
     container = pod["spec"]["containers"][0]
     assert {"name": "plan", "configMap": {"name": "qwen-plan"}} in pod["spec"]["volumes"]
-    assert {"name": "plan", "mountPath": "/etc/modelfleet", "readOnly": True} in container["volumeMounts"]
+    assert {
+        "name": "plan",
+        "mountPath": "/etc/modelfleet",
+        "readOnly": True,
+    } in container["volumeMounts"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert pod["spec"]["restartPolicy"] == "Never"
@@ -92,7 +120,12 @@ def test_plan_config_map_holds_the_plan_and_its_hash():
     assert plan == placement.plan
     assert plan.model.path == "/models/qwen3"  # where every pod mounts pvc://models/qwen3
     assert config_map["metadata"]["annotations"]["modelfleet.io/plan-hash"] == plan.plan_hash()
-    assert [m["node"] for m in json.loads(config_map["data"]["members.json"])] == ["a", "b", "c", "d"]
+    assert [m["node"] for m in json.loads(config_map["data"]["members.json"])] == [
+        "a",
+        "b",
+        "c",
+        "d",
+    ]
 
 
 def test_services_gateway_policies_and_budget():
@@ -104,7 +137,10 @@ def test_services_gateway_policies_and_budget():
     deployment = by_kind(objs, "Deployment")["qwen-gateway"]
     assert deployment["spec"]["replicas"] == 2
     gateway_pod = deployment["spec"]["template"]["spec"]
-    api_keys = {"secretName": "keys", "items": [{"key": "api-keys", "path": "api-keys"}]}
+    api_keys = {
+        "secretName": "keys",
+        "items": [{"key": "api-keys", "path": "api-keys"}],
+    }
     assert {"name": "api-keys", "secret": api_keys} in gateway_pod["volumes"]
     assert env_of(gateway_pod)["MF_API_KEYS_FILE"] == "/etc/modelfleet-api-keys/api-keys"
     assert env_of(gateway_pod)["MF_KEYS_DIR"] == "/etc/modelfleet-transport"
@@ -163,20 +199,35 @@ def test_render_prints_the_objects_the_operator_would_create(tmp_path):
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(body))
     (tmp_path / "nodes.yaml").write_text(yaml.safe_dump({"kind": "List", "items": [node("a"), node("b")]}))
     (tmp_path / "summary.json").write_text(summary(8).model_dump_json())
-    args = ["render", "--fleet", str(tmp_path / "fleet.yaml"), "--nodes", str(tmp_path / "nodes.yaml")]
+    args = [
+        "render",
+        "--fleet",
+        str(tmp_path / "fleet.yaml"),
+        "--nodes",
+        str(tmp_path / "nodes.yaml"),
+    ]
     result = CliRunner().invoke(app, [*args, "--model-summary", str(tmp_path / "summary.json")])
     assert result.exit_code == 0, result.output
     docs = list(yaml.safe_load_all(result.output))
     assert [d["kind"] for d in docs].count("Pod") == 2
     plan = FleetPlan.from_json(docs[0]["data"]["plan.json"])
-    assert [(s.layer_start, s.layer_end) for s in plan.groups[0].stages] == [(0, 4), (4, 8)]
+    assert [(s.layer_start, s.layer_end) for s in plan.groups[0].stages] == [
+        (0, 4),
+        (4, 8),
+    ]
 
 
 def test_render_of_an_infeasible_fleet_names_the_reason_and_nodes(tmp_path):
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet(accelerator={"profile": "nvidia-gpu"})))
     (tmp_path / "nodes.yaml").write_text(yaml.safe_dump_all([node("a"), node("b")]))
     (tmp_path / "summary.json").write_text(summary(8).model_dump_json())
-    args = ["render", "--fleet", str(tmp_path / "fleet.yaml"), "--nodes", str(tmp_path / "nodes.yaml")]
+    args = [
+        "render",
+        "--fleet",
+        str(tmp_path / "fleet.yaml"),
+        "--nodes",
+        str(tmp_path / "nodes.yaml"),
+    ]
     result = CliRunner().invoke(app, [*args, "--model-summary", str(tmp_path / "summary.json")])
     assert result.exit_code == 2
     assert "NoMatchingNodes" in result.output and "nodes considered: a, b" in result.output
@@ -187,7 +238,10 @@ def test_inspect_summarises_a_checkpoint_from_its_headers(tmp_path, tiny_checkpo
     from modelfleet.planner import layer_bytes
 
     path, _ = tiny_checkpoint("qwen3_moe")
-    result = CliRunner().invoke(app, ["inspect", "--model", str(path), "--output", str(tmp_path / "summary.json")])
+    result = CliRunner().invoke(
+        app,
+        ["inspect", "--model", str(path), "--output", str(tmp_path / "summary.json")],
+    )
     assert result.exit_code == 0, result.output
     inspected = ModelSummary.from_json((tmp_path / "summary.json").read_text())
     sizes = layer_bytes(path, "bfloat16")
@@ -201,7 +255,14 @@ def test_inspect_summarises_a_checkpoint_from_its_headers(tmp_path, tiny_checkpo
 
 def test_inspect_of_a_missing_checkpoint_reports_the_error_where_asked(tmp_path):
     result = CliRunner().invoke(
-        app, ["inspect", "--model", str(tmp_path / "nowhere"), "--output", str(tmp_path / "log")]
+        app,
+        [
+            "inspect",
+            "--model",
+            str(tmp_path / "nowhere"),
+            "--output",
+            str(tmp_path / "log"),
+        ],
     )
     assert result.exit_code == 2
     assert str(tmp_path / "nowhere") in (tmp_path / "log").read_text()
@@ -213,8 +274,32 @@ def test_the_inspection_job_reads_the_model_volume_and_reports_through_its_termi
     body = fleet(model={"uri": "hostpath:///srv/models/qwen3", "servedName": "qwen3"})
     job = objects.inspection_job(body, parse_spec(body["spec"]))
     pod_spec = job["spec"]["template"]["spec"]
-    assert pod_spec["volumes"] == [{"name": "model", "hostPath": {"path": "/srv/models/qwen3", "type": "Directory"}}]
+    assert pod_spec["volumes"] == [
+        {
+            "name": "model",
+            "hostPath": {"path": "/srv/models/qwen3", "type": "Directory"},
+        }
+    ]
     assert "--output /dev/termination-log" in pod_spec["containers"][0]["command"][-1]
     assert pod_spec["restartPolicy"] == "Never" and pod_spec["automountServiceAccountToken"] is False
     client = ApiClient()
     assert client.sanitize_for_serialization(client._ApiClient__deserialize(job, "V1Job")) == job  # type: ignore[attr-defined]
+
+
+def test_every_built_object_and_the_crd_pass_strict_kubernetes_schema_validation():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    from pathlib import Path
+
+    body, objs, _ = build(
+        parallelism={"pipeline": 2, "tensor": 2}, resources={"cpu": "2", "memory": "8Gi"},
+        gateway={"apiKeysSecret": "keys"}, placement={"tolerations": [{"key": "gpu", "operator": "Exists"}]},
+    )  # fmt: skip
+    spec = parse_spec(body["spec"])
+    crd = yaml.safe_load((Path(__file__).parents[1] / "crds" / "modelfleets.modelfleet.io.yaml").read_text())
+    extra = [
+        objects.inspection_job(body, spec),
+        objects.transport_secret(body, "p" * 40, "s" * 40),
+        crd,
+    ]
+    for obj in objs + extra:
+        kubernetes_validate.validate(obj, "1.31", strict=True)
