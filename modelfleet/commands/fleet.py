@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -161,8 +162,13 @@ def up(
     device: str = typer.Option("cpu", "--device"),
     base_port: int = typer.Option(5555, "--base-port", help="First stage port; each stage takes 3 ports, 10 apart."),
     ready_timeout: float = typer.Option(600.0, "--ready-timeout", help="Seconds to wait for the fleet."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Where the gateway (OpenAI-compatible API) listens."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="The gateway's port."),
+    api_keys_file: Path | None = typer.Option(
+        None, "--api-keys-file", help="Bearer API keys for the gateway, one per line (also MF_API_KEYS)."
+    ),
 ) -> None:
-    """Run a whole fleet on this machine: plan, start every stage, wait until the chain is ready."""
+    """Run a whole fleet on this machine: plan, start every stage and the gateway, wait until ready."""
     from rich.progress import BarColumn, Progress, TextColumn
 
     from modelfleet.agent.launcher import LaunchError, LocalFleet, check_ports
@@ -174,7 +180,7 @@ def up(
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, stream_groups=groups, max_queue=max_queue, dtype=dtype,
                                device=device, base_port=base_port)  # fmt: skip
-        check_ports(fleet_plan)
+        check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
         fail(str(exc))
     out.print(plan_table(fleet_plan))
@@ -200,7 +206,8 @@ def up(
         head = fleet_plan.groups[0].stages[0]
         out.print(f"[bold green]fleet ready[/]: head at {head.address} (clients on port {head.port + 2}), "
                   f"status at http://{head.host}:{head.port + 1}/status")  # fmt: skip
-        out.print(f"try: modelfleet complete --plan {plan_path} --prompt-ids 1,2,3 --max-tokens 16")
+        _start_gateway(fleet, plan_path, host, port, api_keys_file, ready_timeout)
+        _print_endpoint(fleet_plan, host, port, keyed=api_keys_file is not None or bool(os.environ.get("MF_API_KEYS")))
         while not stop_requested() and all(c.process.poll() is None for c in fleet.children):
             time.sleep(0.2)
     except LaunchError as exc:
@@ -209,6 +216,46 @@ def up(
     finally:
         err.print("stopping the fleet...")
         fleet.stop()
+
+
+def _start_gateway(fleet: Any, plan_path: Path, host: str, port: int, keys_file: Path | None, timeout: float) -> None:
+    """Spawn ``modelfleet gateway`` beside the stages and wait until its /readyz answers 200."""
+    import urllib.error
+    import urllib.request
+
+    from modelfleet.agent.launcher import LaunchError
+
+    command = [sys.executable, "-P", "-m", "modelfleet.cli", "gateway", "--plan", str(plan_path), "--host", host,
+               "--port", str(port), *(["--api-keys-file", str(keys_file)] if keys_file else [])]  # fmt: skip
+    child = fleet.spawn("gateway", command, {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"})
+    url = f"http://{_local(host)}:{port}/readyz"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.process.poll() is not None:
+            raise LaunchError(f"the gateway exited with code {child.process.returncode}; see its log lines above")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise LaunchError(f"the gateway did not report ready at {url} within {timeout:.0f} s")
+
+
+def _local(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _print_endpoint(plan: Any, host: str, port: int, keyed: bool) -> None:
+    from modelfleet.engine.tokenizer import TextTokenizer
+
+    base = f"http://{_local(host)}:{port}/v1"
+    prompt = '"Hello, my name is"' if TextTokenizer.exists(plan.model.path) else "[1, 2, 3]"
+    body = f'{{"model": "{plan.model.served_name}", "prompt": {prompt}, "max_tokens": 16}}'
+    auth = ' -H "Authorization: Bearer $API_KEY"' if keyed else ""
+    out.print(f"[bold green]serving[/] {plan.model.served_name} at {base} (OpenAI-compatible; Ctrl-C stops)")
+    out.print(f"try: curl {base}/completions -H 'Content-Type: application/json'{auth} -d '{body}'", markup=False)
 
 
 def _trap_signals():  # type: ignore[no-untyped-def]

@@ -1,0 +1,499 @@
+"""The gateway: an OpenAI-compatible HTTP API in front of a fleet's head.
+
+Text exists only here: requests are authenticated, validated (:mod:`.openai_schema`), rendered
+and tokenized (:mod:`.prompts`), admitted (:mod:`.admission`), sent to the head as token ids
+(:mod:`.headlink`), and the tokens that come back are detokenized and cut at stop strings
+(:mod:`.textstream`) into OpenAI responses or server-sent events ending in ``data: [DONE]``.
+
+Invariants:
+- every admitted request ends in exactly one of: finished at the head, or a ``cancel`` sent to
+  the head (stop string matched, client went away, error), so no slot on any stage leaks;
+- a request waits for its first output before the response starts, so a refusal (busy, not
+  ready, bad input) is an HTTP status with an OpenAI-shaped error body, not a broken stream;
+- a client that disconnects is noticed within ``DISCONNECT_CHECK_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.sampling import SamplingParams
+from ..engine.spec import load_spec
+from ..plan import FleetPlan
+from . import transport as wire
+from .admission import Admission, Busy
+from .headlink import HeadLink
+from .openai_schema import ChatCompletionRequest, CompletionRequest, describe
+from .prompts import PromptError, Prompts
+from .textstream import TextStream
+
+log = logging.getLogger("modelfleet.gateway")
+DISCONNECT_CHECK_SECONDS = 0.2
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    plan: FleetPlan
+    max_streams: int
+    max_queue: int
+    queue_timeout_seconds: float
+    api_keys: frozenset[str] = frozenset()
+    metrics_auth: bool = False
+    max_body_bytes: int = 4 << 20
+    model_dir: Path | None = None  # default: the plan's model path
+    keys: wire.KeyPair | None = None  # the fleet's CURVE keys, when the head requires them
+    ready_poll_seconds: float = 0.5
+
+    @classmethod
+    def of(cls, plan: FleetPlan, **overrides: Any) -> GatewayConfig:
+        """Limits default to the plan's serving limits; ``None`` overrides are ignored."""
+        serving = plan.serving
+        limits = dict(max_streams=serving.max_streams, max_queue=serving.max_queue,
+                      queue_timeout_seconds=serving.queue_timeout_seconds)  # fmt: skip
+        return cls(plan=plan, **{**limits, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def load_api_keys(path: Path | None, env_value: str | None) -> frozenset[str]:
+    """Keys from a file (one per line, # comments) and from MF_API_KEYS (comma-separated)."""
+    keys: list[str] = []
+    if path is not None:
+        keys += [line.strip() for line in path.read_text().splitlines() if not line.strip().startswith("#")]
+    if env_value:
+        keys += [k.strip() for k in env_value.split(",")]
+    return frozenset(k for k in keys if k)
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-shaped body: {"error": {message, type, param, code}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_seconds: int | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_seconds = retry_after_seconds
+
+    def body(self) -> dict[str, Any]:
+        kind = self.TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def head_error(message: str) -> ApiError:
+    """The head's refusal or failure as the HTTP status a client can act on."""
+    if "not ready" in message or "stopped answering" in message:
+        return ApiError(503, f"the fleet is not ready: {message}", retry_after_seconds=1)
+    if "busy" in message or "waited over" in message:
+        return ApiError(429, message, retry_after_seconds=1)
+    if "outside the vocabulary" in message or "the prompt has" in message:
+        return ApiError(400, message, "prompt")
+    return ApiError(500, f"the fleet failed the request: {message}")
+
+
+class GatewayMetrics:
+    def __init__(self, admission: Admission):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("modelfleet_gateway_requests_total", "HTTP requests answered, by endpoint and status.",
+                                ["endpoint", "status"], registry=r)  # fmt: skip
+        self.time_to_first_token = Histogram("modelfleet_gateway_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.", buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.inter_token_latency = Histogram("modelfleet_gateway_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of a request.", buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.e2e_request = Histogram("modelfleet_gateway_e2e_request_seconds",
+            "Seconds from a request's arrival to its last token.", buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("modelfleet_gateway_prompt_tokens_total", "Prompt tokens admitted.", registry=r)
+        self.generation_tokens = Counter("modelfleet_gateway_generation_tokens_total", "Tokens generated.", registry=r)
+        queue = Gauge("modelfleet_gateway_queue_depth", "Requests waiting for a free stream.", registry=r)
+        queue.set_function(lambda: len(admission.waiting))
+        active = Gauge("modelfleet_gateway_active_streams", "Requests streaming (admitted).", registry=r)
+        active.set_function(lambda: admission.active)
+
+    def answered(self, path: str, status: int) -> None:
+        self.requests.labels(endpoint=path if path in ENDPOINTS else "other", status=str(status)).inc()
+
+
+@dataclass
+class Job:
+    """One admitted-to-be request, its prompt and its response's identity."""
+
+    body: CompletionRequest | ChatCompletionRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+    model: str
+    arrived: float
+    chat: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def usage(self) -> dict[str, int]:
+        prompt, generated = len(self.prompt_ids), len(self.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+@dataclass
+class Text:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finish:
+    reason: str
+    error: ApiError | None = None
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request ran."""
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        plan = config.plan
+        model_dir = config.model_dir or Path(plan.model.path)
+        self.spec = load_spec(model_dir)
+        self.prompts = Prompts(model_dir, self.spec.vocab_size, plan.serving.context_length)
+        self.admission = Admission(config.max_streams, config.max_queue, config.queue_timeout_seconds)
+        self.head = HeadLink(plan.groups[0].stages[0].address, config.keys, config.ready_poll_seconds)
+        self.metrics = GatewayMetrics(self.admission)
+        self.model_name = plan.model.served_name
+        self.app = self._build_app()
+
+    # ---- the HTTP surface -----------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            await self.head.start()
+            try:
+                yield
+            finally:
+                await self.head.stop()
+
+        app = FastAPI(title="modelfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ApiError)
+        async def on_api_error(request: Request, exc: ApiError) -> Response:
+            self.metrics.answered(request.url.path, exc.status)
+            return exc.response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+            self.metrics.answered(request.url.path, exc.status_code)
+            return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+
+        @app.exception_handler(Exception)
+        async def on_bug(request: Request, exc: Exception) -> Response:
+            log.exception("unexpected error serving %s", request.url.path)
+            self.metrics.answered(request.url.path, 500)
+            return ApiError(500, f"internal error: {type(exc).__name__}").response()
+
+        app.add_api_route("/healthz", self.healthz, methods=["GET"])
+        app.add_api_route("/readyz", self.readyz, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return app
+
+    async def healthz(self) -> Response:
+        return PlainTextResponse("ok\n")
+
+    async def readyz(self) -> Response:
+        if self.head.ready:
+            return PlainTextResponse("ready\n")
+        return PlainTextResponse("not ready: the fleet's head does not report ready\n", status_code=503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        if self.config.metrics_auth:
+            self._authorize(request)
+        self.metrics.answered("/metrics", 200)
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        self.metrics.answered("/v1/models", 200)
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "modelfleet",
+                "max_model_len": self.config.plan.serving.context_length}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()
+        self._authorize(request)
+        body = self._validate(CompletionRequest, await self._json(request))
+        assert isinstance(body, CompletionRequest)
+        self._check_model(body.model)
+        ids = self._prompt(lambda: self.prompts.completion(body.prompt_value))
+        return await self._serve(request, Job(body, ids, self._params(body, len(ids)), self.model_name, arrived, False))
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()
+        self._authorize(request)
+        body = self._validate(ChatCompletionRequest, await self._json(request))
+        assert isinstance(body, ChatCompletionRequest)
+        self._check_model(body.model)
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+        ids = self._prompt(lambda: self.prompts.chat(messages, body.add_generation_prompt))
+        return await self._serve(request, Job(body, ids, self._params(body, len(ids)), self.model_name, arrived, True))
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if not self.config.api_keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given_bytes = given.strip().encode()
+        # compare with every key (no early exit) so timing says nothing about which one matched
+        matched = False
+        for key in self.config.api_keys:
+            matched |= hmac.compare_digest(given_bytes, key.encode())
+        if scheme.lower() != "bearer" or not matched:
+            raise ApiError(
+                401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+
+    async def _json(self, request: Request) -> Any:
+        limit = self.config.max_body_bytes
+        too_big = ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+
+    @staticmethod
+    def _validate(model: type[CompletionRequest | ChatCompletionRequest], data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            message, param = describe(exc)
+            raise ApiError(400, message, param) from None
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")  # fmt: skip
+
+    @staticmethod
+    def _prompt(make: Any) -> list[int]:
+        try:
+            return list(make())
+        except PromptError as exc:
+            raise ApiError(400, str(exc), exc.param) from None
+
+    def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
+        max_tokens = self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0]
+        stop_ids: tuple[int, ...] | None = None
+        if body.ignore_eos or body.stop_token_ids is not None:
+            eos = () if body.ignore_eos else self.spec.eos_token_ids
+            stop_ids = tuple(dict.fromkeys([*eos, *(body.stop_token_ids or [])]))
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
+                              min_p=body.min_p, seed=body.seed, max_tokens=max_tokens, stop_token_ids=stop_ids)  # fmt: skip
+
+    # ---- serving --------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, job: Job) -> Response:
+        path = request.url.path
+        if not self.head.ready:
+            raise ApiError(503, "the fleet is not ready (its head does not report ready); retry shortly",
+                           retry_after_seconds=1)  # fmt: skip
+        events = self._generate(request, job)
+        try:
+            first = await anext(events)  # admission and the head's first answer happen here
+            if isinstance(first, Finish) and first.error is not None:
+                raise first.error
+        except Busy as exc:
+            raise ApiError(429, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
+        except ClientGone:
+            self.metrics.answered(path, 499)
+            return Response(status_code=499)
+        except BaseException:
+            await events.aclose()
+            raise
+        if job.body.stream:
+            self.metrics.answered(path, 200)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(self._sse(job, _chain(first, events)), media_type="text/event-stream",
+                                     headers=headers)  # fmt: skip
+        try:
+            payload = await self._collect(job, _chain(first, events))
+        except ClientGone:
+            self.metrics.answered(path, 499)
+            return Response(status_code=499)
+        self.metrics.answered(path, 200)
+        return JSONResponse(payload)
+
+    async def _generate(self, request: Request, job: Job) -> AsyncGenerator[Text | Finish, None]:
+        """Text pieces, then one Finish; the slot and the head's stream are released in every case."""
+        async with self.admission.slot():
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+            request_id, queue = self.head.submit(job.prompt_ids, job.params)
+            text = TextStream(self.prompts.tokenizer, job.body.stop_strings)
+            done, last_token_at = False, 0.0
+            try:
+                while True:
+                    msg = await self._next(request, queue)
+                    if msg.token_ids:
+                        now = time.perf_counter()
+                        if not job.token_ids:
+                            self.metrics.time_to_first_token.observe(now - job.arrived)
+                        else:
+                            self.metrics.inter_token_latency.observe(now - last_token_at)
+                        last_token_at = now
+                        piece = text.push(msg.token_ids)
+                        job.token_ids += piece.token_ids
+                        self.metrics.generation_tokens.inc(len(piece.token_ids))
+                        yield Text(piece.text, piece.token_ids)
+                        if piece.stopped:
+                            break  # the finally cancels the stream at the head
+                    if msg.finish_reason is not None:
+                        done = True
+                        if msg.finish_reason in ("error", "cancelled"):
+                            yield Finish("error", head_error(msg.error or "the head cancelled the request"))
+                            return
+                        tail = text.finish()
+                        yield Text(tail, [])
+                        break
+                self.metrics.e2e_request.observe(time.perf_counter() - job.arrived)
+                yield Finish("stop" if text.stopped else msg.finish_reason or "stop")
+            finally:
+                if done:
+                    self.head.forget(request_id)
+                else:
+                    self.head.cancel(request_id)
+
+    async def _next(self, request: Request, queue: asyncio.Queue[wire.OutputMsg]) -> wire.OutputMsg:
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_SECONDS)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    raise ClientGone() from None
+
+    async def _collect(self, job: Job, events: AsyncIterator[Text | Finish]) -> dict[str, Any]:
+        pieces: list[str] = []
+        finish = Finish("stop")
+        async for event in events:
+            if isinstance(event, Text):
+                pieces.append(event.text)
+            else:
+                finish = event
+        if finish.error is not None:
+            raise finish.error
+        text = "".join(pieces)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish.reason}
+        if job.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if job.body.return_token_ids:
+            choice.update(prompt_token_ids=job.prompt_ids, token_ids=job.token_ids)
+        kind = "chat.completion" if job.chat else "text_completion"
+        return {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": [choice],
+                "usage": job.usage()}  # fmt: skip
+
+    async def _sse(self, job: Job, events: AsyncIterator[Text | Finish]) -> AsyncIterator[str]:
+        first = True
+        try:
+            async for event in events:
+                if isinstance(event, Finish) and event.error is not None:
+                    yield _data(event.error.body())
+                    break
+                chunk = self._chunk(job, event, first)
+                if chunk is not None:
+                    first = False
+                    yield _data(chunk)
+            else:
+                if job.body.include_usage:
+                    yield _data({**self._envelope(job), "choices": [], "usage": job.usage()})
+            yield "data: [DONE]\n\n"
+        finally:
+            await _close(events)
+
+    def _chunk(self, job: Job, event: Text | Finish, first: bool) -> dict[str, Any] | None:
+        text, token_ids = (event.text, event.token_ids) if isinstance(event, Text) else ("", [])
+        reason = event.reason if isinstance(event, Finish) else None
+        with_ids = job.body.return_token_ids
+        if not text and not reason and not first and not (with_ids and token_ids):
+            return None
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+        if job.chat:
+            choice["delta"] = (
+                ({"role": "assistant", "content": text} if first else {"content": text}) if not reason else {}
+            )
+        else:
+            choice["text"] = text
+        if with_ids:
+            choice["token_ids"] = token_ids
+            if first:
+                choice["prompt_token_ids"] = job.prompt_ids
+        return {**self._envelope(job), "choices": [choice]}
+
+    @staticmethod
+    def _envelope(job: Job) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if job.chat else "text_completion"
+        envelope: dict[str, Any] = {"id": job.id, "object": kind, "created": job.created, "model": job.model}
+        if job.body.include_usage:
+            envelope["usage"] = None
+        return envelope
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _chain(first: Text | Finish, rest: AsyncIterator[Text | Finish]) -> AsyncIterator[Text | Finish]:
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await _close(rest)
+
+
+async def _close(events: AsyncIterator[Any]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    return Gateway(config).app

@@ -1,0 +1,107 @@
+"""The gateway's link to the fleet's head: one asyncio DEALER for every request, and readiness.
+
+Requests are told apart by request id (the same protocol as :class:`FleetClient`): a reader task
+routes each ``OutputMsg`` to its request's queue. A cancel is sent without waiting, so it can be
+sent from a ``finally`` of a task that is being cancelled (a client that went away).
+Readiness is the head's own: its HTTP ``/status`` (plan port + 1) is polled every ``poll_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ..engine.sampling import SamplingParams
+from . import transport as wire
+from .launcher import fetch_json
+
+log = logging.getLogger("modelfleet.gateway")
+
+
+class HeadLink:
+    def __init__(self, head_address: str, keys: wire.KeyPair | None = None, poll_seconds: float = 0.5):
+        host, port = head_address.rsplit(":", 1)
+        self.endpoint = f"tcp://{host}:{int(port) + 2}"
+        self.status_url = f"http://{host}:{int(port) + 1}/status"
+        self.keys, self.poll_seconds = keys, poll_seconds
+        self.ids = itertools.count(int(time.time() * 1000) % (1 << 40))
+        self.queues: dict[int, asyncio.Queue[wire.OutputMsg]] = {}
+        self.ready = False
+        self.head_status: dict[str, Any] | None = None
+        self.context: zmq.asyncio.Context | None = None
+        self.socket: Any = None
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        wire.limit_message_bytes(self.socket)
+        if self.keys is not None:
+            wire.curve_client(self.socket, self.keys, self.keys.public)
+        self.socket.connect(self.endpoint)
+        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._poll_ready())]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.socket is not None:
+            self.socket.close(linger=0)
+        if self.context is not None:
+            self.context.term()
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[int, asyncio.Queue[wire.OutputMsg]]:
+        request_id = next(self.ids)
+        queue: asyncio.Queue[wire.OutputMsg] = asyncio.Queue()
+        self.queues[request_id] = queue
+        self._send(wire.SubmitMsg.of(request_id, prompt_ids, params))
+        return request_id, queue
+
+    def cancel(self, request_id: int) -> None:
+        """Ask the head to finish the request and free its slot on every stage; returns at once."""
+        if self.queues.pop(request_id, None) is not None:
+            self._send(wire.CancelMsg(request_id=request_id))
+
+    def forget(self, request_id: int) -> None:
+        """The request finished at the head; stop routing its outputs."""
+        self.queues.pop(request_id, None)
+
+    def _send(self, msg: wire.Message) -> None:
+        sent = self.socket.send_multipart(wire.encode(msg))
+        sent.add_done_callback(_log_failure)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                msg = wire.decode(await self.socket.recv_multipart())
+            except wire.MalformedMessage as exc:
+                log.warning("dropped a malformed message from the head: %s", exc.reason)
+                continue
+            if not isinstance(msg, wire.OutputMsg):
+                continue
+            queue = self.queues.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def _poll_ready(self) -> None:
+        while True:
+            status = await asyncio.to_thread(fetch_json, self.status_url, max(0.2, self.poll_seconds))
+            self.head_status = status
+            self.ready = bool(status and status.get("ready"))
+            await asyncio.sleep(self.poll_seconds)
+
+
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("could not send to the head: %s", future.exception())

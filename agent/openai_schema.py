@@ -1,0 +1,213 @@
+"""OpenAI-compatible request bodies, checked strictly at the gateway's edge.
+
+Every field is type- and range-checked (strict: ``"5"`` is not 5, ``true`` is not 1) and unknown
+fields are refused, so a typo never silently changes a request. Fields that OpenAI clients send
+routinely (``user``, ``logprobs: null``, penalties of 0, ...) are accepted only with values that
+mean "off"; any other value is refused with a message saying this server does not support it.
+vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids`` and
+``return_token_ids`` are accepted as vLLM defines them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+
+SEED_MAX = (1 << 64) - 1
+TOKEN_ID_MAX = (1 << 31) - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 4096
+
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=TOKEN_ID_MAX)]
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+# Fields clients send that ask for something this server does not do: each accepted only with the
+# values listed (all meaning "off"), refused otherwise with a message naming the field.
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+# Fields with no effect on generation: accepted and ignored.
+_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _Request(BaseModel):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr = Field(min_length=1, max_length=256)
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=-1, le=TOKEN_ID_MAX)] = 0  # vLLM: -1 and 0 both mean "no limit"
+    min_p: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[StrictInt, Field(ge=0, le=SEED_MAX)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: StrictBool = False
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: StrictBool = False
+    # accepted only when "off" (see _OFF_VALUES) or ignored (see _IGNORED)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Request:
+        for name, allowed in _OFF_VALUES.items():
+            value = getattr(self, name, None)
+            if not any(value == off and type(value) is type(off) for off in allowed) and value is not None:
+                shown = ", ".join("null" if v is None else repr(v) for v in allowed)
+                raise ValueError(
+                    f"{name}={value!r} is not supported by this server; leave it out or use one of: {shown}"
+                )
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Request):
+    # a string, a list of token ids, or a one-element list of either (batches are refused)
+    prompt: (
+        StrictStr
+        | list[TokenId]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)]
+    )
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+
+    @property
+    def prompt_value(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: Annotated[StrictStr, Field(max_length=256)] | None = None
+    tool_call_id: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_max(self) -> ChatCompletionRequest:
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; give one of them")
+        self.max_tokens = self.max_tokens or self.max_completion_tokens
+        return self
+
+
+# Fields that accept several shapes: one message for any mismatch, rather than one per shape.
+_SHAPES = {
+    "prompt": "prompt must be a string, a list of token ids in [0, 2**31), or a one-element list of either "
+    "(batches of prompts are not supported)",
+    "stop": f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to {MAX_STOP_CHARS} "
+    "characters",
+    "content": 'content must be a string, null, or a list of {"type": "text", "text": ...} parts '
+    "(this server reads text only)",
+}
+
+
+def describe(exc: ValidationError) -> tuple[str, str | None]:
+    """The first error as (a message naming the field and the limit, the field's path)."""
+    error = exc.errors()[0]
+    raw = error["loc"]
+    loc = [p for p in raw if isinstance(p, int) or not _is_shape_tag(p)]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    message = error["msg"].removeprefix("Value error, ")
+    field = next((p for p in reversed(loc) if isinstance(p, str)), None)
+    if len(loc) < len(raw) and field in _SHAPES:
+        prefix = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[: loc.index(field) + 1])
+        return f"{_SHAPES[field]} (got {_short(error.get('input'))})", prefix.lstrip(".")
+    if error["type"] == "extra_forbidden":
+        return f"unknown field {param!r}: this server does not support it", param
+    if error["type"] == "missing":
+        return f"{param} is required", param
+    if param == "n":
+        return f"n={error.get('input')!r} is not supported: this server returns exactly one choice (n=1)", param
+    if param is None:  # a check across fields: its message starts with the field's name
+        name = re.match(r"[a-z_]+", message)
+        return message, name.group(0) if name else None
+    return f"{param}: {message} (got {_short(error.get('input'))})", param
+
+
+def _is_shape_tag(part: str) -> bool:
+    """pydantic names a union's alternatives in the location: 'str', 'list[int]', 'constrained-str', ..."""
+    return part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in part or "-" in part
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,125 @@
+"""Prompts for the gateway: text -> token ids, and chat messages through the checkpoint's template.
+
+The chat template is the checkpoint's own (``chat_template`` in tokenizer_config.json, or a
+``chat_template.jinja`` file beside it), rendered in Jinja's immutable sandbox: a template cannot
+reach Python objects' internals or mutate what it is given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..engine.errors import CheckpointError
+from ..engine.tokenizer import TextTokenizer
+
+
+class PromptError(ValueError):
+    """The request cannot become a prompt; the message says why (an HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _token_text(value: object) -> str:
+    """tokenizer_config's bos/eos are a string or an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content", "")
+    return value if isinstance(value, str) else ""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, config: dict[str, Any]):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as exc:
+            raise CheckpointError(f"the checkpoint's chat template does not parse: {exc}") from exc
+        self.specials = {
+            "bos_token": _token_text(config.get("bos_token")),
+            "eos_token": _token_text(config.get("eos_token")),
+        }
+
+    @classmethod
+    def of(cls, model_dir: Path, config: dict[str, Any]) -> ChatTemplate | None:
+        source: object = config.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        jinja_file = model_dir / "chat_template.jinja"
+        if not isinstance(source, str) and jinja_file.is_file():
+            source = jinja_file.read_text()
+        return cls(source, config) if isinstance(source, str) and source else None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
+        except TemplateError as exc:
+            raise PromptError(f"the chat template refused these messages: {exc}", "messages") from exc
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+class Prompts:
+    """Text and chat prompts of one checkpoint, checked against its vocabulary and context."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, context_length: int):
+        self.vocab_size, self.context_length = vocab_size, context_length
+        self.tokenizer = TextTokenizer(model_dir) if TextTokenizer.exists(model_dir) else None
+        config = self.tokenizer.config if self.tokenizer is not None else {}
+        self.chat_template = ChatTemplate.of(model_dir, config) if self.tokenizer is not None else None
+
+    def completion(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise PromptError("this checkpoint has no tokenizer.json; send the prompt as token ids", "prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        return self.check(ids, "prompt")
+
+    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        if self.tokenizer is None or self.chat_template is None:
+            raise PromptError(
+                "this checkpoint has no chat template (chat_template in tokenizer_config.json), so "
+                "/v1/chat/completions cannot render messages; use /v1/completions with a prompt",
+                "messages",
+            )
+        text = self.chat_template.render(messages, add_generation_prompt)
+        return self.check(self.tokenizer.encode(text), "messages")
+
+    def check(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise PromptError("the prompt is empty; give at least one token", param)
+        if bad := [t for t in ids if t >= self.vocab_size]:
+            raise PromptError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param)
+        if len(ids) >= self.context_length:
+            raise PromptError(
+                f"the prompt has {len(ids)} tokens; the context length is {self.context_length} "
+                "(the prompt must be shorter to leave room for generated tokens)",
+                param,
+            )
+        return ids
+
+    def max_tokens(self, prompt_tokens: int, requested: int | None) -> int:
+        room = self.context_length - prompt_tokens
+        if requested is None:
+            return room
+        if requested > room:
+            raise PromptError(
+                f"max_tokens={requested} does not fit: the prompt has {prompt_tokens} tokens and the context "
+                f"length is {self.context_length}, so at most {room} tokens can be generated",
+                "max_tokens",
+            )
+        return requested

@@ -1,0 +1,88 @@
+"""Token ids -> streamed text, with stop strings found across token boundaries.
+
+Invariants:
+- the pieces a :class:`TextStream` emits, concatenated, equal the full decode of the ids it was
+  given (cut just before the first stop string, when one matches); a multi-byte character is
+  never split, because :class:`IncrementalDecoder` holds back an incomplete UTF-8 sequence;
+- text that could still become the start of a stop string is held back until it cannot, so a
+  stop string (which may span several tokens) never reaches the client, not even in part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..engine.tokenizer import IncrementalDecoder, TextTokenizer
+
+
+class StopMatcher:
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""  # text not yet emitted: the tail that may start a stop string
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add decoded text; return (text safe to emit, whether a stop string matched)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            cut = min(hits)
+            emit, self.pending = self.pending[:cut], ""
+            return emit, True
+        keep = self._held_back()
+        emit = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return emit, False
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of pending that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), longest, -1):
+                if self.pending.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def flush(self) -> str:
+        emit, self.pending = self.pending, ""
+        return emit
+
+
+@dataclass
+class Piece:
+    text: str
+    token_ids: list[int]
+    stopped: bool = False
+
+
+class TextStream:
+    """One request's generated ids as text pieces; ``stopped`` once a stop string matched."""
+
+    def __init__(self, tokenizer: TextTokenizer | None, stops: Sequence[str]):
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.matcher = StopMatcher(stops)
+        self.token_ids: list[int] = []
+        self.stopped = False
+
+    def push(self, token_ids: Sequence[int]) -> Piece:
+        """Tokens as they arrive; after a stop string matched, further tokens are ignored."""
+        if self.stopped:
+            return Piece("", [])
+        text: list[str] = []
+        taken: list[int] = []
+        for token in token_ids:
+            taken.append(token)
+            self.token_ids.append(token)
+            emit, self.stopped = self.matcher.push(self.decoder.push(token) if self.decoder else "")
+            text.append(emit)
+            if self.stopped:
+                break
+        return Piece("".join(text), taken, self.stopped)
+
+    def finish(self) -> str:
+        """The held-back tail once generation ended (stops are checked on it one last time)."""
+        if self.stopped or self.decoder is None:
+            return ""
+        emit, self.stopped = self.matcher.push(self.decoder.flush())
+        return emit if self.stopped else emit + self.matcher.flush()

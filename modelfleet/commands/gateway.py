@@ -1,0 +1,64 @@
+"""The ``gateway`` command: serve a running fleet through an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+err = Console(stderr=True, soft_wrap=True)
+
+
+def gateway(
+    plan_path: Path = typer.Option(..., "--plan", envvar="MF_PLAN", help="The fleet plan JSON."),
+    host: str = typer.Option("127.0.0.1", "--host", envvar="MF_GATEWAY_HOST", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", envvar="MF_GATEWAY_PORT", min=1, max=65535),
+    api_keys_file: Path | None = typer.Option(
+        None, "--api-keys-file", envvar="MF_API_KEYS_FILE", help="Bearer API keys, one per line (also MF_API_KEYS)."
+    ),
+    metrics_auth: bool = typer.Option(False, "--metrics-auth", help="Require an API key for /metrics too."),
+    max_streams: int | None = typer.Option(None, "--max-streams", min=1, help="Default: the plan's max_streams."),
+    max_queue: int | None = typer.Option(None, "--max-queue", min=0, help="Default: the plan's max_queue."),
+    queue_timeout: float | None = typer.Option(
+        None,
+        "--queue-timeout",
+        min=0.001,
+        help="Seconds a request may wait; default: the plan's queue_timeout_seconds.",
+    ),
+    max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", min=1024, help="Larger request bodies get 413."),
+    model_dir: Path | None = typer.Option(
+        None,
+        "--model-dir",
+        envvar="MF_MODEL_DIR",
+        help="Tokenizer and config directory; default: the plan's model path.",
+    ),
+    keys_dir: Path | None = typer.Option(
+        None, "--keys-dir", envvar="MF_KEYS_DIR", help="Folder with fleet.key and fleet.key_secret (CURVE to the head)."
+    ),
+    log_level: str = typer.Option("INFO", "--log-level", envvar="MF_LOG_LEVEL"),
+) -> None:
+    """Serve the fleet's model at /v1/completions and /v1/chat/completions (OpenAI-compatible, streaming)."""
+    import logging
+
+    import uvicorn
+
+    from modelfleet.agent import transport
+    from modelfleet.agent.gateway import Gateway, GatewayConfig, load_api_keys
+    from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.plan import load
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = GatewayConfig.of(
+            load(plan_path), max_streams=max_streams, max_queue=max_queue, queue_timeout_seconds=queue_timeout,
+            api_keys=load_api_keys(api_keys_file, os.environ.get("MF_API_KEYS")), metrics_auth=metrics_auth,
+            max_body_bytes=max_body_bytes, model_dir=model_dir,
+            keys=transport.load_keypair(keys_dir, "fleet") if keys_dir else None,
+        )  # fmt: skip
+        app = Gateway(config).app
+    except (ModelfleetError, OSError) as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(code=2) from exc
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)

@@ -1,0 +1,431 @@
+"""The OpenAI-compatible gateway in front of a local two-stage fleet of a tiny checkpoint with a
+byte-fallback BPE tokenizer and a chat template: the official openai client streams the
+single-process engine's greedy tokens, stop strings and multi-byte characters survive token
+boundaries, bad input gets OpenAI-shaped errors, and limits, auth, readiness, disconnects and
+metrics behave as specified."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from test_pipeline import free_base_port, wait_until
+
+from modelfleet.agent.gateway import Gateway, GatewayConfig
+from modelfleet.agent.launcher import LocalFleet, fetch_json
+from modelfleet.agent.textstream import StopMatcher, TextStream
+from modelfleet.commands.fleet import make_plan
+from modelfleet.engine.generate import LocalModel, generate
+from modelfleet.engine.sampling import SamplingParams
+from modelfleet.engine.tokenizer import TextTokenizer
+
+STAGES = 2
+CONTEXT = 512
+MULTIBYTE = "é€🙂中"
+SPLIT_CHAR, SPLIT_CANDIDATES, SPLIT_TOKENS = "é", ([77, 88], [64], [5, 17, 42, 99, 3], [1, 2, 3]), 16
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def build_tokenizer(split_char_ids: list[int]):  # type: ignore[no-untyped-def]
+    """A 128-entry byte-fallback BPE (specials, the bytes of a few multi-byte characters, ASCII,
+    merges) whose ids ``split_char_ids`` are the bytes of SPLIT_CHAR, in order."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_tokens = sorted({f"<0x{b:02X}>" for ch in MULTIBYTE for b in ch.encode()})
+    merges = [("t", "h"), ("h", "e"), ("i", "n"), ("e", "r"), ("a", "n"), (" ", "t"), ("o", "n"), ("r", "e"),
+              ("e", "d"), ("s", "t"), (" ", "a"), ("e", "n"), ("a", "t"), ("o", "r"), ("th", "e"), (" ", "s"),
+              ("i", "s"), ("o", "u"), ("l", "e")]  # fmt: skip
+    tokens = specials + byte_tokens + [chr(c) for c in range(32, 127)] + [a + b for a, b in merges]
+    assert len(tokens) == 128 and len(set(tokens)) == 128
+    for target, byte in zip(split_char_ids, SPLIT_CHAR.encode(), strict=True):
+        at = tokens.index(f"<0x{byte:02X}>")
+        tokens[at], tokens[target] = tokens[target], tokens[at]
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token="<unk>",
+                                     byte_fallback=True))  # fmt: skip
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    return tokenizer
+
+
+def write_tokenizer_with_a_split_character(directory: Path, reference) -> list[int]:  # type: ignore[no-untyped-def]
+    """Find a prompt and two ids the model then writes greedily that, made the two bytes of
+    SPLIT_CHAR, decode to it; write that tokenizer (and a chat template) and return the prompt."""
+    for prompt in SPLIT_CANDIDATES:
+        ids = reference(prompt, max_tokens=SPLIT_TOKENS, stop_token_ids=())
+        for first, second in zip(ids, ids[1:], strict=False):
+            if first != second and min(first, second) >= 3:
+                tokenizer = build_tokenizer([first, second])
+                if SPLIT_CHAR in tokenizer.decode(ids, skip_special_tokens=True):
+                    tokenizer.save(str(directory / "tokenizer.json"))
+                    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": CHAT_TEMPLATE}
+                    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+                    return prompt
+    raise AssertionError(f"the tiny model never wrote a pair of ids that could spell {SPLIT_CHAR!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Served:
+    """A gateway running under uvicorn in a thread of this process."""
+
+    def __init__(self, config: GatewayConfig):
+        self.gateway = Gateway(config)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(self.gateway.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+        wait_until(lambda: self.server.started, 10, "the gateway listens")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def openai(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+
+    def post(self, path: str, body: object, **kwargs: object) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=30, **kwargs)  # type: ignore[arg-type]
+
+
+class TestFleet:
+    __test__ = False
+
+    def __init__(self, model_dir: Path, workdir: Path):
+        self.plan = make_plan(model_dir, STAGES, max_streams=8, context_length=CONTEXT, window_rows=8,
+                              base_port=free_base_port(STAGES))  # fmt: skip
+        self.plan_path = workdir / "plan.json"
+        self.plan_path.write_text(self.plan.to_json())
+        self.log = (workdir / "fleet.log").open("w")
+        self.local = LocalFleet(self.plan, self.plan_path, out=self.log)
+        self.stages = self.plan.groups[0].stages
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
+        for s in self.stages:
+            status_url = f"http://{s.host}:{s.port + 1}/status"
+            self.local.spawn(f"stage {s.stage_index}", self.local.stage_command(s.stage_index), env, status_url)
+        self.local.wait_ready(120)
+
+    def slots_in_use(self) -> list[int]:
+        return [(fetch_json(f"http://{s.host}:{s.port + 1}/status") or {}).get("slots_in_use", -1) for s in self.stages]
+
+    def stop(self) -> None:
+        self.local.stop()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    lm = LocalModel.load(tiny_checkpoint("qwen3_moe")[0], max_slots=1, max_context=CONTEXT)
+    return lambda ids, **params: generate(lm, ids, SamplingParams(**params)).token_ids
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint, tmp_path_factory, reference) -> Path:  # type: ignore[no-untyped-def]
+    source, _ = tiny_checkpoint("qwen3_moe")
+    path = tmp_path_factory.mktemp("tokenized") / "tiny-chat"
+    shutil.copytree(source, path)
+    prompt = write_tokenizer_with_a_split_character(path, reference)
+    (path / "split_prompt.json").write_text(json.dumps(prompt))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet(checkpoint, tmp_path_factory) -> Iterator[TestFleet]:  # type: ignore[no-untyped-def]
+    fleet = TestFleet(checkpoint, tmp_path_factory.mktemp("gateway-fleet"))
+    fleet.start()
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def served(fleet) -> Iterator[Served]:  # type: ignore[no-untyped-def]
+    with Served(GatewayConfig.of(fleet.plan)) as served:
+        wait_until(lambda: served.gateway.head.ready, 10, "the gateway sees the head ready")
+        yield served
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint) -> TextTokenizer:  # type: ignore[no-untyped-def]
+    return TextTokenizer(checkpoint)
+
+
+def extra(obj: object, name: str) -> object:
+    return (getattr(obj, "model_extra", None) or {}).get(name)
+
+
+# ---- generation -------------------------------------------------------------------------------
+
+
+def test_completions_through_the_openai_client_give_the_single_process_engines_greedy_tokens(
+    served, reference, tokenizer
+) -> None:
+    client, model = served.openai(), served.gateway.model_name
+    for prompt in ([5, 17, 42, 99, 3], "the rain in spain"):
+        ids = prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
+        expected = reference(ids, max_tokens=8)
+        result = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+        )
+        choice = result.choices[0]
+        assert extra(choice, "token_ids") == expected and extra(choice, "prompt_token_ids") == ids
+        assert choice.text == tokenizer.decode(expected)
+        assert choice.finish_reason == ("length" if len(expected) == 8 else "stop")
+        assert result.usage is not None and result.usage.prompt_tokens == len(ids)
+        assert result.usage.completion_tokens == len(expected)
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})  # fmt: skip
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+        assert not chunks[-1].choices and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+def test_chat_completions_render_the_checkpoints_template_and_stream_the_same_answer(
+    served, reference, tokenizer
+) -> None:
+    client, model = served.openai(), served.gateway.model_name
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    ids = tokenizer.encode("<s>system: be brief\n<s>user: hi there\n<s>assistant:")
+    expected = reference(ids, max_tokens=10)
+    result = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=10,  # type: ignore[arg-type]
+                                            temperature=0, extra_body={"return_token_ids": True})  # fmt: skip
+    choice = result.choices[0]
+    assert extra(choice, "prompt_token_ids") == ids and extra(choice, "token_ids") == expected
+    assert choice.message.role == "assistant" and choice.message.content == tokenizer.decode(expected)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,  # type: ignore[arg-type]
+                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_chat_is_refused_clearly_when_the_checkpoint_has_no_chat_template(fleet, tiny_checkpoint) -> None:
+    bare, _ = tiny_checkpoint("qwen3_moe")  # no tokenizer at all
+    with Served(GatewayConfig.of(fleet.plan, model_dir=bare)) as served:
+        response = served.post("/v1/chat/completions", {"model": fleet.plan.model.served_name,
+                                                        "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert response.status_code == 400 and "no chat template" in response.json()["error"]["message"]
+
+
+def boundary_stop(tokenizer: TextTokenizer, ids: list[int]) -> tuple[str, int]:
+    """A stop string spanning two tokens of ``ids``' text, and where it first starts in that text."""
+    pieces = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    full = pieces[-1]
+    for i in range(3, len(ids) - 1):
+        end, after = len(pieces[i]), len(pieces[i + 1])
+        if 0 < end < after and "\ufffd" not in full[: after + 1]:
+            stop = full[end - 1 : end + 1]
+            if full.find(stop) == end - 1:
+                return stop, end - 1
+    raise AssertionError(f"no token boundary to test in {full!r}")
+
+
+def test_stop_strings_spanning_token_boundaries_are_cut_from_the_output_and_free_the_slot(
+    served, fleet, reference, tokenizer
+) -> None:
+    client, model = served.openai(), served.gateway.model_name
+    prompt = tokenizer.encode("once upon a time")
+    ids = reference(prompt, max_tokens=16, stop_token_ids=())
+    stop, at = boundary_stop(tokenizer, ids)
+    expected = tokenizer.decode(ids)[:at]
+    body = dict(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=["\x00never", stop],
+                extra_body={"ignore_eos": True})  # fmt: skip
+    result = client.completions.create(**body)  # type: ignore[call-overload]
+    assert result.choices[0].text == expected and result.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**body, stream=True))  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_until(lambda: fleet.slots_in_use() == [0] * STAGES, 1.0, "the stopped streams' slots are free")
+
+
+def test_text_stream_never_splits_a_multibyte_character_and_holds_back_stop_prefixes(tokenizer) -> None:
+    euro = [tokenizer.token_id(f"<0x{b:02X}>") for b in "€".encode()]
+    stream = TextStream(tokenizer, ["€x"])
+    assert [stream.push([t]).text for t in euro] == ["", "", ""]  # held: "€" may start "€x"
+    piece = stream.push([tokenizer.token_id("y")])  # type: ignore[list-item]
+    assert piece.text == "€y" and not piece.stopped
+    assert StopMatcher(["abc"]).push("xxab") == ("xx", False)
+
+
+def test_a_multibyte_character_written_as_two_tokens_streams_whole_and_the_stream_equals_the_decode(
+    served, reference, tokenizer, checkpoint
+) -> None:
+    prompt = json.loads((checkpoint / "split_prompt.json").read_text())
+    ids = reference(prompt, max_tokens=SPLIT_TOKENS, stop_token_ids=())
+    text = tokenizer.decode(ids)
+    assert SPLIT_CHAR in text
+    chunks = served.openai().completions.create(
+        model=served.gateway.model_name,
+        prompt=prompt,
+        max_tokens=SPLIT_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    pieces = [(c.choices[0].text, extra(c.choices[0], "token_ids")) for c in chunks]
+    assert "".join(p for p, _ in pieces) == text
+    assert [t for _, ts in pieces for t in ts or []] == ids  # type: ignore[attr-defined]
+    assert any(SPLIT_CHAR in p for p, _ in pieces) and not any(p.endswith("\ufffd") for p, _ in pieces)
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, status, says",
+    [
+        ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+        ({"prompt": "hi", "n": 2}, 400, "n=1"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
+        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": [1, 2, 128]}, 400, "token id 128 is outside the vocabulary [0, 128)"),
+        ({"prompt": [1, -2]}, 400, "prompt"),
+        ({"prompt": [], "max_tokens": 1}, 400, "empty"),
+        ({"prompt": [5] * CONTEXT}, 400, f"the prompt has {CONTEXT} tokens; the context length is {CONTEXT}"),
+        ({"prompt": [5] * 10, "max_tokens": CONTEXT}, 400, "max_tokens"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+        ({"prompt": "hi", "user": "someone", "logprobs": None, "frequency_penalty": 0}, 200, ""),
+    ],
+)
+def test_bad_requests_get_openai_shaped_errors_naming_the_field(served, body, status, says) -> None:
+    response = served.post("/v1/completions", {"model": served.gateway.model_name, "max_tokens": 2, **body})
+    assert response.status_code == status, response.text
+    if status != 200:
+        error = response.json()["error"]
+        assert says in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_malformed_and_oversized_bodies_are_refused_and_the_gateway_keeps_serving(served) -> None:
+    url = served.url + "/v1/completions"
+    assert httpx.post(url, content=b"{not json", timeout=10).status_code == 400
+    assert httpx.post(url, content=b"[1, 2]", timeout=10).status_code == 400
+    assert httpx.post(url, content=b"[" * 100_000 + b"]" * 100_000, timeout=10).status_code in (400, 413)
+    huge = {"model": served.gateway.model_name, "prompt": "x" * (5 << 20)}
+    response = served.post("/v1/completions", huge)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(served.url + "/v1/nowhere", timeout=10).json()["error"]["type"] == "not_found_error"
+    assert served.post(
+        "/v1/completions", {"model": served.gateway.model_name, "prompt": "ok", "max_tokens": 2}
+    ).is_success
+
+
+# ---- auth, readiness, admission, disconnects, metrics ------------------------------------------
+
+
+def test_api_keys_guard_the_api_but_not_health_and_metrics_can_be_keyed_too(fleet, monkeypatch) -> None:
+    model = fleet.plan.model.served_name
+    body = {"model": model, "prompt": "hi", "max_tokens": 2}
+    with Served(GatewayConfig.of(fleet.plan, api_keys=frozenset({"sk-one", "sk-two"}))) as served:
+        wait_until(lambda: served.gateway.head.ready, 10, "ready")
+        assert served.post("/v1/completions", body).status_code == 401
+        wrong = served.post("/v1/completions", body, headers={"Authorization": "Bearer sk-three"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert served.post("/v1/completions", body, headers={"Authorization": "Bearer sk-two"}).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            served.openai("sk-nope").models.list()
+        assert [m.id for m in served.openai("sk-one").models.list()] == [model]
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert httpx.get(served.url + path, timeout=5).status_code == 200
+    with Served(GatewayConfig.of(fleet.plan, api_keys=frozenset({"k"}), metrics_auth=True)) as served:
+        assert httpx.get(served.url + "/metrics", timeout=5).status_code == 401
+        assert httpx.get(served.url + "/metrics", headers={"Authorization": "Bearer k"}, timeout=5).status_code == 200
+
+
+def test_a_gateway_whose_fleet_is_not_ready_answers_503_but_stays_alive(fleet) -> None:
+    dead = free_base_port(1)
+    stage = fleet.plan.groups[0].stages[0].model_copy(update={"address": f"127.0.0.1:{dead}"})
+    group = fleet.plan.groups[0].model_copy(update={"stages": (stage, *fleet.plan.groups[0].stages[1:])})
+    with Served(GatewayConfig.of(fleet.plan.model_copy(update={"groups": (group,)}))) as served:
+        response = served.post("/v1/completions", {"model": fleet.plan.model.served_name, "prompt": "hi"})
+        assert response.status_code == 503 and response.headers["Retry-After"]
+        assert httpx.get(served.url + "/readyz", timeout=5).status_code == 503
+        assert httpx.get(served.url + "/healthz", timeout=5).status_code == 200
+
+
+async def _stream_first_chunk(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, AsyncIterator[str]]:
+    """The open response and its lines, after the first data line (keep both: dropping the
+    iterator would close the stream)."""
+    response = await client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+    assert response.status_code == 200
+    lines = response.aiter_lines()
+    async for line in lines:
+        if line.startswith("data: {"):
+            break
+    return response, lines
+
+
+def test_full_streams_and_queue_get_429_with_retry_after_and_a_disconnect_frees_every_stage(fleet) -> None:
+    config = GatewayConfig.of(fleet.plan, max_streams=1, max_queue=1, queue_timeout_seconds=0.5)
+    model = fleet.plan.model.served_name
+    long = {"model": model, "prompt": [4, 5, 6], "max_tokens": CONTEXT - 8, "ignore_eos": True, "stream": True}
+    short = {"model": model, "prompt": "hi", "max_tokens": 2}
+
+    async def scenario(served: Served) -> None:
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            holder, lines = await _stream_first_chunk(client, long)
+            assert fleet.slots_in_use() == [1] * STAGES
+            queued = asyncio.create_task(client.post("/v1/completions", json=short))
+            for _ in range(100):
+                if served.gateway.admission.waiting:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(served.gateway.admission.waiting) == 1
+            refused = await client.post("/v1/completions", json=short)
+            assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            timed_out = await queued
+            assert timed_out.status_code == 429 and "queue_timeout_seconds" in timed_out.json()["error"]["message"]
+            assert fleet.slots_in_use() == [1] * STAGES
+            await holder.aclose()  # the client goes away mid-stream
+            closed_at = time.monotonic()
+            while fleet.slots_in_use() != [0] * STAGES:
+                assert time.monotonic() - closed_at < 1.0, "the slots were not freed within 1 s"
+                await asyncio.sleep(0.02)
+            assert served.gateway.admission.active == 0
+            assert (await client.post("/v1/completions", json=short)).status_code == 200
+
+    with Served(config) as served:
+        wait_until(lambda: served.gateway.head.ready, 10, "ready")
+        asyncio.run(scenario(served))
+
+
+def test_metrics_carry_the_gateway_series(served) -> None:
+    served.post("/v1/completions", {"model": served.gateway.model_name, "prompt": "hi", "max_tokens": 3})
+    text = httpx.get(served.url + "/metrics", timeout=5).text
+    for name in ("modelfleet_gateway_requests_total{", "modelfleet_gateway_time_to_first_token_seconds_bucket",
+                 "modelfleet_gateway_inter_token_latency_seconds_bucket", "modelfleet_gateway_e2e_request_seconds_count",
+                 "modelfleet_gateway_prompt_tokens_total", "modelfleet_gateway_generation_tokens_total",
+                 "modelfleet_gateway_queue_depth", "modelfleet_gateway_active_streams"):  # fmt: skip
+        assert name in text, name
+    assert 'endpoint="/v1/completions",status="200"' in text
