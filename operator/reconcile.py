@@ -77,10 +77,9 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
     if _replace_failed_stages(fleet, spec, cluster, report):
         return Outcome(report.status, message=report.last_message)
     _ensure_transport_keys(fleet, cluster)
-    applied = [
-        f"{obj['kind']}/{obj['metadata']['name']}: {apply(cluster, obj)}"
-        for obj in objects.fleet_objects(fleet, spec, placement)
-    ]
+    desired = objects.fleet_objects(fleet, spec, placement)
+    applied = [f"{obj['kind']}/{obj['metadata']['name']}: {apply(cluster, obj)}" for obj in desired]
+    applied += _prune_stage_pods(fleet, cluster, {o["metadata"]["name"] for o in desired if o["kind"] == "Pod"})
     report.observe(fleet, placement, cluster)
     return Outcome(report.status, applied=applied)
 
@@ -215,6 +214,18 @@ def _contains(live: Any, desired: Any) -> bool:
     if isinstance(desired, list):
         return isinstance(live, list) and len(live) == len(desired) and all(map(_contains, live, desired))
     return bool(live == desired)
+
+
+def _prune_stage_pods(fleet: Mapping[str, Any], cluster: Cluster, wanted: set[str]) -> list[str]:
+    """Delete stage pods the plan no longer has (fewer replicas or stages, a wider tensor group)."""
+    meta = fleet["metadata"]
+    pruned = []
+    for pod in cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage")):
+        name = pod["metadata"]["name"]
+        if name not in wanted and not pod["metadata"].get("deletionTimestamp"):
+            cluster.delete("v1", "Pod", meta["namespace"], name)
+            pruned.append(f"Pod/{name}: deleted (not in the plan)")
+    return pruned
 
 
 def _replace_failed_stages(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster, report: _Report) -> bool:

@@ -229,3 +229,34 @@ def test_crd_serves_status_scale_and_the_printer_columns():
         "GatewayReady",
         "Ready",
     ]
+
+
+def _defaults(schema: dict[str, Any], where: str = "") -> list[tuple[str, dict[str, Any], Any]]:
+    found = [(where, schema, schema["default"])] if "default" in schema else []
+    for key, sub in schema.get("properties", {}).items():
+        found += _defaults(sub, f"{where}.{key}")
+    if "items" in schema:
+        found += _defaults(schema["items"], f"{where}[]")
+    return found
+
+
+def test_every_default_is_valid_under_its_own_schema_once_defaulted():
+    # the API server rejects a CRD whose defaults, after defaulting and pruning, fail their schema
+    for where, schema, default in _defaults(SCHEMA):
+        value = with_defaults(schema, copy.deepcopy(default))
+        assert list(OAS30Validator(as_json_schema(schema)).iter_errors(value)) == [], where
+        assert cel_errors(schema, value, where) == []
+
+
+def test_the_schema_is_structural_every_field_has_a_type():
+    def untyped(schema: dict[str, Any], where: str) -> list[str]:
+        typed = "type" in schema or schema.get("x-kubernetes-int-or-string")
+        found = [] if typed else [where]
+        for key, sub in schema.get("properties", {}).items():
+            found += untyped(sub, f"{where}.{key}")
+        for key in ("items", "additionalProperties"):
+            if isinstance(schema.get(key), dict):
+                found += untyped(schema[key], f"{where}.{key}")
+        return found
+
+    assert untyped(SCHEMA, "") == []

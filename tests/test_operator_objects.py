@@ -303,3 +303,9 @@ def test_every_built_object_and_the_crd_pass_strict_kubernetes_schema_validation
     ]
     for obj in objs + extra:
         kubernetes_validate.validate(obj, "1.31", strict=True)
+
+
+@pytest.mark.parametrize("args", [[], ["--namespace", "ai", "--all-namespaces"]])
+def test_the_operator_command_needs_namespaces_or_all_of_them(args):
+    result = CliRunner().invoke(app, ["operator", *args])
+    assert result.exit_code == 2 and "--namespace NS" in result.output

@@ -224,6 +224,19 @@ def test_a_node_joining_keeps_the_plan_and_a_new_generation_replans():
     assert "create Pod/qwen-g0-s2" in cluster.log
 
 
+def test_scaling_down_deletes_the_pods_the_plan_no_longer_has():
+    body = fleet(parallelism={"pipeline": 1}, replicas=2)
+    cluster = cluster_for(body, [node("a"), node("b")])
+    reconcile(body, cluster)
+    assert sorted(cluster.of_kind("Pod")) == ["qwen-g0-s0", "qwen-g1-s0"]
+    scaled = fleet(generation=2, parallelism={"pipeline": 1}, replicas=1)
+    reconcile(scaled, cluster)
+    assert "qwen-g1-s0" not in cluster.of_kind("Pod")  # and g0-s0 goes too: its plan changed
+    status = reconcile(scaled, cluster).status
+    assert sorted(cluster.of_kind("Pod")) == ["qwen-g0-s0"]
+    assert [m["pod"] for m in status["members"]] == ["qwen-g0-s0"]
+
+
 def test_a_planned_node_that_disappears_triggers_a_new_plan():
     body = fleet()
     cluster = cluster_for(body, [node("a"), node("b"), node("c")])
