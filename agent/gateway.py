@@ -45,6 +45,9 @@ from .textstream import TextStream
 
 log = logging.getLogger("modelfleet.gateway")
 DISCONNECT_CHECK_SECONDS = 0.2
+# A request whose head has not reported ready for this long fails: the head itself may be gone,
+# and then no answer (not even an error) would ever come.
+HEAD_SILENCE_SECONDS = 5.0
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -172,6 +175,10 @@ class Finish:
 
 class ClientGone(Exception):
     """The HTTP client disconnected while its request ran."""
+
+
+class HeadSilent(Exception):
+    """The head stopped reporting ready while a request waited for it (it may be gone)."""
 
 
 class Gateway:
@@ -370,7 +377,11 @@ class Gateway:
             done, last_token_at = False, 0.0
             try:
                 while True:
-                    msg = await self._next(request, queue)
+                    try:
+                        msg = await self._next(request, queue)
+                    except HeadSilent as exc:
+                        yield Finish("error", ApiError(503, str(exc), retry_after_seconds=1))
+                        return
                     if msg.token_ids:
                         now = time.perf_counter()
                         if not job.token_ids:
@@ -401,12 +412,17 @@ class Gateway:
                     self.head.cancel(request_id)
 
     async def _next(self, request: Request, queue: asyncio.Queue[wire.OutputMsg]) -> wire.OutputMsg:
+        """The next output; checks on the way that the client is still there and the head alive."""
         while True:
-            try:
-                return await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_SECONDS)
-            except TimeoutError:
+            now = time.monotonic()
+            if now - getattr(request.state, "checked_at", 0.0) >= DISCONNECT_CHECK_SECONDS:
+                request.state.checked_at = now  # tokens may arrive faster than any timeout: check by the clock
                 if await request.is_disconnected():
-                    raise ClientGone() from None
+                    raise ClientGone()
+                if self.head.silent_for() > HEAD_SILENCE_SECONDS:
+                    raise HeadSilent(f"the fleet's head has not reported ready for over {HEAD_SILENCE_SECONDS:g} s")
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_SECONDS)
 
     async def _collect(self, job: Job, events: AsyncIterator[Text | Finish]) -> dict[str, Any]:
         pieces: list[str] = []

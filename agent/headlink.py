@@ -35,6 +35,7 @@ class HeadLink:
         self.ids = itertools.count(int(time.time() * 1000) % (1 << 40))
         self.queues: dict[int, asyncio.Queue[wire.OutputMsg]] = {}
         self.ready = False
+        self.unready_since: float | None = time.monotonic()
         self.head_status: dict[str, Any] | None = None
         self.context: zmq.asyncio.Context | None = None
         self.socket: Any = None
@@ -77,6 +78,10 @@ class HeadLink:
         """The request finished at the head; stop routing its outputs."""
         self.queues.pop(request_id, None)
 
+    def silent_for(self) -> float:
+        """Seconds the head has not reported ready (0 while it does)."""
+        return 0.0 if self.unready_since is None else time.monotonic() - self.unready_since
+
     def _send(self, msg: wire.Message) -> None:
         sent = self.socket.send_multipart(wire.encode(msg))
         sent.add_done_callback(_log_failure)
@@ -99,6 +104,10 @@ class HeadLink:
             status = await asyncio.to_thread(fetch_json, self.status_url, max(0.2, self.poll_seconds))
             self.head_status = status
             self.ready = bool(status and status.get("ready"))
+            if self.ready:
+                self.unready_since = None
+            elif self.unready_since is None:
+                self.unready_since = time.monotonic()
             await asyncio.sleep(self.poll_seconds)
 
 

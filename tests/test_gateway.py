@@ -420,6 +420,15 @@ def test_full_streams_and_queue_get_429_with_retry_after_and_a_disconnect_frees_
         asyncio.run(scenario(served))
 
 
+def test_a_client_that_gives_up_on_a_non_streaming_request_frees_its_slot_on_every_stage(served, fleet) -> None:
+    body = {"model": served.gateway.model_name, "prompt": [7, 8, 9], "max_tokens": CONTEXT - 8, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    gave_up_at = time.monotonic()
+    wait_until(lambda: fleet.slots_in_use() == [0] * STAGES, 1.0, "the slots are free")
+    assert time.monotonic() - gave_up_at < 1.0 and served.gateway.admission.active == 0
+
+
 def test_metrics_carry_the_gateway_series(served) -> None:
     served.post("/v1/completions", {"model": served.gateway.model_name, "prompt": "hi", "max_tokens": 3})
     text = httpx.get(served.url + "/metrics", timeout=5).text
