@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+CHECK_SECONDS = 0.2
 
 
 class Busy(Exception):
@@ -21,6 +23,10 @@ class Busy(Exception):
         self.retry_after_seconds = retry_after_seconds
 
 
+class Abandoned(Exception):
+    """The request's client went away while it waited in line."""
+
+
 class Admission:
     def __init__(self, max_streams: int, max_queue: int, queue_timeout_seconds: float):
         self.max_streams, self.max_queue, self.timeout = max_streams, max_queue, queue_timeout_seconds
@@ -28,14 +34,16 @@ class Admission:
         self.waiting: deque[asyncio.Future[None]] = deque()
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.acquire()
+    async def slot(self, gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[None]:
+        await self.acquire(gone)
         try:
             yield
         finally:
             self.release()
 
-    async def acquire(self) -> None:
+    async def acquire(self, gone: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """A stream, at once or after waiting in line; ``gone()`` is asked every CHECK_SECONDS while
+        waiting, and a true answer (the client went away) gives up the place with Abandoned."""
         if self.active < self.max_streams and not self.waiting:
             self.active += 1
             return
@@ -44,21 +52,26 @@ class Admission:
                 f"all {self.max_streams} streams are busy and {len(self.waiting)} requests are queued "
                 f"(max_queue={self.max_queue}); retry later"
             )
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
         self.waiting.append(turn)
+        deadline = loop.time() + self.timeout
         try:
-            await asyncio.wait_for(asyncio.shield(turn), self.timeout)
-        except BaseException as exc:  # a timeout, or the client went away while waiting
+            while not turn.done():
+                if loop.time() >= deadline:
+                    raise Busy(
+                        f"waited over {self.timeout:g} s for a free stream (queue_timeout_seconds); retry later",
+                        max(1, round(self.timeout)),
+                    )
+                await asyncio.wait([turn], timeout=min(CHECK_SECONDS, deadline - loop.time()))
+                if not turn.done() and gone is not None and await gone():
+                    raise Abandoned()
+        except BaseException:  # timed out, abandoned, or cancelled while waiting
             if turn.done() and not turn.cancelled():
-                self.release()  # the slot arrived as we gave up: pass it on
+                self.release()  # the stream arrived as we gave up: pass it on
             else:
                 turn.cancel()
                 self.waiting.remove(turn)
-            if isinstance(exc, TimeoutError):
-                raise Busy(
-                    f"waited over {self.timeout:g} s for a free stream (queue_timeout_seconds); retry later",
-                    max(1, round(self.timeout)),
-                ) from None
             raise
 
     def release(self) -> None:

@@ -37,7 +37,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.spec import load_spec
 from ..plan import FleetPlan
 from . import transport as wire
-from .admission import Admission, Busy
+from .admission import Abandoned, Admission, Busy
 from .headlink import HeadLink
 from .openai_schema import ChatCompletionRequest, CompletionRequest, describe
 from .prompts import PromptError, Prompts
@@ -349,7 +349,7 @@ class Gateway:
                 raise first.error
         except Busy as exc:
             raise ApiError(429, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
-        except ClientGone:
+        except (ClientGone, Abandoned):
             self.metrics.answered(path, 499)
             return Response(status_code=499)
         except BaseException:
@@ -370,7 +370,7 @@ class Gateway:
 
     async def _generate(self, request: Request, job: Job) -> AsyncGenerator[Text | Finish, None]:
         """Text pieces, then one Finish; the slot and the head's stream are released in every case."""
-        async with self.admission.slot():
+        async with self.admission.slot(request.is_disconnected):
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             request_id, queue = self.head.submit(job.prompt_ids, job.params)
             text = TextStream(self.prompts.tokenizer, job.body.stop_strings)

@@ -7,6 +7,8 @@ reach Python objects' internals or mutate what it is given.
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,13 @@ class ChatTemplate:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # as transformers renders templates: loop controls, raise_exception, strftime_now, plain tojson
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         try:
             self.template = env.from_string(source)
         except TemplateError as exc:
@@ -63,6 +70,11 @@ class ChatTemplate:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
         except TemplateError as exc:
             raise PromptError(f"the chat template refused these messages: {exc}", "messages") from exc
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str) -> None:

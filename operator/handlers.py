@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from . import names
+from . import metrics, names
 from .reconcile import Cluster, reconcile, wake_up
 from .spec import GROUP, PLURAL, VERSION
 
@@ -43,9 +43,12 @@ def use_cluster(replacement: Cluster | None) -> None:
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def reconcile_fleet(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
     outcome = reconcile(body, cluster())
+    metrics.record(body["metadata"].get("namespace", ""), body["metadata"]["name"], outcome)
     patch.status.update(outcome.status)
     for line in outcome.applied:
         logger.debug(line)
+    for pod in outcome.replaced:
+        logger.info(f"replaced the failed stage pod {pod}")
     if outcome.permanent_error:
         raise kopf.PermanentError(outcome.permanent_error)
     if outcome.retry_after_seconds is not None:

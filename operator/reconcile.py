@@ -51,6 +51,7 @@ class Outcome:
     retry_after_seconds: float | None = None
     message: str = ""
     applied: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)  # failed stage pods deleted to be made anew
 
 
 def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
@@ -75,13 +76,13 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
         return Outcome(report.status, retry_after_seconds=PLAN_RETRY_SECONDS, message=placement.message)
     report.set(Condition.PLANNED, True, Reason.PLANNED, f"{len(placement.members)} members on {_nodes(placement)}")
     if _replace_failed_stages(fleet, spec, cluster, report):
-        return Outcome(report.status, message=report.last_message)
+        return Outcome(report.status, message=report.last_message, replaced=report.replaced)
     _ensure_transport_keys(fleet, cluster)
     desired = objects.fleet_objects(fleet, spec, placement)
     applied = [f"{obj['kind']}/{obj['metadata']['name']}: {apply(cluster, obj)}" for obj in desired]
     applied += _prune_stage_pods(fleet, cluster, {o["metadata"]["name"] for o in desired if o["kind"] == "Pod"})
     report.observe(fleet, placement, cluster)
-    return Outcome(report.status, applied=applied)
+    return Outcome(report.status, applied=applied, replaced=report.replaced)
 
 
 def wake_up(pod_meta: Mapping[str, Any]) -> Obj:
@@ -243,6 +244,7 @@ def _replace_failed_stages(fleet: Mapping[str, Any], spec: ModelFleetSpec, clust
             return True
         cluster.delete("v1", "Pod", meta["namespace"], name)
         report.restarts[name] = restarts + 1
+        report.replaced.append(name)
     return False
 
 
@@ -256,6 +258,7 @@ class _Report:
         self.restarts: dict[str, int] = restarts  # a new generation starts its count afresh
         self.fields: dict[str, Any] = {"phase": str(Phase.PLANNING)}
         self.last_message = ""
+        self.replaced: list[str] = []
 
     def crash_looped(self) -> bool:
         ready = condition(self.conditions, Condition.READY) or {}

@@ -14,14 +14,17 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import uvicorn
+import zmq
 from test_pipeline import free_base_port, wait_until
 
+from modelfleet.agent import transport as wire
 from modelfleet.agent.gateway import Gateway, GatewayConfig
 from modelfleet.agent.launcher import LocalFleet, fetch_json
 from modelfleet.agent.textstream import StopMatcher, TextStream
@@ -29,6 +32,7 @@ from modelfleet.commands.fleet import make_plan
 from modelfleet.engine.generate import LocalModel, generate
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.tokenizer import TextTokenizer
+from modelfleet.plan import FleetPlan
 
 STAGES = 2
 CONTEXT = 512
@@ -362,15 +366,125 @@ def test_api_keys_guard_the_api_but_not_health_and_metrics_can_be_keyed_too(flee
         assert httpx.get(served.url + "/metrics", headers={"Authorization": "Bearer k"}, timeout=5).status_code == 200
 
 
+def plan_with_head_at(plan: FleetPlan, port: int) -> FleetPlan:
+    stage = plan.groups[0].stages[0].model_copy(update={"address": f"127.0.0.1:{port}"})
+    group = plan.groups[0].model_copy(update={"stages": (stage, *plan.groups[0].stages[1:])})
+    return plan.model_copy(update={"groups": (group,)})
+
+
 def test_a_gateway_whose_fleet_is_not_ready_answers_503_but_stays_alive(fleet) -> None:
-    dead = free_base_port(1)
-    stage = fleet.plan.groups[0].stages[0].model_copy(update={"address": f"127.0.0.1:{dead}"})
-    group = fleet.plan.groups[0].model_copy(update={"stages": (stage, *fleet.plan.groups[0].stages[1:])})
-    with Served(GatewayConfig.of(fleet.plan.model_copy(update={"groups": (group,)}))) as served:
+    with Served(GatewayConfig.of(plan_with_head_at(fleet.plan, free_base_port(1)))) as served:
         response = served.post("/v1/completions", {"model": fleet.plan.model.served_name, "prompt": "hi"})
         assert response.status_code == 503 and response.headers["Retry-After"]
         assert httpx.get(served.url + "/readyz", timeout=5).status_code == 503
         assert httpx.get(served.url + "/healthz", timeout=5).status_code == 200
+
+
+class SilentHead:
+    """A head that reports ready and takes requests but never answers: streams stay busy for as
+    long as a test needs. It records the request ids it was asked to submit and cancel."""
+
+    def __init__(self) -> None:
+        self.port = free_base_port(1)
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.bind(f"tcp://127.0.0.1:{self.port + 2}")
+        self.submitted: list[int] = []
+        self.cancelled: list[int] = []
+        self.stop = threading.Event()
+
+        class Status(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                body = b'{"ready": true}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                return
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", self.port + 1), Status)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while not self.stop.is_set():
+            if self.socket.poll(50):
+                _, *parts = self.socket.recv_multipart()
+                msg = wire.decode(parts)
+                if isinstance(msg, wire.SubmitMsg):
+                    self.submitted.append(msg.request_id)
+                elif isinstance(msg, wire.CancelMsg):
+                    self.cancelled.append(msg.request_id)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.reader.join(5)
+        self.http.shutdown()
+        self.http.server_close()
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+def test_full_streams_and_queue_get_429_with_retry_after_and_waiting_clients_that_leave_are_let_go(fleet) -> None:
+    head = SilentHead()
+    config = GatewayConfig.of(plan_with_head_at(fleet.plan, head.port), max_streams=1, max_queue=1,
+                              queue_timeout_seconds=1.0)  # fmt: skip
+    short = {"model": fleet.plan.model.served_name, "prompt": "hi", "max_tokens": 2}
+
+    async def until(condition, what: str, timeout: float = 1.0) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+            await asyncio.sleep(0.02)
+
+    async def scenario(served: Served) -> None:
+        admission = served.gateway.admission
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            holder = asyncio.create_task(client.post("/v1/completions", json={**short, "stream": True}))
+            await until(lambda: len(head.submitted) == 1, "the head got the first request")
+            leaver = asyncio.create_task(client.post("/v1/completions", json=short))
+            await until(lambda: len(admission.waiting) == 1, "the second request waits")
+            leaver.cancel()  # its client goes away while it waits: its place in line is freed
+            await until(lambda: not admission.waiting, "the departed waiter leaves the queue", 0.6)
+            queued = asyncio.create_task(client.post("/v1/completions", json=short))
+            await until(lambda: len(admission.waiting) == 1, "a third request waits")
+            refused = await client.post("/v1/completions", json=short)
+            assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            timed_out = await queued
+            assert timed_out.status_code == 429 and "queue_timeout_seconds" in timed_out.json()["error"]["message"]
+            assert head.submitted == head.submitted[:1] and not head.cancelled
+            holder.cancel()  # the streaming client goes away before its first token
+            await until(lambda: head.cancelled == head.submitted, "the head is told to cancel")
+            await until(lambda: admission.active == 0, "the stream is free")
+
+    try:
+        with Served(config) as served:
+            wait_until(lambda: served.gateway.head.ready, 10, "ready")
+            asyncio.run(scenario(served))
+    finally:
+        head.close()
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot_on_every_stage_within_a_second(served, fleet) -> None:
+    body = {"model": served.gateway.model_name, "prompt": [4, 5, 6], "max_tokens": CONTEXT - 8, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            holder, _lines = await _stream_first_chunk(client, body)
+            assert fleet.slots_in_use() == [1] * STAGES
+            await holder.aclose()
+            left_at = time.monotonic()
+            while fleet.slots_in_use() != [0] * STAGES:
+                assert time.monotonic() - left_at < 1.0, "the slots were not freed within 1 s"
+                await asyncio.sleep(0.02)
+            assert served.gateway.admission.active == 0
+
+    asyncio.run(scenario())
 
 
 async def _stream_first_chunk(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, AsyncIterator[str]]:
@@ -383,41 +497,6 @@ async def _stream_first_chunk(client: httpx.AsyncClient, body: dict) -> tuple[ht
         if line.startswith("data: {"):
             break
     return response, lines
-
-
-def test_full_streams_and_queue_get_429_with_retry_after_and_a_disconnect_frees_every_stage(fleet) -> None:
-    config = GatewayConfig.of(fleet.plan, max_streams=1, max_queue=1, queue_timeout_seconds=0.5)
-    model = fleet.plan.model.served_name
-    long = {"model": model, "prompt": [4, 5, 6], "max_tokens": CONTEXT - 8, "ignore_eos": True, "stream": True}
-    short = {"model": model, "prompt": "hi", "max_tokens": 2}
-
-    async def scenario(served: Served) -> None:
-        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
-            holder, lines = await _stream_first_chunk(client, long)
-            assert fleet.slots_in_use() == [1] * STAGES
-            queued = asyncio.create_task(client.post("/v1/completions", json=short))
-            for _ in range(100):
-                if served.gateway.admission.waiting:
-                    break
-                await asyncio.sleep(0.02)
-            assert len(served.gateway.admission.waiting) == 1
-            refused = await client.post("/v1/completions", json=short)
-            assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
-            assert refused.json()["error"]["type"] == "rate_limit_error"
-            timed_out = await queued
-            assert timed_out.status_code == 429 and "queue_timeout_seconds" in timed_out.json()["error"]["message"]
-            assert fleet.slots_in_use() == [1] * STAGES
-            await holder.aclose()  # the client goes away mid-stream
-            closed_at = time.monotonic()
-            while fleet.slots_in_use() != [0] * STAGES:
-                assert time.monotonic() - closed_at < 1.0, "the slots were not freed within 1 s"
-                await asyncio.sleep(0.02)
-            assert served.gateway.admission.active == 0
-            assert (await client.post("/v1/completions", json=short)).status_code == 200
-
-    with Served(config) as served:
-        wait_until(lambda: served.gateway.head.ready, 10, "ready")
-        asyncio.run(scenario(served))
 
 
 def test_a_client_that_gives_up_on_a_non_streaming_request_frees_its_slot_on_every_stage(served, fleet) -> None:

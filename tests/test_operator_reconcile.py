@@ -162,8 +162,10 @@ def test_a_failed_stage_pod_is_replaced_alone_and_counted():
     cluster.set_pod("qwen-g0-s0", "Running", ready=True)
     cluster.set_pod("qwen-g0-s1", "Failed")
     cluster.log.clear()
-    status = reconcile(with_status(body, status), cluster).status
+    outcome = reconcile(with_status(body, status), cluster)
+    status = outcome.status
     assert cluster.log == ["delete Pod/qwen-g0-s1", "create Pod/qwen-g0-s1"]
+    assert outcome.replaced == ["qwen-g0-s1"]
     assert status["stageRestarts"] == {"qwen-g0-s1": 1}
     assert "status" in cluster.of_kind("Pod")["qwen-g0-s0"]  # the healthy stage was left alone
 
@@ -268,6 +270,12 @@ def test_the_handler_writes_status_and_raises_kopf_errors(use):
     with pytest.raises(kopf.PermanentError, match="windowRows"):
         handlers.reconcile_fleet(body=bad, patch=patch, logger=logging.getLogger("test"))
     assert patch["status"]["phase"] == "Failed"
+
+    from modelfleet.operator.metrics import REGISTRY
+
+    labels = {"namespace": "ai", "fleet": "qwen"}
+    assert REGISTRY.get_sample_value("modelfleet_operator_reconciles_total", {**labels, "result": "invalid"}) >= 1
+    assert REGISTRY.get_sample_value("modelfleet_operator_members", labels) is not None
 
     use(FakeCluster([node("a")]))
     with pytest.raises(kopf.TemporaryError) as raised:

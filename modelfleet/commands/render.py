@@ -137,12 +137,16 @@ def operator(
     all_namespaces: bool = typer.Option(False, "--all-namespaces", "-A", help="Serve every namespace."),
     standalone: bool = typer.Option(False, "--standalone", help="No peering with other operator replicas."),
     liveness: str | None = typer.Option(None, "--liveness", help="e.g. http://0.0.0.0:8080/healthz"),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", min=1, max=65535, help="Serve /metrics here."),
 ) -> None:
     """Run the ModelFleet operator (kopf) against the current cluster."""
     import kopf
 
     import modelfleet.operator.handlers  # noqa: F401  (registers the handlers)
+    from modelfleet.operator import metrics
 
     if bool(namespace) == all_namespaces:
         _fail("give --namespace NS (one or more) or --all-namespaces")
+    if metrics_port is not None:
+        metrics.serve(metrics_port)
     kopf.run(clusterwide=all_namespaces, namespaces=namespace, standalone=standalone, liveness_endpoint=liveness)
