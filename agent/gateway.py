@@ -117,7 +117,7 @@ def head_error(message: str) -> ApiError:
 
 
 class GatewayMetrics:
-    def __init__(self, admission: Admission):
+    def __init__(self, admission: Admission, head: HeadLink):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("modelfleet_gateway_requests_total", "HTTP requests answered, by endpoint and status.",
@@ -134,6 +134,8 @@ class GatewayMetrics:
         queue.set_function(lambda: len(admission.waiting))
         active = Gauge("modelfleet_gateway_active_streams", "Requests streaming (admitted).", registry=r)
         active.set_function(lambda: admission.active)
+        ready = Gauge("modelfleet_gateway_ready", "1 while the fleet's head reports ready.", registry=r)
+        ready.set_function(lambda: 1 if head.ready else 0)
 
     def answered(self, path: str, status: int) -> None:
         self.requests.labels(endpoint=path if path in ENDPOINTS else "other", status=str(status)).inc()
@@ -187,10 +189,10 @@ class Gateway:
         plan = config.plan
         model_dir = config.model_dir or Path(plan.model.path)
         self.spec = load_spec(model_dir)
-        self.prompts = Prompts(model_dir, self.spec.vocab_size, plan.serving.context_length)
+        self.prompts = Prompts(model_dir, self.spec.vocab_size, plan.serving.context_length, self.spec.eos_token_ids)
         self.admission = Admission(config.max_streams, config.max_queue, config.queue_timeout_seconds)
         self.head = HeadLink(plan.groups[0].stages[0].address, config.keys, config.ready_poll_seconds)
-        self.metrics = GatewayMetrics(self.admission)
+        self.metrics = GatewayMetrics(self.admission, self.head)
         self.model_name = plan.model.served_name
         self.app = self._build_app()
 
@@ -328,10 +330,8 @@ class Gateway:
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
         max_tokens = self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0]
-        stop_ids: tuple[int, ...] | None = None
-        if body.ignore_eos or body.stop_token_ids is not None:
-            eos = () if body.ignore_eos else self.spec.eos_token_ids
-            stop_ids = tuple(dict.fromkeys([*eos, *(body.stop_token_ids or [])]))
+        eos = () if body.ignore_eos else self.prompts.eos_token_ids
+        stop_ids = tuple(dict.fromkeys([*eos, *(body.stop_token_ids or [])]))
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
                               min_p=body.min_p, seed=body.seed, max_tokens=max_tokens, stop_token_ids=stop_ids)  # fmt: skip
 

@@ -19,7 +19,7 @@ SEED_MAX = (1 << 64) - 1
 TOKEN_ID_MAX = (1 << 31) - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_TOKEN_IDS = 128  # with the EOS ids, within the wire's 256
 MAX_MESSAGES = 4096
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]

@@ -7,6 +7,7 @@ reach Python objects' internals or mutate what it is given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -77,6 +78,21 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _end_ids(model_dir: Path, tokenizer: TextTokenizer | None, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Where generation ends by default: config.json's EOS, generation_config.json's (chat models
+    often list their end-of-turn token only there), and the tokenizer's eos_token."""
+    ids = list(eos_token_ids)
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            ids += [t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int) and t >= 0]
+    if tokenizer is not None:
+        token = tokenizer.token_id(_token_text(tokenizer.config.get("eos_token")))
+        ids += [token] if token is not None else []
+    return tuple(dict.fromkeys(ids))
+
+
 def _raise_exception(message: str) -> None:
     from jinja2 import TemplateError
 
@@ -86,11 +102,12 @@ def _raise_exception(message: str) -> None:
 class Prompts:
     """Text and chat prompts of one checkpoint, checked against its vocabulary and context."""
 
-    def __init__(self, model_dir: Path, vocab_size: int, context_length: int):
+    def __init__(self, model_dir: Path, vocab_size: int, context_length: int, eos_token_ids: tuple[int, ...] = ()):
         self.vocab_size, self.context_length = vocab_size, context_length
         self.tokenizer = TextTokenizer(model_dir) if TextTokenizer.exists(model_dir) else None
         config = self.tokenizer.config if self.tokenizer is not None else {}
         self.chat_template = ChatTemplate.of(model_dir, config) if self.tokenizer is not None else None
+        self.eos_token_ids = _end_ids(model_dir, self.tokenizer, eos_token_ids)
 
     def completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -514,6 +514,6 @@ def test_metrics_carry_the_gateway_series(served) -> None:
     for name in ("modelfleet_gateway_requests_total{", "modelfleet_gateway_time_to_first_token_seconds_bucket",
                  "modelfleet_gateway_inter_token_latency_seconds_bucket", "modelfleet_gateway_e2e_request_seconds_count",
                  "modelfleet_gateway_prompt_tokens_total", "modelfleet_gateway_generation_tokens_total",
-                 "modelfleet_gateway_queue_depth", "modelfleet_gateway_active_streams"):  # fmt: skip
+                 "modelfleet_gateway_queue_depth", "modelfleet_gateway_active_streams", "modelfleet_gateway_ready 1.0"):  # fmt: skip
         assert name in text, name
     assert 'endpoint="/v1/completions",status="200"' in text
