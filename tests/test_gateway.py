@@ -10,7 +10,10 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -517,3 +520,48 @@ def test_metrics_carry_the_gateway_series(served) -> None:
                  "modelfleet_gateway_queue_depth", "modelfleet_gateway_active_streams", "modelfleet_gateway_ready 1.0"):  # fmt: skip
         assert name in text, name
     assert 'endpoint="/v1/completions",status="200"' in text
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+
+def _modelfleet(*args: str) -> list[str]:
+    return [sys.executable, "-P", "-m", "modelfleet.cli", *args]
+
+
+def test_up_starts_the_fleet_and_the_gateway_and_prints_a_request_that_works(checkpoint, tmp_path) -> None:
+    port, base = free_port(), free_base_port(1)
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    args = ["up", "--model", str(checkpoint), "--stages", "1", "--port", str(port), "--base-port", str(base),
+            "--context-length", "64", "--ready-timeout", "60"]  # fmt: skip
+    up = subprocess.Popen(_modelfleet(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("try: curl"):
+                break
+        assert lines and lines[-1].startswith("try: curl"), "".join(lines)
+        body = json.loads(lines[-1].split(" -d ", 1)[1].strip().strip("'"))
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(30)
+
+
+def test_the_gateway_command_names_a_missing_plan_and_up_a_busy_gateway_port(checkpoint, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    result = CliRunner().invoke(app, ["gateway", "--plan", str(tmp_path / "nope.json")])
+    assert result.exit_code == 2 and "nope.json" in result.output
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        args = ["up", "--model", str(checkpoint), "--port", str(port), "--base-port", str(free_base_port(2))]
+        result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and f"port {port} is in use" in result.output
