@@ -221,7 +221,9 @@ def main() -> None:
             f"{100 * agree:.0f}%",
         )
     console.print(table)
-    console.print(f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; bound = batch x bandwidth / weight bytes per step")
+    console.print(
+        f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; bound = batch x bandwidth / weight bytes per step"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
