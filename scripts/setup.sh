@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv with modelfleet and its test tools on a machine that has only python3 and pip.
+# Create .venv with modelfleet on a machine that has only python3 and pip.
+#   bash scripts/setup.sh          # what serving needs
+#   bash scripts/setup.sh test     # plus the test tools
 # The CPU build of torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +13,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+if [ "${1:-}" = "test" ]; then
+  .venv/bin/python -m pip install -q -e ".[test]"
+else
+  .venv/bin/python -m pip install -q -e .
+fi

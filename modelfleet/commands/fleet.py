@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 err = Console(stderr=True, soft_wrap=True)
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "demo"  # the repository's bundled model
 out = Console(soft_wrap=True)
 
 
@@ -149,7 +150,9 @@ def keys(
 
 
 def up(
-    model: Path = typer.Option(..., "--model", help="Checkpoint directory."),
+    model: Path | None = typer.Option(
+        None, "--model", help="Checkpoint directory (default: the bundled demo model, models/demo)."
+    ),
     stages: int = typer.Option(2, "--stages", min=1),
     groups: int | None = typer.Option(
         None, "--groups", min=1, help="Stream groups in flight (default: one per stage)."
@@ -174,6 +177,10 @@ def up(
     from modelfleet.agent.launcher import LaunchError, LocalFleet, check_ports
     from modelfleet.engine.errors import ModelfleetError
 
+    if model is None:
+        model = DEMO_MODEL
+        if not model.is_dir():
+            fail(f"the bundled demo model is not at {model} (run from a clone of the repository), or pass --model DIR")
     if not model.is_dir():
         fail(f"model directory {str(model)!r} does not exist; pass --model DIR with a checkpoint")
     try:
