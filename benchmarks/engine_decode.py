@@ -7,6 +7,10 @@ bound is measured bandwidth over the weight bytes one decode step must read (att
 the experts the batch activates in expectation, and the head).
 
     python benchmarks/engine_decode.py --shape cpu-0.8b --device cpu
+    python benchmarks/engine_decode.py --shape cpu-0.8b --device cpu --experts int4 --attention int8
+
+``--experts``/``--attention``/``--head`` quantize the engine's model at load (transformers stays in
+``--dtype``); the bound then counts the engine's resident bytes in those formats.
     python benchmarks/engine_decode.py --shape qwen3-30b-a3b-12l --device cuda
 """
 
@@ -110,6 +114,17 @@ def step_bytes(model, batch: int) -> float:  # type: ignore[no-untyped-def]
     return total * item
 
 
+def engine_step_bytes(shard, config, batch: int) -> float:  # type: ignore[no-untyped-def]
+    """The same read count from the engine's resident bytes (so it follows the weight formats):
+    everything but the embeddings, with the expert banks in the fraction a batch activates."""
+    experts, k = config.num_experts, config.num_experts_per_tok
+    used = experts * (1 - (1 - k / experts) ** batch)
+    roles = {role: sum(by_format.values()) for role, by_format in shard.bytes_by_role.items()}
+    return (
+        sum(n for role, n in roles.items() if role not in ("experts", "embeddings")) + roles["experts"] * used / experts
+    )
+
+
 def decode_rate(run, batch: int, tokens: int, repeats: int = 3) -> tuple[float, list[list[int]]]:  # type: ignore[no-untyped-def]
     """B*(N-1) / (t(N) - t(1)), each time the best of ``repeats`` runs after a warm-up."""
     run(2)
@@ -162,12 +177,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per stream")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--out", default="out/engine_decode.csv")
+    parser.add_argument("--experts", default=None, help="the engine's experts format (int4, int8, mxfp4, ...)")
+    parser.add_argument("--attention", default=None, help="the engine's attention format (int8, int4, ...)")
+    parser.add_argument("--head", default=None, help="the engine's head format (int8, ...)")
     args = parser.parse_args()
 
     from rich.console import Console
     from rich.table import Table
 
     from modelfleet.engine.checkpoint import TensorDict
+    from modelfleet.engine.formats.plan import FormatPlan
     from modelfleet.engine.generate import LocalModel
     from modelfleet.engine.shard import Shard
     from modelfleet.engine.spec import spec_from_config
@@ -178,22 +197,41 @@ def main() -> None:
     ref = build_reference(args.shape, dtype, args.device)
     params = sum(p.numel() for p in ref.parameters())
     spec = spec_from_config(ref.config.to_dict())
-    shard = Shard.from_checkpoint(spec, TensorDict(ref.state_dict()), device=args.device, dtype=dtype)
+    plan = FormatPlan(experts=args.experts, attention=args.attention, head=args.head)
+    formats = None if plan.is_empty else plan
+    shard = Shard.from_checkpoint(spec, TensorDict(ref.state_dict()), device=args.device, dtype=dtype, formats=formats)
+    label = ", ".join(f"{role} {name}" for role, name in plan.to_json().items() if name) or "no formats"
     bandwidth = measure_bandwidth(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     shard.allocate_cache(max(batches), args.prompt_len + args.tokens + 8)
     lm = LocalModel([shard])
+    plain_lm = None  # with formats, the same engine without them, timed in the same run
+    if formats is not None:
+        plain = Shard.from_checkpoint(spec, TensorDict(ref.state_dict()), device=args.device, dtype=dtype)
+        plain.allocate_cache(max(batches), args.prompt_len + args.tokens + 8)
+        plain_lm = LocalModel([plain])
 
-    table = Table(title=f"decode tokens/s, {args.shape} ({params / 1e9:.2f}B params), {args.device}, {args.dtype}")
-    for col in ("batch", "modelfleet", "transformers", "ratio", "bound", "of bound", "same tokens"):
+    table = Table(
+        title=f"decode tokens/s, {args.shape} ({params / 1e9:.2f}B params), {args.device}, {args.dtype}, "
+        f"engine: {label}"
+    )
+    columns = ["batch", "modelfleet", "transformers", "ratio", "bound", "of bound", "same tokens"]
+    if plain_lm is not None:
+        columns[2:2] = [f"modelfleet {args.dtype}", "formats speedup"]
+    for col in columns:
         table.add_column(col, justify="right")
     rows = []
     gen = torch.Generator().manual_seed(1)
     for batch in batches:
         prompts = torch.randint(0, spec.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
         ours, our_tokens = time_engine(lm, prompts, args.tokens)
+        unquantized = time_engine(plain_lm, prompts, args.tokens)[0] if plain_lm is not None else None
         theirs, their_tokens = time_reference(ref, prompts, args.tokens)
-        bound = batch * bandwidth / step_bytes(ref, batch)
+        bound = (
+            batch
+            * bandwidth
+            / (step_bytes(ref, batch) if formats is None else engine_step_bytes(shard, ref.config, batch))
+        )
         same = sum(a == b for x, y in zip(our_tokens, their_tokens, strict=True) for a, b in zip(x, y, strict=True))
         agree = same / (batch * args.tokens)
         rows.append(
@@ -201,8 +239,11 @@ def main() -> None:
                 shape=args.shape,
                 device=args.device,
                 dtype=args.dtype,
+                formats=label,
+                weights_bytes=shard.weights_bytes,
                 batch=batch,
                 modelfleet_tok_s=round(ours, 2),
+                modelfleet_plain_tok_s=None if unquantized is None else round(unquantized, 2),
                 transformers_tok_s=round(theirs, 2),
                 ratio=round(ours / theirs, 2),
                 bound_tok_s=round(bound, 1),
@@ -211,9 +252,11 @@ def main() -> None:
                 bandwidth_gb_s=round(bandwidth / 1e9, 1),
             )
         )
+        plain_cells = [] if unquantized is None else [f"{unquantized:.1f}", f"{ours / unquantized:.2f}x"]
         table.add_row(
             str(batch),
             f"{ours:.1f}",
+            *plain_cells,
             f"{theirs:.1f}",
             f"{ours / theirs:.2f}x",
             f"{bound:.0f}",

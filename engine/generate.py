@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
+from .formats.plan import FormatPlan
 from .frame import Frame
 from .sampling import SamplingParams, StreamSampler, sample_rows
 from .shard import Shard
@@ -51,10 +52,12 @@ class LocalModel:
         max_slots: int = 8,
         max_context: int | None = None,
         static_decode: bool | None = None,
+        formats: FormatPlan | None = None,
     ) -> LocalModel:
+        """``formats`` quantizes at load (None: the compute dtype, or a quantized checkpoint's own formats)."""
         spec = load_spec(model_dir)
         parts = [
-            Shard.load(model_dir, start, end, device=device, dtype=dtype, progress=progress)
+            Shard.load(model_dir, start, end, device=device, dtype=dtype, progress=progress, formats=formats)
             for start, end in even_ranges(spec.num_layers, shards)
         ]
         context = max_context or min(spec.max_position_embeddings, 4096)
@@ -70,6 +73,16 @@ class LocalModel:
     @property
     def weights_bytes(self) -> int:
         return sum(s.weights_bytes for s in self.shards)
+
+    @property
+    def bytes_by_role(self) -> dict[str, dict[str, int]]:
+        """{role: {format: resident bytes}} summed over the shards."""
+        total: dict[str, dict[str, int]] = {}
+        for shard in self.shards:
+            for role, by_format in shard.bytes_by_role.items():
+                for fmt, nbytes in by_format.items():
+                    total.setdefault(role, {})[fmt] = total.get(role, {}).get(fmt, 0) + nbytes
+        return total
 
     def forward(self, frame: Frame) -> torch.Tensor:
         x = self.shards[0](frame)

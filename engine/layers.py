@@ -348,23 +348,34 @@ class Experts(nn.Module):
         return torch.bmm(weight.to(y.dtype)[:, None, :], y.view(tokens, top_k, -1))[:, 0]  # sum_k w * y
 
     def _forward_grouped(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Sort (token, expert) pairs by expert and run each used expert once over its tokens."""
-        top_k = index.shape[1]
-        flat = index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // top_k
-        flat_weight = weight.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            tokens = token_of[start : start + count]
-            y = self.expert(e, x[tokens]) * flat_weight[start : start + count, None].to(x.dtype)
-            out.index_add_(0, tokens, y)
-            start += count
-        return out
+        return forward_grouped(self.expert, self.num_experts, x, index, weight)
+
+
+def forward_grouped(
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+    num_experts: int,
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    """Sort (token, expert) pairs by expert and run each used expert once over its tokens:
+    ``expert(e, rows)`` -> rows' outputs. Any bank (plain or quantized) runs through this."""
+    top_k = index.shape[1]
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    token_of = order // top_k
+    flat_weight = weight.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of[start : start + count]
+        y = expert(e, x[tokens]) * flat_weight[start : start + count, None].to(x.dtype)
+        out.index_add_(0, tokens, y)
+        start += count
+    return out
 
 
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -387,7 +398,7 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
 class SparseMoE(nn.Module):
     """Routed experts plus optional always-active shared experts."""
 
-    def __init__(self, router_proj: Dense, route: Router, experts: Experts, shared: nn.Module | None = None):
+    def __init__(self, router_proj: Dense, route: Router, experts: nn.Module, shared: nn.Module | None = None):
         super().__init__()
         self.router_proj, self.experts, self.shared = router_proj, experts, shared
         self.route = route

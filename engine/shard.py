@@ -7,6 +7,7 @@ for the last shard, float32 logits [R, vocab]. Loading reads only the tensors th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,13 @@ from torch import nn
 
 from .checkpoint import Checkpoint, TensorSource
 from .errors import CapacityError, InputError
+from .formats.plan import FormatPlan
 from .frame import Frame, Segment, segments_of
 from .kvcache import LayerKV, SlotTable
 from .layers import Dense, Experts, FrameContext, RMSNorm
 from .models import family as family_module
+from .quantize import apply_embedding_format, apply_formats, bytes_by_role, prepare_kernels
+from .quantized_checkpoint import QuantizedCheckpoint, fill_quantized, open_checkpoint
 from .spec import ModelSpec, load_spec
 from .weights import LayerWeights
 
@@ -65,8 +69,13 @@ class Shard(nn.Module):
 
     @property
     def weights_bytes(self) -> int:
-        plain = sum(p.numel() * p.element_size() for p in self.parameters())
-        return plain + sum(getattr(m, "packed_nbytes", 0) for m in self.modules())
+        """Bytes of every weight held resident: plain, packed for oneDNN, or in a format."""
+        return sum(n for by_format in self.bytes_by_role.values() for n in by_format.values())
+
+    @property
+    def bytes_by_role(self) -> dict[str, dict[str, int]]:
+        """{role: {format: bytes}}: experts, attention, head, embeddings and other (norms, routers)."""
+        return bytes_by_role(self)
 
     def pack_for_cpu(self) -> None:
         """Reorder bf16 projections and experts into oneDNN's layout (faster small-batch matmuls)."""
@@ -90,11 +99,22 @@ class Shard(nn.Module):
         progress: bool = False,
         checkpoint: Checkpoint | None = None,
         pack: bool | None = None,
+        formats: FormatPlan | None = None,
+        on_layer: Callable[[int, int], None] | None = None,
     ) -> Shard:
         spec = load_spec(model_dir)
-        ckpt = checkpoint or Checkpoint(model_dir)
+        ckpt = checkpoint or open_checkpoint(model_dir, spec.raw)
         return cls.from_checkpoint(
-            spec, ckpt, layer_start, layer_end, device=device, dtype=dtype, progress=progress, pack=pack
+            spec,
+            ckpt,
+            layer_start,
+            layer_end,
+            device=device,
+            dtype=dtype,
+            progress=progress,
+            pack=pack,
+            formats=formats,
+            on_layer=on_layer,
         )
 
     @classmethod
@@ -109,8 +129,15 @@ class Shard(nn.Module):
         dtype: str | torch.dtype = torch.float32,
         progress: bool = False,
         pack: bool | None = None,
+        formats: FormatPlan | None = None,
+        on_layer: Callable[[int, int], None] | None = None,
     ) -> Shard:
-        """Build a shard from any tensor source (a checkpoint directory or tensors in memory)."""
+        """Build a shard from any tensor source (a checkpoint directory or tensors in memory).
+
+        ``formats`` quantizes each layer right after it is built (so at most one layer is ever
+        held in the compute dtype); None keeps every weight in the compute dtype, or as a
+        checkpoint stores it packed. A quantized checkpoint loads its stored formats as they are.
+        """
         end = spec.num_layers if layer_end is None else layer_end
         if not 0 <= layer_start < end <= spec.num_layers:
             raise InputError(
@@ -120,11 +147,18 @@ class Shard(nn.Module):
         torch_device, torch_dtype = torch.device(device), resolve_dtype(dtype)
         if torch_device.type == "cuda" and not torch.cuda.is_available():
             raise InputError("device 'cuda' was asked for but no CUDA GPU is available; use --device cpu")
+        if isinstance(ckpt, QuantizedCheckpoint):
+            return cls._load_quantized(spec, ckpt, layer_start, end, torch_device, torch_dtype, formats, pack, on_layer)
         root = LayerWeights(ckpt, "", torch_dtype, torch_device)
         family = family_module(spec.family)
         layers = []
         for i in _progress(range(layer_start, end), progress, f"loading layers [{layer_start}, {end})"):
-            layers.append(family.build_layer(spec, i, root.sub(f"model.layers.{i}.")))
+            layer = family.build_layer(spec, i, root.sub(f"model.layers.{i}."))
+            if formats is not None:
+                apply_formats(layer, formats, f"layers.{i - layer_start}.")
+            layers.append(layer)
+            if on_layer is not None:
+                on_layer(len(layers), end - layer_start)
         embed = root.get("model.embed_tokens.weight") if layer_start == 0 else None
         norm = head = None
         if end == spec.num_layers:
@@ -134,10 +168,46 @@ class Shard(nn.Module):
                 head_name = "model.embed_tokens.weight"
             head = Dense(root.get(head_name) if embed is None or head_name == "lm_head.weight" else embed)
         shard = cls(spec, layer_start, end, layers, embed, norm, head, torch_device, torch_dtype)
-        cpu_bf16 = torch_device.type == "cpu" and torch_dtype == torch.bfloat16
+        if formats is not None:
+            apply_formats(shard, formats)  # the head: every layer is done already
+            shard.embed = apply_embedding_format(shard.embed, formats)
+        return shard._prepare(pack)
+
+    @classmethod
+    def _load_quantized(
+        cls,
+        spec: ModelSpec,
+        ckpt: QuantizedCheckpoint,
+        layer_start: int,
+        layer_end: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        formats: FormatPlan | None,
+        pack: bool | None,
+        on_layer: Callable[[int, int], None] | None,
+    ) -> Shard:
+        """A skeleton on the meta device from the source's names and shapes, filled with the
+        stored tensors: nothing is quantized again."""
+        if formats is not None and formats != ckpt.plan:
+            raise InputError(
+                f"{ckpt.dir} is already quantized as {ckpt.plan.to_json()}; load it without formats "
+                f"(asked for {formats.to_json()}), or quantize the source checkpoint instead"
+            )
+        shard = cls.from_checkpoint(
+            spec, ckpt.skeleton, layer_start, layer_end, device="meta", dtype=dtype, pack=False, on_layer=on_layer
+        )
+        fill_quantized(shard, ckpt, layer_start, device)
+        shard.device = device
+        return shard._prepare(pack)
+
+    def _prepare(self, pack: bool | None) -> Shard:
+        """Kernel layouts: oneDNN packing for plain bf16 on CPU, each format's own layout."""
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if cpu_bf16 if pack is None else pack:  # oneDNN's packed layout: faster small-batch matmuls
-            shard.pack_for_cpu()
-        return shard
+            self.pack_for_cpu()
+        if pack is not False and self.device.type != "meta":
+            prepare_kernels(self, self.dtype)
+        return self
 
     # ---- KV state -------------------------------------------------------------------------
 
@@ -246,7 +316,12 @@ class Shard(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
             bad = next(t for t in ids.tolist() if not 0 <= t < self.spec.vocab_size)
             raise InputError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
-        return self.embed[ids.to(self.device)]
+        return self.embed_tokens(ids.to(self.device))
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """[R] token ids on the device -> [R, hidden] in the compute dtype (the table may be stored narrower)."""
+        assert self.embed is not None
+        return self.embed[ids].to(self.dtype)
 
 
 def _progress(items: range, show: bool, label: str):  # type: ignore[no-untyped-def]

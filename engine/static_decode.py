@@ -20,15 +20,19 @@ import torch
 from .errors import InputError
 from .frame import Segment
 from .layers import Attention, FrameContext
+from .quantize import is_quantized
 from .shard import Shard
 
 MAX_GRAPH_BATCH = 8  # experts are gathered per (row, expert) pair: fine for small batches only
 
 
 def supports_static_decode(shards: Sequence[Shard]) -> bool:
+    """One device, grouped-query attention, and no weight in a format: quantized experts run
+    grouped (a host sync per step) and the formats' kernels are not captured in graphs yet."""
     devices = {shard.device for shard in shards}
     attentions = [layer.attention for shard in shards for layer in shard.layers]
-    return len(devices) == 1 and all(isinstance(a, Attention) for a in attentions)
+    quantized = any(is_quantized(m) for shard in shards for m in shard.modules())
+    return len(devices) == 1 and all(isinstance(a, Attention) for a in attentions) and not quantized
 
 
 class StaticDecoder:
@@ -49,9 +53,7 @@ class StaticDecoder:
     @torch.inference_mode()
     def _compute(self) -> torch.Tensor:
         ctx = FrameContext(None, self.positions, self.slots)
-        first = self.shards[0]
-        assert first.embed is not None
-        x = first.embed[self.tokens]
+        x = self.shards[0].embed_tokens(self.tokens)
         for i, shard in enumerate(self.shards):
             if i > 0:  # the residual crosses a shard boundary in float32, as between machines
                 x = x.to(torch.float32).to(shard.dtype)

@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from modelfleet import __version__
+from modelfleet.commands.quantize import quantize as quantize_command
 
 app = typer.Typer(
     name="modelfleet",
@@ -25,6 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True, soft_wrap=True)
+ROLE_HELP = "int4, int4_sym, int8, mxfp4, bf16, fp16, fp32, or none to keep it as stored."
 
 
 def _fail(message: str) -> None:
@@ -61,10 +63,18 @@ def generate(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     shards: int = typer.Option(1, "--shards", min=1, help="Cut the model into this many layer ranges in-process."),
+    quantize: bool = typer.Option(
+        False, "--quantize", help="Quantize at load: experts int4, attention and head int8, embeddings as stored."
+    ),
+    experts: str | None = typer.Option(None, "--experts", help=f"Experts' format (implies --quantize); {ROLE_HELP}"),
+    attention: str | None = typer.Option(None, "--attention", help=f"Attention's format; {ROLE_HELP}"),
+    head: str | None = typer.Option(None, "--head", help=f"The output head's format; {ROLE_HELP}"),
+    embeddings: str | None = typer.Option(None, "--embeddings", help="The embeddings' format: bf16, fp16, fp32, none."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (tokens, text, timings) last."),
 ) -> None:
     """Generate a continuation with the single-process engine, streaming text as it comes."""
     from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.engine.formats.plan import plan_from_options
     from modelfleet.engine.generate import LocalModel
     from modelfleet.engine.generate import generate as run_generate
     from modelfleet.engine.sampling import SamplingParams
@@ -80,8 +90,11 @@ def generate(
         params = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens
         )
+        formats = plan_from_options(quantize, experts=experts, attention=attention, head=head, embeddings=embeddings)
         started = time.perf_counter()
-        lm = LocalModel.load(model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=1)
+        lm = LocalModel.load(
+            model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=1, formats=formats
+        )
         load_s = time.perf_counter() - started
         decoder = IncrementalDecoder(tokenizer) if tokenizer else None
         stream = sys.stdout if not as_json else sys.stderr
@@ -107,6 +120,7 @@ def generate(
             "total_seconds": round(result.total_s, 6),
             "decode_tokens_per_second": round(result.decode_tokens_per_s, 3),
             "weights_bytes": lm.weights_bytes,
+            "bytes_by_role": lm.bytes_by_role,
         }
         if tokenizer:
             out["text"] = tokenizer.decode(result.token_ids)
@@ -123,6 +137,8 @@ def _register() -> None:
 _register()
 app.command()(__import__("modelfleet.commands.gateway", fromlist=["gateway"]).gateway)
 app.add_typer(__import__("modelfleet.commands.render", fromlist=["app"]).app)  # render, operator
+
+app.command()(quantize_command)
 
 if __name__ == "__main__":
     app()

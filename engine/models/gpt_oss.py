@@ -7,7 +7,9 @@ On disk the experts are fused in transformers' layout: ``gate_up_proj`` [E, H, 2
 up interleaved along the last dim (gate = [..., ::2], up = [..., 1::2]), ``gate_up_proj_bias``
 [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]. They are converted once at load into
 :class:`~engine.layers.Experts`' layout (gate_up [E, 2I, H] as [gate rows; up rows], down
-[E, H, I]). Per-expert keys (``{e}.gate_proj``, ``{e}.up_proj``, ``{e}.down_proj``, each with a
+[E, H, I]). MXFP4 checkpoints (the released gpt-oss ones) store ``gate_up_proj_blocks``
+[E, 2I, H/32, 16] and ``_scales`` [E, 2I, H/32] (rows interleaved gate, up), ``down_proj_blocks``
+[E, H, I/32, 16] and ``_scales``: those stay packed (:class:`~engine.formats.MXFP4Weight`). Per-expert keys (``{e}.gate_proj``, ``{e}.up_proj``, ``{e}.down_proj``, each with a
 weight and a bias) are accepted too.
 
 Sliding window: a key at distance d = q_pos - k_pos is visible when 0 <= d < sliding_window,
@@ -22,7 +24,9 @@ from functools import partial
 import torch
 
 from ..errors import CheckpointError, ConfigError
+from ..formats import BLOCK, FormatError, MXFP4Weight
 from ..layers import DecoderLayer, Experts, SparseMoE
+from ..quantize import QuantizedExperts
 from ..spec import ModelSpec
 from ..weights import LayerWeights
 from .common import dense, gqa_attention, norms
@@ -108,19 +112,50 @@ def _per_expert(w: LayerWeights, num_experts: int, hidden: int) -> tuple[torch.T
     return gate_up, down, gate_up_bias, down_bias
 
 
-def experts(spec: ModelSpec, w: LayerWeights) -> Experts:
+def _mxfp4_bank(w: LayerWeights, name: str, shape: tuple[int, int, int], interleaved: bool) -> MXFP4Weight:
+    """``{name}_blocks`` uint8 [E, out, in/32, 16] and ``{name}_scales`` uint8 [E, out, in/32]
+    (already (out, in) per expert) as one MXFP4 bank; gate/up rows de-interleaved."""
+    experts, out, inner = shape
+    expected = {"blocks": (experts, out, inner // BLOCK, BLOCK // 2), "scales": (experts, out, inner // BLOCK)}
+    parts = {}
+    for part, part_shape in expected.items():
+        key = f"{name}_{part}"
+        if key not in w:
+            raise CheckpointError(f"'{w.prefix}{key}' is missing; gpt_oss MXFP4 experts need it")
+        tensor = w.raw(key)
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != part_shape:
+            raise CheckpointError(
+                f"'{w.prefix}{key}' is {tensor.dtype} of shape {tuple(tensor.shape)}, expected uint8 {part_shape} "
+                "(num_local_experts, hidden_size, intermediate_size from config.json)"
+            )
+        if interleaved:  # rows alternate gate, up: make them [gate rows; up rows]
+            tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+        parts[part] = tensor.to(w.device)
+    try:
+        return MXFP4Weight(parts["blocks"], parts["scales"])
+    except FormatError as exc:
+        raise CheckpointError(f"'{w.prefix}{name}_blocks/_scales': {exc}") from exc
+
+
+def _mxfp4_experts(w: LayerWeights, num_experts: int, hidden: int, inter: int) -> tuple[MXFP4Weight, ...]:
+    """gate_up (E, 2I, H) and down (E, H, I) kept packed, as the real gpt-oss checkpoints store them."""
+    gate_up = _mxfp4_bank(w, "gate_up_proj", (num_experts, 2 * inter, hidden), interleaved=True)
+    down = _mxfp4_bank(w, "down_proj", (num_experts, hidden, inter), interleaved=False)
+    return gate_up, down
+
+
+def experts(spec: ModelSpec, w: LayerWeights) -> Experts | QuantizedExperts:
     num_experts, inter = int(spec.require("num_local_experts")), int(spec.require("intermediate_size"))
-    if "gate_up_proj_blocks" in w:
-        raise CheckpointError(
-            f"'{w.prefix}gate_up_proj_blocks' holds MXFP4-quantized experts, which gpt_oss does not load yet; "
-            "dequantize the checkpoint first (transformers Mxfp4Config(dequantize=True), then save_pretrained)"
-        )
+    alpha, limit = float(spec.get("swiglu_alpha", 1.702)), float(spec.get("swiglu_limit", 7.0))
+    activation = partial(clamped_swiglu, alpha=alpha, limit=limit)
+    if "gate_up_proj_blocks" in w:  # MXFP4 on disk: stays packed in memory (a per-parameter loader)
+        packed_gate_up, packed_down = _mxfp4_experts(w, num_experts, spec.hidden_size, inter)
+        biases = (_deinterleave(w.get("gate_up_proj_bias")), w.get("down_proj_bias"))
+        return QuantizedExperts(packed_gate_up, packed_down, *biases, activation)
     if "gate_up_proj" in w:
         gate_up, down, gate_up_bias, down_bias = _fused_experts(w, num_experts, spec.hidden_size, inter)
     else:
         gate_up, down, gate_up_bias, down_bias = _per_expert(w, num_experts, spec.hidden_size)
-    alpha, limit = float(spec.get("swiglu_alpha", 1.702)), float(spec.get("swiglu_limit", 7.0))
-    activation = partial(clamped_swiglu, alpha=alpha, limit=limit)
     return Experts(gate_up, down, gate_up_bias, down_bias, activation)
 
 

@@ -1,0 +1,111 @@
+"""Which weight format each role of a model is held in: the :class:`FormatPlan`.
+
+Roles (a weight's role follows from where it sits in a shard, see :func:`role_of`):
+
+- ``experts``: every feed-forward weight: routed expert banks, shared experts, dense MLP layers.
+- ``attention``: the attention projections (q, k, v, o and MLA's down/up projections, except
+  the ones a layer reads directly, such as DeepSeek's ``kv_b_proj``, which stay plain).
+- ``head``: the output projection to the vocabulary.
+- ``embeddings``: the token embedding table (a lookup, so plain dtypes only).
+
+Everything else (norms, routers, biases, attention sinks) is ``other`` and stays in the compute
+dtype. A role's format ``None`` means "as stored": the compute dtype, or a checkpoint's own
+packed format (GPT-OSS MXFP4 experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .base import FormatError
+from .registry import check_format
+
+ROLES = ("experts", "attention", "head", "embeddings")
+OTHER = "other"  # norms, routers, biases, sinks: never quantized
+
+PLAIN = ("bf16", "fp16", "fp32")
+MATMUL = ("int4", "int4_sym", "int8", *PLAIN)
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "experts": ("int4", "int4_sym", "int8", "mxfp4", *PLAIN),
+    "attention": MATMUL,
+    "head": MATMUL,
+    "embeddings": PLAIN,  # a row lookup, not a matmul: no packed format serves it
+}
+
+
+@dataclass(frozen=True)
+class FormatPlan:
+    """A format name per role, or None to keep the role as stored. Validated when built."""
+
+    experts: str | None = None
+    attention: str | None = None
+    head: str | None = None
+    embeddings: str | None = None
+
+    def __post_init__(self) -> None:
+        for role in ROLES:
+            name = getattr(self, role)
+            if name is None:
+                continue
+            check_format(name)
+            if name not in SUPPORTED[role]:
+                raise FormatError(
+                    f"format {name!r} is not supported for {role}; {role} supports {', '.join(SUPPORTED[role])}"
+                )
+
+    @classmethod
+    def default(cls, **overrides: str | None) -> FormatPlan:
+        """The plan when quantization is asked for: int4 experts, int8 attention and head,
+        embeddings as stored; ``overrides`` replace single roles."""
+        unknown = sorted(set(overrides) - set(ROLES))
+        if unknown:
+            raise FormatError(f"unknown role(s) {unknown}; roles are {', '.join(ROLES)}")
+        return cls(**{**dict(experts="int4", attention="int8", head="int8", embeddings=None), **overrides})
+
+    def format_for(self, role: str) -> str | None:
+        return getattr(self, role) if role in ROLES else None
+
+    def to_json(self) -> dict[str, str | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: object) -> FormatPlan:
+        if not isinstance(data, dict) or set(data) - set(ROLES):
+            raise FormatError(f"a format plan is an object with keys among {', '.join(ROLES)}, got {data!r}")
+        return cls(**data)
+
+    @property
+    def is_empty(self) -> bool:
+        return all(getattr(self, role) is None for role in ROLES)
+
+
+def role_of(path: str) -> str:
+    """The role of a module or tensor at ``path`` inside a shard (``layers.3.mlp.experts``,
+    ``head``, ``embed``)."""
+    parts = path.split(".")
+    if parts[0] == "embed":
+        return "embeddings"
+    if parts[0] == "head":
+        return "head"
+    if parts[0] != "layers" or len(parts) < 3:
+        return OTHER
+    block = parts[2]
+    if any("norm" in part for part in parts[3:]) or parts[-1] == "sinks":
+        return OTHER
+    if block == "attention":
+        return "attention"
+    if block == "mlp" and not (len(parts) > 3 and parts[3] in ("router_proj", "route")):
+        return "experts"
+    return OTHER
+
+
+KEEP = "none"  # the command-line word for "as stored"
+
+
+def plan_from_options(quantize: bool, **roles: str | None) -> FormatPlan | None:
+    """The plan the command line asks for: None when neither ``quantize`` nor any role is given;
+    otherwise the defaults with each given role replaced (``"none"`` keeps a role as stored)."""
+    given = {role: name for role, name in roles.items() if name is not None}
+    if not quantize and not given:
+        return None
+    return FormatPlan.default(**{role: None if name == KEEP else name for role, name in given.items()})

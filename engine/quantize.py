@@ -1,0 +1,220 @@
+"""Weight formats applied to built model code: a transformation pass, not branches in layers.
+
+Family builders produce plain :class:`~engine.layers.Dense` projections and
+:class:`~engine.layers.Experts` banks. :func:`apply_formats` walks a built module and replaces
+each one whose role (see :mod:`engine.formats.plan`) has a format with a
+:class:`QuantizedDense` or :class:`QuantizedExperts` holding a
+:class:`~engine.formats.QuantizedWeight`; layers call them exactly as they called the plain
+modules. :func:`target_format` is the one decision of what gets which format, shared by
+quantize-at-load and by loading a quantized checkpoint, so both build the same modules.
+
+Invariants: a Dense marked ``keep_plain`` (its weight is read directly, e.g. DeepSeek's
+``kv_b_proj``) and everything outside the four roles stay plain; a plain format equal to the
+weight's dtype leaves the module as it is (so CPU oneDNN packing still applies); quantized
+modules are never packed for oneDNN (they are not Dense or Experts instances).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .formats import FormatError, QuantizedWeight, quantize
+from .formats.plain import PLAIN_DTYPES
+from .formats.plan import FormatPlan, role_of
+from .layers import Dense, Experts, forward_grouped, silu_glu
+
+DTYPE_FORMATS = {dtype: name for name, dtype in PLAIN_DTYPES.items()}
+
+
+class QuantizedDense(nn.Module):
+    """y = W x + bias with W in a weight format; weight: (out, in)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weight.matmul(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def quantized_weights(self) -> dict[str, QuantizedWeight]:
+        return {"weight": self.weight}
+
+
+class QuantizedExperts(nn.Module):
+    """A bank of E experts in a weight format: gate_up (E, 2I, H) as [gate; up] rows, down (E, H, I).
+
+    Runs the grouped path on every device (each used expert once over its tokens), so a
+    static-decode step is never built over it (see :func:`engine.static_decode.supports_static_decode`).
+    """
+
+    def __init__(
+        self,
+        gate_up: QuantizedWeight,
+        down: QuantizedWeight,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        activation: Callable[[torch.Tensor], torch.Tensor] = silu_glu,
+    ):
+        super().__init__()
+        if gate_up.num_experts is None or gate_up.num_experts != down.num_experts:
+            raise FormatError(f"expert banks disagree: gate_up {gate_up.shape}, down {down.shape}")
+        self.gate_up, self.down = gate_up, down
+        self.gate_up_bias = None if gate_up_bias is None else nn.Parameter(gate_up_bias, requires_grad=False)
+        self.down_bias = None if down_bias is None else nn.Parameter(down_bias, requires_grad=False)
+        self.activation = activation
+
+    @property
+    def num_experts(self) -> int:
+        assert self.gate_up.num_experts is not None
+        return self.gate_up.num_experts
+
+    @property
+    def format(self) -> str:
+        return self.gate_up.format
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up.expert_matmul(e, x)
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[e].to(h.dtype)
+        y = self.down.expert_matmul(e, self.activation(h))
+        return y if self.down_bias is None else y + self.down_bias[e].to(y.dtype)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
+        return forward_grouped(self.expert, self.num_experts, x, index, weight)
+
+    def quantized_weights(self) -> dict[str, QuantizedWeight]:
+        return {"gate_up": self.gate_up, "down": self.down}
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, QuantizedDense | QuantizedExperts)
+
+
+def target_format(path: str, module: nn.Module, plan: FormatPlan, keep_same_dtype: bool = True) -> str | None:
+    """The format the module at ``path`` must be held in, or None to leave it as it is."""
+    if isinstance(module, Dense) and module.keep_plain:
+        return None
+    if not isinstance(module, Dense | Experts | QuantizedExperts):
+        return None
+    name = plan.format_for(role_of(path))
+    if name is None:
+        return None
+    if isinstance(module, QuantizedExperts):
+        return None if module.format == name else name
+    current = module.weight if isinstance(module, Dense) else module.gate_up
+    if keep_same_dtype and current.dtype == PLAIN_DTYPES.get(name):
+        return None  # already in that dtype: keep the plain module (and its CPU packing)
+    return name
+
+
+def _quantize(tensor: torch.Tensor | QuantizedWeight, name: str, path: str) -> QuantizedWeight:
+    try:
+        source = tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor
+        return quantize(source, name)
+    except FormatError as exc:
+        raise FormatError(f"cannot hold {path} ({role_of(path)}) in {name}: {exc}") from exc
+
+
+def quantized_module(path: str, module: nn.Module, name: str) -> nn.Module:
+    """``module`` (Dense, Experts or QuantizedExperts) with its weights in format ``name``."""
+    if isinstance(module, Dense):
+        bias = None if module.bias is None else module.bias.data
+        return QuantizedDense(_quantize(module.weight.data, name, f"{path}.weight"), bias)
+    assert isinstance(module, Experts | QuantizedExperts)
+    gate_up = module.gate_up if isinstance(module, QuantizedExperts) else module.gate_up.data
+    down = module.down if isinstance(module, QuantizedExperts) else module.down.data
+    return QuantizedExperts(
+        _quantize(gate_up, name, f"{path}.gate_up"),
+        _quantize(down, name, f"{path}.down"),
+        None if module.gate_up_bias is None else module.gate_up_bias.data,
+        None if module.down_bias is None else module.down_bias.data,
+        module.activation,
+    )
+
+
+def replace_modules(root: nn.Module, prefix: str, make: Callable[[str, nn.Module], nn.Module | None]) -> None:
+    """Replace every submodule for which ``make(path, module)`` returns a new module."""
+    for name, module in list(root.named_modules()):
+        if not name:
+            continue
+        new = make(prefix + name, module)
+        if new is not None:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(root.get_submodule(parent_name), attr, new)
+
+
+def apply_formats(root: nn.Module, plan: FormatPlan, prefix: str = "") -> None:
+    """Quantize, in place, every module of ``root`` (at shard path ``prefix``) the plan covers."""
+
+    def make(path: str, module: nn.Module) -> nn.Module | None:
+        name = target_format(path, module, plan)
+        return None if name is None else quantized_module(path, module, name)
+
+    replace_modules(root, prefix, make)
+
+
+def apply_embedding_format(embed: nn.Parameter | None, plan: FormatPlan) -> nn.Parameter | None:
+    """The embedding table cast to the plan's (plain) embeddings format."""
+    if embed is None or plan.embeddings is None:
+        return embed
+    return nn.Parameter(embed.data.to(PLAIN_DTYPES[plan.embeddings]), requires_grad=False)
+
+
+def prepare_kernels(root: nn.Module, dtype: torch.dtype) -> None:
+    """Build each quantized weight's kernel layout for activations of ``dtype`` now, not on the
+    first token."""
+    for module in root.modules():
+        if is_quantized(module):
+            for weight in module.quantized_weights().values():  # type: ignore[operator]
+                weight.prepare_for(torch.empty(0, dtype=dtype, device=weight.device))
+
+
+def resident_tensors(root: nn.Module) -> Iterator[tuple[str, str, int]]:
+    """(path, format, bytes) of every weight held resident; shared storage counted once."""
+    seen: set[tuple[int, int]] = set()
+    for path, module in root.named_modules():
+        dot = f"{path}." if path else ""
+        if is_quantized(module):
+            for name, weight in module.quantized_weights().items():  # type: ignore[operator]
+                yield f"{dot}{name}", weight.format, weight.nbytes
+        packed = getattr(module, "packed_nbytes", 0)
+        if packed:  # a oneDNN layout replaced the bf16 weight(s)
+            yield f"{dot}{'weight' if isinstance(module, Dense) else 'gate_up'}", "bf16", packed
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor is None or tensor.numel() == 0:
+                continue
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+            if key in seen:
+                continue
+            seen.add(key)
+            fmt = DTYPE_FORMATS.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
+            yield f"{dot}{name}", fmt, tensor.numel() * tensor.element_size()
+
+
+def bytes_by_role(root: nn.Module) -> dict[str, dict[str, int]]:
+    """{role: {format: resident bytes}} over a shard (roles as in :mod:`engine.formats.plan`)."""
+    table: dict[str, dict[str, int]] = {}
+    for path, fmt, nbytes in resident_tensors(root):
+        by_format = table.setdefault(role_of(path), {})
+        by_format[fmt] = by_format.get(fmt, 0) + nbytes
+    return table
+
+
+__all__ = [
+    "QuantizedDense",
+    "QuantizedExperts",
+    "apply_embedding_format",
+    "apply_formats",
+    "bytes_by_role",
+    "is_quantized",
+    "prepare_kernels",
+    "quantized_module",
+    "replace_modules",
+    "target_format",
+]

@@ -1,0 +1,339 @@
+"""Weight formats applied to whole models: quantizing at load, quantized checkpoints written
+offline, GPT-OSS MXFP4 checkpoints kept packed, and the errors each path declares.
+
+Accuracy is judged on tiny models *trained* for a second on a deterministic successor task
+(each token has one next token): a random network's logits are nearly flat, so any 4-bit error
+flips its top-1 choice, while a trained model's predictions have margins, as real ones do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import build_model, save_model
+from typer.testing import CliRunner
+
+from modelfleet.cli import app
+from modelfleet.engine import quantize as quantize_module
+from modelfleet.engine.checkpoint import TensorDict
+from modelfleet.engine.errors import CheckpointError, InputError
+from modelfleet.engine.formats import FormatError, Int4Weight, Int8Weight, MXFP4Weight, quantize
+from modelfleet.engine.formats.plan import FormatPlan, plan_from_options, role_of
+from modelfleet.engine.frame import Frame
+from modelfleet.engine.generate import LocalModel, generate
+from modelfleet.engine.kernels import cpu_linear
+from modelfleet.engine.layers import Dense
+from modelfleet.engine.quantize import QuantizedDense, QuantizedExperts
+from modelfleet.engine.quantized_checkpoint import save_quantized
+from modelfleet.engine.sampling import SamplingParams
+from modelfleet.engine.shard import Shard
+from modelfleet.engine.spec import load_spec
+
+INT4_EXPERTS_INT8_ATTENTION = FormatPlan(experts="int4", attention="int8")
+PROMPT = [5, 17, 3, 99, 42, 8]
+
+
+def successor_chains(successor: torch.Tensor, rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """[rows, length] token ids, each the successor of the one before."""
+    tokens = [torch.randint(3, 128, (rows,), generator=generator)]
+    for _ in range(length - 1):
+        tokens.append(successor[tokens[-1] - 3])
+    return torch.stack(tokens, dim=1)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory):
+    """trained(family) -> (directory, transformers model, successor table), trained once."""
+    cache: dict[str, tuple[Path, torch.nn.Module, torch.Tensor]] = {}
+
+    def get(family: str):  # type: ignore[no-untyped-def]
+        if family not in cache:
+            # mixtral's tiny intermediate size (48) is no multiple of int4's group of 32
+            model = build_model(family, **({"intermediate_size": 64} if family == "mixtral" else {}))
+            successor = torch.randperm(125, generator=torch.Generator().manual_seed(5)) + 3
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+            generator = torch.Generator().manual_seed(0)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # tiny steps: thread barriers cost more than they save on a busy CPU
+            model.train()
+            for _ in range(60):
+                batch = successor_chains(successor, 16, 16, generator)
+                loss = model(batch, labels=batch).loss
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            model.eval()
+            torch.set_num_threads(threads)
+            path = tmp_path_factory.mktemp(f"trained_{family}")
+            model.save_pretrained(path)
+            cache[family] = (path, model, successor)
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_int4_experts_and_int8_attention_keep_a_trained_models_logits_and_top1_choices(trained, family):
+    path, model, successor = trained(family)
+    ids = successor_chains(successor, 1, 64, torch.Generator().manual_seed(9))[0].tolist()
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0]
+    shard = Shard.load(path, formats=INT4_EXPERTS_INT8_ATTENTION)
+    assert set(shard.bytes_by_role["experts"]) == {"int4"} and set(shard.bytes_by_role["attention"]) == {"int8"}
+    logits = shard(Frame.of_streams([(0, 0, ids)]))
+    cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
+    top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
+    # a position whose top-k routing flips under quantization moves further; the mean holds
+    assert float(cosine.mean()) >= 0.99 and float(cosine.min()) >= 0.9
+    assert float(top1) >= 0.9
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_offline_quantized_checkpoint_gives_exactly_the_logits_and_tokens_of_quantizing_at_load(
+    tiny_checkpoint, tmp_path, monkeypatch, family
+):
+    source, _ = tiny_checkpoint(family)
+    plan = FormatPlan.default()
+    shard = Shard.load(source, formats=plan, pack=False)
+    save_quantized(shard, source, tmp_path, plan, torch.float32)
+    at_load = LocalModel.load(source, formats=plan, max_slots=1)
+
+    def no_quantizing(*args: object) -> None:
+        raise AssertionError("a quantized checkpoint must load without quantizing again")
+
+    monkeypatch.setattr(quantize_module, "quantize", no_quantizing)
+    offline = LocalModel.load(tmp_path, max_slots=1)
+    frame = Frame.of_streams([(0, 0, PROMPT)])
+    assert torch.equal(offline.forward(frame), at_load.forward(frame))
+    offline.release(0)
+    at_load.release(0)
+    params = SamplingParams(max_tokens=12)
+    assert generate(offline, PROMPT, params).token_ids == generate(at_load, PROMPT, params).token_ids
+    assert offline.bytes_by_role == at_load.bytes_by_role
+
+
+def json_line(output: str) -> dict:  # type: ignore[type-arg]
+    return json.loads(next(line for line in reversed(output.splitlines()) if line.startswith("{")))
+
+
+def test_quantize_command_then_generate_matches_generate_quantizing_at_load(tiny_checkpoint, tmp_path):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    runner = CliRunner()
+    out = tmp_path / "int4"
+    written = runner.invoke(app, ["quantize", "--model", str(source), "--out", str(out)])
+    assert written.exit_code == 0, written.output
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["formats"] == {"experts": "int4", "attention": "int8", "head": "int8", "embeddings": None}
+    ask = ["generate", "--prompt-ids", "5,17,3,99", "--max-tokens", "10", "--json"]
+    offline = runner.invoke(app, [*ask, "--model", str(out)])
+    at_load = runner.invoke(app, [*ask, "--model", str(source), "--quantize"])
+    assert offline.exit_code == 0 and at_load.exit_code == 0, offline.output + at_load.output
+    assert json_line(offline.stdout)["token_ids"] == json_line(at_load.stdout)["token_ids"]
+
+
+def test_generate_json_reports_resident_bytes_by_role_and_format(tiny_checkpoint):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    ask = ["generate", "--model", str(source), "--prompt-ids", "5,6", "--max-tokens", "2", "--json"]
+    result = CliRunner().invoke(app, [*ask, "--experts", "int4", "--attention", "none", "--head", "int8"])
+    assert result.exit_code == 0, result.output
+    report = json_line(result.stdout)
+    by_role = report["bytes_by_role"]
+    assert set(by_role["experts"]) == {"int4"} and set(by_role["head"]) == {"int8"}
+    assert set(by_role["attention"]) == {"fp32"} and set(by_role["embeddings"]) == {"fp32"}
+    assert report["weights_bytes"] == sum(n for formats in by_role.values() for n in formats.values())
+    spec = load_spec(source)
+    experts = spec.num_layers - 1  # one of the tiny qwen3_moe layers is dense (mlp_only_layers)
+    params = experts * 8 * 3 * 64 * 32 + 3 * 64 * 96
+    assert 0.5 < by_role["experts"]["int4"] / params < 1.0  # codes, fp16 scales, zeros, the kernel's scales
+
+
+# ---- GPT-OSS MXFP4 ------------------------------------------------------------------------------
+
+
+def pack_gpt_oss_mxfp4(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """Save ``model`` as the released gpt-oss checkpoints store it (experts as *_blocks/*_scales,
+    rows (out) first, gate/up interleaved); return the float state dict of its exact decode."""
+    model.save_pretrained(path)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    packed = dict(state)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = quantize(state[name].transpose(1, 2), "mxfp4")  # [E, H, out] -> [E, out, H]
+        assert isinstance(weight, MXFP4Weight)
+        del packed[name]
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = weight.blocks, weight.scales
+        state[name] = weight.dequantize().transpose(1, 2).contiguous()
+    for old in path.glob("*.safetensors*"):
+        old.unlink()
+    save_file({k: v.contiguous() for k, v in packed.items()}, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return state
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    model = build_model("gpt_oss", seed=2, swiglu_limit=1.0)
+    state = pack_gpt_oss_mxfp4(model, path)
+    model.load_state_dict(state)
+    return path, model, state
+
+
+def test_gpt_oss_mxfp4_checkpoint_loads_packed_at_half_a_byte_per_parameter(gpt_oss_mxfp4):
+    path, _, _ = gpt_oss_mxfp4
+    shard = Shard.load(path)
+    banks = [layer.mlp.experts for layer in shard.layers]
+    assert all(isinstance(b, QuantizedExperts) and isinstance(b.gate_up, MXFP4Weight) for b in banks)
+    assert all(isinstance(b.down, MXFP4Weight) for b in banks)
+    params = sum(b.gate_up.dequantize().numel() + b.down.dequantize().numel() for b in banks)
+    assert shard.bytes_by_role["experts"]["mxfp4"] / params == pytest.approx(17 / 32, rel=1e-3)
+
+
+def test_gpt_oss_mxfp4_checkpoint_matches_a_float_model_of_its_decoded_weights(gpt_oss_mxfp4):
+    path, model, state = gpt_oss_mxfp4
+    ids = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    frame = Frame.of_streams([(0, 0, ids)])
+    packed = Shard.load(path)(frame)
+    decoded = Shard.from_checkpoint(load_spec(path), TensorDict(state))(frame)
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0]
+    assert float((packed - decoded).abs().max() / decoded.abs().max()) <= 1e-5
+    assert float((packed - reference).abs().max() / reference.abs().max()) <= 1e-4
+
+
+def test_gpt_oss_mxfp4_scales_holding_nan_are_rejected_naming_the_tensor(gpt_oss_mxfp4, tmp_path):
+    path, _, _ = gpt_oss_mxfp4
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.down_proj_scales"][0, 3, 0] = 0xFF
+    for config in path.glob("*.json"):
+        (tmp_path / config.name).write_text(config.read_text())
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.down_proj.*0xFF"):
+        Shard.load(tmp_path)
+
+
+# ---- how formats sit in the engine --------------------------------------------------------------
+
+
+def test_deepseek_kv_b_proj_stays_plain_while_the_rest_of_attention_is_int8(tiny_checkpoint):
+    source, _ = tiny_checkpoint("deepseek_v3")
+    shard = Shard.load(source, formats=FormatPlan.default())
+    attention = shard.layers[0].attention
+    assert isinstance(attention.kv_up, Dense) and attention.kv_up.weight.dtype == torch.float32
+    assert isinstance(attention.q_up, QuantizedDense) and isinstance(attention.q_up.weight, Int8Weight)
+    assert isinstance(shard.layers[0].mlp.gate, QuantizedDense)  # the dense first layer is a feed-forward
+    assert isinstance(shard.layers[1].mlp.experts.gate_up, Int4Weight)
+    assert isinstance(shard.layers[1].mlp.router_proj, Dense)  # routers stay in float32
+
+
+def test_quantized_modules_are_never_packed_for_onednn_and_turn_static_decode_off(tiny_checkpoint):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    shard = Shard.load(source, dtype="bfloat16", formats=FormatPlan(experts="int4"))
+    assert isinstance(shard.layers[0].mlp.experts, QuantizedExperts)
+    assert set(shard.bytes_by_role["experts"]) == {"int4"}  # the dense layer's MLP too
+    if cpu_linear.available(torch.empty(1, 1, dtype=torch.bfloat16)):  # plain bf16 projections still pack
+        assert shard.layers[0].attention.qkv.packed is not None
+    model = LocalModel([shard], static_decode=True)
+    assert not model.static_decode
+    assert LocalModel([Shard.load(source)], static_decode=True).static_decode
+
+
+def test_embeddings_in_bf16_feed_the_layers_in_the_compute_dtype(tiny_checkpoint):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    shard = Shard.load(source, formats=FormatPlan(embeddings="bf16"))
+    assert shard.embed is not None and shard.embed.dtype == torch.bfloat16
+    assert shard.bytes_by_role["embeddings"] == {"bf16": 128 * 64 * 2}
+    plain = Shard.load(source)(Frame.of_streams([(0, 0, PROMPT)]))
+    ours = shard(Frame.of_streams([(0, 0, PROMPT)]))
+    assert ours.dtype == torch.float32 and float((ours - plain).abs().max() / plain.abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("path", "role"),
+    [
+        ("layers.3.attention.qkv", "attention"),
+        ("layers.3.attention.qk_norm_weight", "other"),
+        ("layers.3.attention.kv_norm.weight", "other"),
+        ("layers.3.mlp.experts.gate_up", "experts"),
+        ("layers.3.mlp.shared.down.weight", "experts"),
+        ("layers.3.mlp.router_proj.weight", "other"),
+        ("layers.3.input_norm.weight", "other"),
+        ("head.weight", "head"),
+        ("embed", "embeddings"),
+        ("norm.weight", "other"),
+    ],
+)
+def test_every_weight_has_a_role_by_where_it_sits(path, role):
+    assert role_of(path) == role
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def test_an_unknown_format_name_lists_the_known_formats():
+    with pytest.raises(FormatError, match=r"unknown weight format 'int3'; known formats: int4, int4_sym, int8, mxfp4"):
+        FormatPlan(experts="int3")
+
+
+def test_a_role_that_cannot_hold_a_format_says_what_it_supports():
+    with pytest.raises(FormatError, match=r"'int4' is not supported for embeddings; embeddings supports bf16"):
+        FormatPlan(embeddings="int4")
+    with pytest.raises(FormatError, match=r"'mxfp4' is not supported for attention"):
+        plan_from_options(False, attention="mxfp4")
+
+
+def test_a_weight_whose_shape_a_format_cannot_hold_is_named_with_its_role(tiny_checkpoint):
+    source, _ = tiny_checkpoint("mixtral")  # intermediate size 48: no multiple of 32
+    with pytest.raises(FormatError, match=r"layers\.0\.mlp\.experts\.down \(experts\) in int4: .*group size 32"):
+        Shard.load(source, formats=FormatPlan(experts="int4"))
+
+
+def test_generate_rejects_an_unknown_format_with_a_clear_message(tiny_checkpoint):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    ask = ["generate", "--model", str(source), "--prompt-ids", "5", "--max-tokens", "1", "--experts", "int3"]
+    result = CliRunner().invoke(app, ask)
+    assert result.exit_code == 2 and "unknown weight format 'int3'" in result.output
+
+
+def test_a_corrupt_scales_tensor_in_a_quantized_checkpoint_is_named_at_load(tiny_checkpoint, tmp_path):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    plan = FormatPlan.default()
+    save_quantized(Shard.load(source, formats=plan, pack=False), source, tmp_path, plan, torch.float32)
+    file = next(tmp_path.glob("model-*.safetensors"))
+    tensors = load_file(file)
+    tensors["layers.2.mlp.experts.down.scales"][1, 0, 0] = float("nan")
+    save_file(tensors, file)
+    with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts\.down' \(int4\) is corrupt: .*nan"):
+        Shard.load(tmp_path)
+
+
+def test_a_quantized_checkpoint_refuses_other_formats_rather_than_quantizing_twice(tiny_checkpoint, tmp_path):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    plan = FormatPlan.default()
+    save_quantized(Shard.load(source, formats=plan, pack=False), source, tmp_path, plan, torch.float32)
+    with pytest.raises(InputError, match="already quantized"):
+        Shard.load(tmp_path, formats=FormatPlan(experts="int8"))
+
+
+def test_quantize_command_refuses_to_overwrite_a_checkpoint(tiny_checkpoint, tmp_path):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    (tmp_path / "config.json").write_text("{}")
+    result = CliRunner().invoke(app, ["quantize", "--model", str(source), "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--force" in result.output
+
+
+def test_a_tied_head_left_plain_is_written_once_and_tied_again_at_load(tmp_path):
+    save_model("qwen3_moe", tmp_path / "src", tie_word_embeddings=True)
+    plan = FormatPlan(experts="int4", attention="int8")
+    shard = Shard.load(tmp_path / "src", formats=plan, pack=False)
+    save_quantized(shard, tmp_path / "src", tmp_path / "q", plan, torch.float32)
+    loaded = Shard.load(tmp_path / "q")
+    assert loaded.head is not None and loaded.embed is not None
+    assert loaded.head.weight.data_ptr() == loaded.embed.data_ptr()
+    frame = Frame.of_streams([(0, 0, PROMPT)])
+    assert torch.equal(loaded(frame), shard(frame))
