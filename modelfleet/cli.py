@@ -128,9 +128,9 @@ def generate(
 
 
 def _register() -> None:
-    from modelfleet.commands import fleet
+    from modelfleet.commands import chat, fleet
 
-    for command in (fleet.plan, fleet.up, fleet.agent, fleet.complete, fleet.keys):
+    for command in (fleet.plan, fleet.up, fleet.agent, fleet.complete, chat.chat, fleet.keys):
         app.command()(command)
 
 
