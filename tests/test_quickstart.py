@@ -77,6 +77,11 @@ def test_the_first_quickstart_command_serves_the_bundled_model_to_the_openai_cli
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         completion = client.completions.create(model="demo", prompt="def add(a, b):\n    ", max_tokens=16)
         assert completion.choices[0].text and completion.usage.completion_tokens >= 1
+        chat = subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "modelfleet"), "chat", "--url", f"http://127.0.0.1:{port}", "--max-tokens", "8"],
+            input="write a function\n", capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert chat.returncode == 0 and chat.stdout.strip(), chat.stderr
         children = descendants(up.pid)
         assert len(children) >= 3, "two stages and the gateway run as child processes"
     finally:
