@@ -337,3 +337,17 @@ def test_a_tied_head_left_plain_is_written_once_and_tied_again_at_load(tmp_path)
     assert loaded.head.weight.data_ptr() == loaded.embed.data_ptr()
     frame = Frame.of_streams([(0, 0, PROMPT)])
     assert torch.equal(loaded(frame), shard(frame))
+
+
+@pytest.mark.parametrize(("experts", "bank"), [("none", MXFP4Weight), ("int4", Int4Weight)])
+def test_an_mxfp4_gpt_oss_checkpoint_quantized_offline_keeps_or_converts_its_experts_as_asked(
+    gpt_oss_mxfp4, tmp_path, experts, bank
+):
+    path, _, _ = gpt_oss_mxfp4
+    result = CliRunner().invoke(app, ["quantize", "--model", str(path), "--out", str(tmp_path), "--experts", experts])
+    assert result.exit_code == 0, result.output
+    offline = Shard.load(tmp_path)
+    assert isinstance(offline.layers[0].mlp.experts.gate_up, bank)
+    at_load = Shard.load(path, formats=FormatPlan.default(experts=None if experts == "none" else experts))
+    frame = Frame.of_streams([(0, 0, PROMPT)])
+    assert torch.equal(offline(frame), at_load(frame))
