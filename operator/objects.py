@@ -13,6 +13,7 @@ import base64
 import copy
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from .spec import GROUP, KIND, VERSION, ModelFleetSpec
 
 Obj = dict[str, Any]
 DEFAULT_IMAGE = f"ghcr.io/modelfleet/modelfleet:{__version__}"
+AGENT_IMAGE_ENV = "MF_AGENT_IMAGE_"  # + the profile: MF_AGENT_IMAGE_CPU, _NVIDIA_GPU, _INTEL_IGPU (set by the chart)
 MODEL_MOUNT_DIR = names.MODEL_MOUNT_DIR
 
 
@@ -45,6 +47,21 @@ def _metadata(fleet: Mapping[str, Any], name: str, component: str | None = None,
     if meta.get("uid"):  # render prints objects for a fleet that does not exist yet
         result["ownerReferences"] = [owner_reference(fleet)]
     return result
+
+
+def agent_image_env(profile: str) -> str:
+    return AGENT_IMAGE_ENV + profile.upper().replace("-", "_")
+
+
+def agent_image(spec: ModelFleetSpec) -> str:
+    """``spec.images.agent``, else the operator's image for the accelerator profile (its
+    environment, which the Helm chart fills from its values), else :data:`DEFAULT_IMAGE`."""
+    return spec.images.agent or os.environ.get(agent_image_env(spec.accelerator.profile)) or DEFAULT_IMAGE
+
+
+def gateway_image(spec: ModelFleetSpec) -> str:
+    """The gateway needs no accelerator: the CPU agent image unless the spec names one."""
+    return spec.images.gateway or os.environ.get(agent_image_env("cpu")) or DEFAULT_IMAGE
 
 
 def selector(fleet: str, component: str) -> dict[str, str]:
@@ -91,7 +108,7 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: FleetPlan, m
         {"name": "MF_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]  # fmt: skip
     container = {
-        "name": "agent", "image": spec.images.agent or DEFAULT_IMAGE, "imagePullPolicy": spec.images.pull_policy,
+        "name": "agent", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
         "command": ["modelfleet", "agent"], "env": env, "resources": _resources(spec, member),
         "ports": [
             {"name": "agent", "containerPort": names.AGENT_PORT},
@@ -196,7 +213,7 @@ def inspection_job(fleet: Mapping[str, Any], spec: ModelFleetSpec) -> Obj:
     fleet_name = fleet["metadata"]["name"]
     model_volume, model_env = _model_volume(spec)
     container = {
-        "name": "inspect", "image": spec.images.agent or DEFAULT_IMAGE, "imagePullPolicy": spec.images.pull_policy,
+        "name": "inspect", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
         "command": ["sh", "-c", 'exec modelfleet inspect --model "$MF_MODEL_PATH" --output /dev/termination-log'],
         "env": model_env, "terminationMessagePolicy": "File",
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True}],
@@ -274,7 +291,7 @@ def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: Fle
         volumes.append({"name": "api-keys", "secret": secret})
         env.append(_env("MF_API_KEYS_FILE", f"{names.API_KEYS_DIR}/{names.API_KEYS_KEY}"))
     container = {
-        "name": "gateway", "image": spec.images.gateway or DEFAULT_IMAGE, "imagePullPolicy": spec.images.pull_policy,
+        "name": "gateway", "image": gateway_image(spec), "imagePullPolicy": spec.images.pull_policy,
         "command": ["modelfleet", "gateway"], "env": env, "volumeMounts": mounts,
         "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],
         "readinessProbe": _probe("/readyz", names.GATEWAY_PORT, period=5),
