@@ -5,7 +5,9 @@
 #      packages, and import it as the base image (localhost/modelfleet/bookworm:12);
 #   2. build modelfleet's wheel and `pip download` every dependency wheel on the host (CPU torch);
 #   3. `buildah build --network=none` each Containerfile; pip installs with --no-index.
-# Needs root (or rootless podman), debootstrap, buildah and pip. CI does not run it.
+# Needs root (or rootless podman), debootstrap, buildah, podman and pip. CI does not run it.
+# Measured on the 2-core dev machine (Debian podman 4.3, buildah 1.28): base 46 s, wheels 13 s,
+# operator 93 s, agent-cpu 77 s, 3 min 49 s in all; each image is 1.37 GB (torch CPU included).
 #   bash images/build.sh            # operator and agent-cpu
 #   IMAGES="operator" bash images/build.sh
 #   PIP_INDEX_ARGS="--index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple"
