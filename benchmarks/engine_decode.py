@@ -134,7 +134,7 @@ def decode_rate(run, batch: int, tokens: int, repeats: int = 3) -> tuple[float, 
     return batch * (tokens - 1) / max(tn - t1, 1e-9), runs[0][1]
 
 
-def time_engine(lm, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:  # type: ignore[no-untyped-def]
+def time_engine(lm, prompts: list[list[int]], tokens: int, repeats: int = 3) -> tuple[float, list[list[int]]]:  # type: ignore[no-untyped-def]
     from modelfleet.engine.generate import generate_batch
     from modelfleet.engine.sampling import SamplingParams
 
@@ -148,10 +148,10 @@ def time_engine(lm, prompts: list[list[int]], tokens: int) -> tuple[float, list[
         sync(device)
         return time.perf_counter() - start, [r.token_ids for r in results]
 
-    return decode_rate(run, len(prompts), tokens)
+    return decode_rate(run, len(prompts), tokens, repeats)
 
 
-def time_reference(model, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:  # type: ignore[no-untyped-def]
+def time_reference(model, prompts: list[list[int]], tokens: int, repeats: int = 3) -> tuple[float, list[list[int]]]:  # type: ignore[no-untyped-def]
     device = next(model.parameters()).device
     ids = torch.tensor(prompts, device=device)
 
@@ -165,7 +165,7 @@ def time_reference(model, prompts: list[list[int]], tokens: int) -> tuple[float,
         sync(device.type)
         return time.perf_counter() - start, out[:, ids.shape[1] :].tolist()
 
-    return decode_rate(run, len(prompts), tokens)
+    return decode_rate(run, len(prompts), tokens, repeats)
 
 
 def main() -> None:
@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per stream")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--out", default="out/engine_decode.csv")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per point; the fastest counts")
     parser.add_argument("--experts", default=None, help="the engine's experts format (int4, int8, mxfp4, ...)")
     parser.add_argument("--attention", default=None, help="the engine's attention format (int8, int4, ...)")
     parser.add_argument("--head", default=None, help="the engine's head format (int8, ...)")
@@ -224,9 +225,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     for batch in batches:
         prompts = torch.randint(0, spec.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-        ours, our_tokens = time_engine(lm, prompts, args.tokens)
-        unquantized = time_engine(plain_lm, prompts, args.tokens)[0] if plain_lm is not None else None
-        theirs, their_tokens = time_reference(ref, prompts, args.tokens)
+        ours, our_tokens = time_engine(lm, prompts, args.tokens, args.repeats)
+        unquantized = time_engine(plain_lm, prompts, args.tokens, args.repeats)[0] if plain_lm is not None else None
+        theirs, their_tokens = time_reference(ref, prompts, args.tokens, args.repeats)
         bound = (
             batch
             * bandwidth
