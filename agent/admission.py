@@ -1,8 +1,15 @@
-"""The gateway's admission: at most ``max_streams`` requests streaming, at most ``max_queue``
-waiting (first come, first served), each waiting at most ``queue_timeout_seconds``.
+"""The gateway's admission: streams spread over several heads (a plan's pipeline groups, and the
+groups of further plans serving the same model), at most ``max_queue`` requests waiting (first
+come, first served), each waiting at most ``queue_timeout_seconds``.
 
-Invariant: ``active <= max_streams`` and ``len(waiting) <= max_queue``; a slot is handed from a
-finishing request straight to the oldest waiter, so a late arrival cannot overtake the queue.
+Each head ``h`` has a stream limit ``limits[h]`` and counts ``active_by_head[h]``. A request is
+admitted to the ready head with the most free capacity: the least ``active / limit``, ties to the
+lower index. Which heads are ready is asked of ``ready(h)`` at each decision.
+
+Invariant: ``active_by_head[h] <= limits[h]`` and ``len(waiting) <= max_queue``; a freed stream
+goes straight to the oldest waiter (on whichever ready head is then least loaded), so a late
+arrival cannot overtake the queue. Waiters also look again every CHECK_SECONDS, so a head that
+turns ready takes the queue without waiting for some stream to finish.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 CHECK_SECONDS = 0.2
 
@@ -28,32 +35,56 @@ class Abandoned(Exception):
 
 
 class Admission:
-    def __init__(self, max_streams: int, max_queue: int, queue_timeout_seconds: float):
-        self.max_streams, self.max_queue, self.timeout = max_streams, max_queue, queue_timeout_seconds
-        self.active = 0
-        self.waiting: deque[asyncio.Future[None]] = deque()
+    def __init__(
+        self,
+        limits: Sequence[int],
+        max_queue: int,
+        queue_timeout_seconds: float,
+        ready: Callable[[int], bool] = lambda head: True,
+    ):
+        if not limits or min(limits) < 1:
+            raise ValueError(f"every head needs a stream limit >= 1, got {list(limits)}")
+        self.limits, self.max_queue, self.timeout, self.ready = list(limits), max_queue, queue_timeout_seconds, ready
+        self.active_by_head = [0] * len(self.limits)
+        self.waiting: deque[asyncio.Future[int]] = deque()
+
+    @property
+    def active(self) -> int:
+        return sum(self.active_by_head)
+
+    @property
+    def max_streams(self) -> int:
+        return sum(self.limits)
+
+    def best_head(self) -> int | None:
+        """The ready head with a free stream and the least active streams for its limit, if any."""
+        free = [h for h, limit in enumerate(self.limits) if self.active_by_head[h] < limit and self.ready(h)]
+        return min(free, key=lambda h: (self.active_by_head[h] / self.limits[h], h), default=None)
 
     @contextlib.asynccontextmanager
-    async def slot(self, gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[None]:
-        await self.acquire(gone)
+    async def slot(self, gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[int]:
+        """A stream on some head (its index), released on the way out."""
+        head = await self.acquire(gone)
         try:
-            yield
+            yield head
         finally:
-            self.release()
+            self.release(head)
 
-    async def acquire(self, gone: Callable[[], Awaitable[bool]] | None = None) -> None:
-        """A stream, at once or after waiting in line; ``gone()`` is asked every CHECK_SECONDS while
-        waiting, and a true answer (the client went away) gives up the place with Abandoned."""
-        if self.active < self.max_streams and not self.waiting:
-            self.active += 1
-            return
+    async def acquire(self, gone: Callable[[], Awaitable[bool]] | None = None) -> int:
+        """A stream, at once or after waiting in line: the index of the head it is on. ``gone()``
+        is asked every CHECK_SECONDS while waiting, and a true answer (the client went away)
+        gives up the place with Abandoned."""
+        head = None if self.waiting else self.best_head()
+        if head is not None:
+            self.active_by_head[head] += 1
+            return head
         if len(self.waiting) >= self.max_queue:
             raise Busy(
-                f"all {self.max_streams} streams are busy and {len(self.waiting)} requests are queued "
-                f"(max_queue={self.max_queue}); retry later"
+                f"all {self.max_streams} streams of {len(self.limits)} head(s) are busy or not ready and "
+                f"{len(self.waiting)} requests are queued (max_queue={self.max_queue}); retry later"
             )
         loop = asyncio.get_running_loop()
-        turn: asyncio.Future[None] = loop.create_future()
+        turn: asyncio.Future[int] = loop.create_future()
         self.waiting.append(turn)
         deadline = loop.time() + self.timeout
         try:
@@ -64,20 +95,29 @@ class Admission:
                         max(1, round(self.timeout)),
                     )
                 await asyncio.wait([turn], timeout=min(CHECK_SECONDS, deadline - loop.time()))
+                self._hand_out()  # a head may have turned ready
                 if not turn.done() and gone is not None and await gone():
                     raise Abandoned()
+            return turn.result()
         except BaseException:  # timed out, abandoned, or cancelled while waiting
             if turn.done() and not turn.cancelled():
-                self.release()  # the stream arrived as we gave up: pass it on
+                self.release(turn.result())  # the stream arrived as we gave up: pass it on
             else:
                 turn.cancel()
                 self.waiting.remove(turn)
             raise
 
-    def release(self) -> None:
+    def release(self, head: int) -> None:
+        self.active_by_head[head] -= 1
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Free streams to the oldest waiters, each on the then least loaded ready head."""
         while self.waiting:
+            head = self.best_head()
+            if head is None:
+                return
             turn = self.waiting.popleft()
             if not turn.done():
-                turn.set_result(None)  # the slot passes to the waiter; active is unchanged
-                return
-        self.active -= 1
+                self.active_by_head[head] += 1
+                turn.set_result(head)

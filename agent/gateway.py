@@ -1,16 +1,22 @@
-"""The gateway: an OpenAI-compatible HTTP API in front of a fleet's head.
+"""The gateway: an OpenAI-compatible HTTP API in front of a fleet's heads.
 
 Text exists only here: requests are authenticated, validated (:mod:`.openai_schema`), rendered
-and tokenized (:mod:`.prompts`), admitted (:mod:`.admission`), sent to the head as token ids
-(:mod:`.headlink`), and the tokens that come back are detokenized and cut at stop strings
-(:mod:`.textstream`) into OpenAI responses or server-sent events ending in ``data: [DONE]``.
+and tokenized (:mod:`.prompts`), admitted to one head (:mod:`.admission`: every pipeline group
+of every plan given has a head, and a request goes to the ready one with the most free
+capacity), sent to that head as token ids (:mod:`.headlink`), and the tokens that come back are
+detokenized and cut at stop strings (:mod:`.textstream`) into OpenAI responses or server-sent
+events ending in ``data: [DONE]``.
 
 Invariants:
-- every admitted request ends in exactly one of: finished at the head, or a ``cancel`` sent to
-  the head (stop string matched, client went away, error), so no slot on any stage leaks;
+- every admitted request ends in exactly one of: finished at its head, or a ``cancel`` sent to
+  its head (stop string matched, client went away, error), so no slot on any stage leaks;
 - a request waits for its first output before the response starts, so a refusal (busy, not
   ready, bad input) is an HTTP status with an OpenAI-shaped error body, not a broken stream;
 - a client that disconnects is noticed within ``DISCONNECT_CHECK_SECONDS``.
+
+One module over 400 lines because a request's life (checks, admission, the head's stream, the
+response's two shapes) shares :class:`Job` and the invariants above; the parts that stand alone
+(schema, prompts, admission, the head link, text) are modules of their own.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,12 +36,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.sampling import SamplingParams
 from ..engine.spec import load_spec
-from ..plan import FleetPlan
+from ..plan import FleetPlan, PlanError
 from . import transport as wire
 from .admission import Abandoned, Admission, Busy
 from .headlink import HeadLink
@@ -55,7 +62,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 @dataclass(frozen=True)
 class GatewayConfig:
     plan: FleetPlan
-    max_streams: int
+    max_streams: int | None  # streams per head; None: each plan's serving.max_streams
     max_queue: int
     queue_timeout_seconds: float
     api_keys: frozenset[str] = frozenset()
@@ -64,14 +71,33 @@ class GatewayConfig:
     model_dir: Path | None = None  # default: the plan's model path
     keys: wire.KeyPair | None = None  # the fleet's CURVE keys, when the head requires them
     ready_poll_seconds: float = 0.5
+    more_plans: tuple[FleetPlan, ...] = ()  # further fleets serving the same served_name
 
     @classmethod
     def of(cls, plan: FleetPlan, **overrides: Any) -> GatewayConfig:
-        """Limits default to the plan's serving limits; ``None`` overrides are ignored."""
+        """The queue's limits default to the (first) plan's serving limits; ``None`` overrides are ignored."""
         serving = plan.serving
-        limits = dict(max_streams=serving.max_streams, max_queue=serving.max_queue,
+        limits = dict(max_streams=None, max_queue=serving.max_queue,
                       queue_timeout_seconds=serving.queue_timeout_seconds)  # fmt: skip
         return cls(plan=plan, **{**limits, **{k: v for k, v in overrides.items() if v is not None}})
+
+    @property
+    def plans(self) -> tuple[FleetPlan, ...]:
+        return (self.plan, *self.more_plans)
+
+    def heads(self) -> list[tuple[str, int]]:
+        """(address, stream limit) of every head: each group of each plan, in order."""
+        heads = [(group.stages[0].address, self.max_streams or plan.streams_per_group)
+                 for plan in self.plans for group in plan.groups]  # fmt: skip
+        name = self.plan.model.served_name
+        for p, plan in enumerate(self.plans):
+            if plan.model.served_name != name:
+                raise PlanError(f"plan {p + 1} serves {plan.model.served_name!r} but plan 1 serves {name!r}; "
+                                "the fleets behind one gateway must serve one model.served_name")  # fmt: skip
+        addresses = [address for address, _ in heads]
+        if duplicate := next((a for a in addresses if addresses.count(a) > 1), None):
+            raise PlanError(f"the head at {duplicate} appears in more than one group or plan")
+        return heads
 
 
 def load_api_keys(path: Path | None, env_value: str | None) -> frozenset[str]:
@@ -116,8 +142,27 @@ def head_error(message: str) -> ApiError:
     return ApiError(500, f"the fleet failed the request: {message}")
 
 
+class HeadsCollector:
+    """Per-head series, labelled by the head's address: whether it is ready, and its streams."""
+
+    def __init__(self, heads: list[HeadLink], admission: Admission):
+        self.heads, self.admission = heads, admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        ready = GaugeMetricFamily("modelfleet_gateway_head_ready", "1 while this head reports ready.",
+                                  labels=["head"])  # fmt: skip
+        active = GaugeMetricFamily("modelfleet_gateway_head_active_streams", "Requests streaming on this head.",
+                                   labels=["head"])  # fmt: skip
+        limit = GaugeMetricFamily("modelfleet_gateway_head_max_streams", "This head's stream limit.", labels=["head"])
+        for h, head in enumerate(self.heads):
+            ready.add_metric([head.address], 1 if head.ready else 0)
+            active.add_metric([head.address], self.admission.active_by_head[h])
+            limit.add_metric([head.address], self.admission.limits[h])
+        yield from (ready, active, limit)
+
+
 class GatewayMetrics:
-    def __init__(self, admission: Admission, head: HeadLink):
+    def __init__(self, admission: Admission, heads: list[HeadLink]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("modelfleet_gateway_requests_total", "HTTP requests answered, by endpoint and status.",
@@ -134,8 +179,11 @@ class GatewayMetrics:
         queue.set_function(lambda: len(admission.waiting))
         active = Gauge("modelfleet_gateway_active_streams", "Requests streaming (admitted).", registry=r)
         active.set_function(lambda: admission.active)
-        ready = Gauge("modelfleet_gateway_ready", "1 while the fleet's head reports ready.", registry=r)
-        ready.set_function(lambda: 1 if head.ready else 0)
+        ready = Gauge("modelfleet_gateway_ready", "1 while at least one head reports ready.", registry=r)
+        ready.set_function(lambda: 1 if any(h.ready for h in heads) else 0)
+        heads_ready = Gauge("modelfleet_gateway_heads_ready", "Heads that report ready.", registry=r)
+        heads_ready.set_function(lambda: sum(1 for h in heads if h.ready))
+        r.register(HeadsCollector(heads, admission))  # type: ignore[arg-type]
 
     def answered(self, path: str, status: int) -> None:
         self.requests.labels(endpoint=path if path in ENDPOINTS else "other", status=str(status)).inc()
@@ -170,6 +218,23 @@ class Text:
 
 
 @dataclass
+class Outputs:
+    """The head's outputs for one request that were waiting together, merged."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    error: str
+
+    @classmethod
+    def of(cls, msg: wire.OutputMsg) -> Outputs:
+        return cls(list(msg.token_ids), msg.finish_reason, msg.error)
+
+    def add(self, msg: wire.OutputMsg) -> None:
+        self.token_ids += msg.token_ids
+        self.finish_reason, self.error = msg.finish_reason, msg.error
+
+
+@dataclass
 class Finish:
     reason: str
     error: ApiError | None = None
@@ -189,23 +254,33 @@ class Gateway:
         plan = config.plan
         model_dir = config.model_dir or Path(plan.model.path)
         self.spec = load_spec(model_dir)
-        self.prompts = Prompts(model_dir, self.spec.vocab_size, plan.serving.context_length, self.spec.eos_token_ids)
-        self.admission = Admission(config.max_streams, config.max_queue, config.queue_timeout_seconds)
-        self.head = HeadLink(plan.groups[0].stages[0].address, config.keys, config.ready_poll_seconds)
-        self.metrics = GatewayMetrics(self.admission, self.head)
+        self.context_length = min(p.serving.context_length for p in config.plans)
+        self.prompts = Prompts(model_dir, self.spec.vocab_size, self.context_length, self.spec.eos_token_ids)
+        heads = config.heads()
+        self.heads = [HeadLink(address, config.keys, config.ready_poll_seconds) for address, _ in heads]
+        self.admission = Admission([limit for _, limit in heads], config.max_queue, config.queue_timeout_seconds,
+                                   ready=lambda h: self.heads[h].ready)  # fmt: skip
+        self.metrics = GatewayMetrics(self.admission, self.heads)
         self.model_name = plan.model.served_name
         self.app = self._build_app()
+
+    @property
+    def ready(self) -> bool:
+        """At least one head reports ready."""
+        return any(head.ready for head in self.heads)
 
     # ---- the HTTP surface -----------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            await self.head.start()
+            for head in self.heads:
+                await head.start()
             try:
                 yield
             finally:
-                await self.head.stop()
+                for head in self.heads:
+                    await head.stop()
 
         app = FastAPI(title="modelfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -237,9 +312,10 @@ class Gateway:
         return PlainTextResponse("ok\n")
 
     async def readyz(self) -> Response:
-        if self.head.ready:
-            return PlainTextResponse("ready\n")
-        return PlainTextResponse("not ready: the fleet's head does not report ready\n", status_code=503)
+        ready = sum(1 for head in self.heads if head.ready)
+        if ready:
+            return PlainTextResponse(f"ready: {ready} of {len(self.heads)} heads\n")
+        return PlainTextResponse(f"not ready: none of the {len(self.heads)} heads reports ready\n", status_code=503)
 
     async def metrics_text(self, request: Request) -> Response:
         if self.config.metrics_auth:
@@ -251,7 +327,7 @@ class Gateway:
         self._authorize(request)
         self.metrics.answered("/v1/models", 200)
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "modelfleet",
-                "max_model_len": self.config.plan.serving.context_length}  # fmt: skip
+                "max_model_len": self.context_length}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:
@@ -339,8 +415,8 @@ class Gateway:
 
     async def _serve(self, request: Request, job: Job) -> Response:
         path = request.url.path
-        if not self.head.ready:
-            raise ApiError(503, "the fleet is not ready (its head does not report ready); retry shortly",
+        if not self.ready:
+            raise ApiError(503, "the fleet is not ready (no head reports ready); retry shortly",
                            retry_after_seconds=1)  # fmt: skip
         events = self._generate(request, job)
         try:
@@ -370,15 +446,16 @@ class Gateway:
 
     async def _generate(self, request: Request, job: Job) -> AsyncGenerator[Text | Finish, None]:
         """Text pieces, then one Finish; the slot and the head's stream are released in every case."""
-        async with self.admission.slot(request.is_disconnected):
+        async with self.admission.slot(request.is_disconnected) as h:
+            head = self.heads[h]
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-            request_id, queue = self.head.submit(job.prompt_ids, job.params)
+            request_id, queue = head.submit(job.prompt_ids, job.params)
             text = TextStream(self.prompts.tokenizer, job.body.stop_strings)
             done, last_token_at = False, 0.0
             try:
                 while True:
                     try:
-                        msg = await self._next(request, queue)
+                        msg = await self._next(request, queue, head)
                     except HeadSilent as exc:
                         yield Finish("error", ApiError(503, str(exc), retry_after_seconds=1))
                         return
@@ -388,6 +465,8 @@ class Gateway:
                             self.metrics.time_to_first_token.observe(now - job.arrived)
                         else:
                             self.metrics.inter_token_latency.observe(now - last_token_at)
+                        for _ in msg.token_ids[1:]:  # tokens that arrived together
+                            self.metrics.inter_token_latency.observe(0.0)
                         last_token_at = now
                         piece = text.push(msg.token_ids)
                         job.token_ids += piece.token_ids
@@ -407,22 +486,34 @@ class Gateway:
                 yield Finish("stop" if text.stopped else msg.finish_reason or "stop")
             finally:
                 if done:
-                    self.head.forget(request_id)
+                    head.forget(request_id)
                 else:
-                    self.head.cancel(request_id)
+                    head.cancel(request_id)
 
-    async def _next(self, request: Request, queue: asyncio.Queue[wire.OutputMsg]) -> wire.OutputMsg:
-        """The next output; checks on the way that the client is still there and the head alive."""
+    async def _next(self, request: Request, queue: asyncio.Queue[wire.OutputMsg], head: HeadLink) -> Outputs:
+        """The outputs waiting (at least one, merged up to a finish: a gateway that fell behind
+        catches up in fewer, larger chunks); checks on the way that the client is still there and
+        the head alive."""
+        outputs = Outputs.of(await self._first(request, queue, head))
+        while outputs.finish_reason is None and not queue.empty():
+            outputs.add(queue.get_nowait())
+        return outputs
+
+    async def _first(self, request: Request, queue: asyncio.Queue[wire.OutputMsg], head: HeadLink) -> wire.OutputMsg:
         while True:
             now = time.monotonic()
             if now - getattr(request.state, "checked_at", 0.0) >= DISCONNECT_CHECK_SECONDS:
                 request.state.checked_at = now  # tokens may arrive faster than any timeout: check by the clock
                 if await request.is_disconnected():
                     raise ClientGone()
-                if self.head.silent_for() > HEAD_SILENCE_SECONDS:
-                    raise HeadSilent(f"the fleet's head has not reported ready for over {HEAD_SILENCE_SECONDS:g} s")
+                if head.silent_for() > HEAD_SILENCE_SECONDS:
+                    raise HeadSilent(f"the head at {head.address} has not reported ready for over "
+                                     f"{HEAD_SILENCE_SECONDS:g} s")  # fmt: skip
+            if not queue.empty():
+                return queue.get_nowait()
             with contextlib.suppress(TimeoutError):
-                return await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_SECONDS)
+                async with asyncio.timeout(DISCONNECT_CHECK_SECONDS):  # no task per token, unlike wait_for
+                    return await queue.get()
 
     async def _collect(self, job: Job, events: AsyncIterator[Text | Finish]) -> dict[str, Any]:
         pieces: list[str] = []

@@ -70,7 +70,7 @@ class HeadScheduler:
         self.shard = agent.shard
         self.spec = agent.shard.spec
         serving = agent.plan.serving
-        self.max_streams, self.context = serving.max_streams, serving.context_length
+        self.max_streams, self.context = agent.plan.streams_per_group, serving.context_length
         self.window_rows, self.max_queue = serving.window_rows, serving.max_queue
         self.queue_timeout = serving.queue_timeout_seconds
         count = serving.stream_groups or len(agent.stages)

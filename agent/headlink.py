@@ -1,4 +1,5 @@
-"""The gateway's link to the fleet's head: one asyncio DEALER for every request, and readiness.
+"""The gateway's link to one head (a pipeline group's stage 0): one asyncio DEALER for every
+request sent to that head, and its readiness. The gateway holds one link per head it serves.
 
 Requests are told apart by request id (the same protocol as :class:`FleetClient`): a reader task
 routes each ``OutputMsg`` to its request's queue. A cancel is sent without waiting, so it can be
@@ -28,6 +29,7 @@ log = logging.getLogger("modelfleet.gateway")
 
 class HeadLink:
     def __init__(self, head_address: str, keys: wire.KeyPair | None = None, poll_seconds: float = 0.5):
+        self.address = head_address
         host, port = head_address.rsplit(":", 1)
         self.endpoint = f"tcp://{host}:{int(port) + 2}"
         self.status_url = f"http://{host}:{int(port) + 1}/status"

@@ -79,18 +79,9 @@ class LocalFleet:
         self.children: list[Child] = []
         self._lock = threading.Lock()
 
-    def stage_command(self, stage_index: int) -> list[str]:
-        return [
-            sys.executable,
-            "-P",
-            "-m",
-            "modelfleet.cli",
-            "agent",
-            "--plan",
-            str(self.plan_path),
-            "--stage",
-            str(stage_index),
-        ]
+    def stage_command(self, stage_index: int, group_index: int = 0) -> list[str]:
+        agent = ["agent", "--plan", str(self.plan_path), "--stage", str(stage_index), "--group", str(group_index)]
+        return [sys.executable, "-P", "-m", "modelfleet.cli", *agent]
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}

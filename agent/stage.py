@@ -118,7 +118,7 @@ class StageAgent:
         )  # fmt: skip
         serving = self.plan.serving
         budget = self.stage.kv_budget_bytes or None
-        self.shard.allocate_cache(serving.max_streams, serving.context_length, budget)
+        self.shard.allocate_cache(self.plan.streams_per_group, serving.context_length, budget)
         self.status.weights_bytes, self.status.kv_bytes = self.shard.weights_bytes, self.shard.kv_bytes
 
     def _loaded(self, done: int, total: int) -> None:

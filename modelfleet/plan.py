@@ -172,6 +172,12 @@ class FleetPlan(_Frozen):
         """sha256 hex of the canonical JSON; processes compare it to know they run one plan."""
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
+    @property
+    def streams_per_group(self) -> int:
+        """Each group's share of ``serving.max_streams`` (the fleet's total), rounded up: the limit of
+        the group's head and the KV slots of its stages (the planner budgets KV for this many)."""
+        return -(-self.serving.max_streams // len(self.groups))
+
     def stage(self, group_index: int, stage_index: int) -> StagePlan:
         return self.groups[group_index].stages[stage_index]
 

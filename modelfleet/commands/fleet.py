@@ -62,8 +62,10 @@ def _load_nodes(path: Path) -> list[dict[str, Any]]:
 def make_plan(
     model: Path, stages: int, *, nodes: Path | None = None, max_streams: int = 16, context_length: int = 2048,
     window_rows: int = 8, stream_groups: int | None = None, max_queue: int = 64, dtype: str = "float32",
-    device: str = "cpu", base_port: int = 5555, served_name: str | None = None,
+    device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1,
 ) -> Any:  # fmt: skip
+    """A plan of ``groups`` pipeline replicas of ``stages`` stages each; stage ports run from
+    ``base_port``, PORT_STRIDE apart, group after group."""
     from modelfleet.plan import ServingLimits
     from modelfleet.planner import PORT_STRIDE, build_plan
 
@@ -72,7 +74,7 @@ def make_plan(
         stream_groups=stream_groups, max_queue=max_queue,
     )  # fmt: skip
     plan = build_plan(
-        model, stages, _load_nodes(nodes) if nodes else None, dtype=dtype, serving=serving,
+        model, stages, _load_nodes(nodes) if nodes else None, groups=groups, dtype=dtype, serving=serving,
         served_name=served_name or model.resolve().name, model_path=str(model.resolve()),
         address_of=lambda g, s: f"127.0.0.1:{base_port + PORT_STRIDE * (g * stages + s)}",
     )  # fmt: skip

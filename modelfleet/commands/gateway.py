@@ -12,20 +12,27 @@ err = Console(stderr=True, soft_wrap=True)
 
 
 def gateway(
-    plan_path: Path = typer.Option(..., "--plan", envvar="MF_PLAN", help="The fleet plan JSON."),
+    plan_paths: list[Path] = typer.Option(
+        ...,
+        "--plan",
+        envvar="MF_PLAN",
+        help="A fleet plan JSON; repeat for several fleets serving one model (every group's head is served).",
+    ),
     host: str = typer.Option("127.0.0.1", "--host", envvar="MF_GATEWAY_HOST", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", envvar="MF_GATEWAY_PORT", min=1, max=65535),
     api_keys_file: Path | None = typer.Option(
         None, "--api-keys-file", envvar="MF_API_KEYS_FILE", help="Bearer API keys, one per line (also MF_API_KEYS)."
     ),
     metrics_auth: bool = typer.Option(False, "--metrics-auth", help="Require an API key for /metrics too."),
-    max_streams: int | None = typer.Option(None, "--max-streams", min=1, help="Default: the plan's max_streams."),
-    max_queue: int | None = typer.Option(None, "--max-queue", min=0, help="Default: the plan's max_queue."),
+    max_streams: int | None = typer.Option(
+        None, "--max-streams", min=1, help="Streams per head; default: each plan's max_streams."
+    ),
+    max_queue: int | None = typer.Option(None, "--max-queue", min=0, help="Default: the first plan's max_queue."),
     queue_timeout: float | None = typer.Option(
         None,
         "--queue-timeout",
         min=0.001,
-        help="Seconds a request may wait; default: the plan's queue_timeout_seconds.",
+        help="Seconds a request may wait; default: the first plan's queue_timeout_seconds.",
     ),
     max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", min=1024, help="Larger request bodies get 413."),
     model_dir: Path | None = typer.Option(
@@ -51,8 +58,10 @@ def gateway(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        plans = [load(path) for path in plan_paths]
         config = GatewayConfig.of(
-            load(plan_path), max_streams=max_streams, max_queue=max_queue, queue_timeout_seconds=queue_timeout,
+            plans[0], more_plans=tuple(plans[1:]), max_streams=max_streams, max_queue=max_queue,
+            queue_timeout_seconds=queue_timeout,
             api_keys=load_api_keys(api_keys_file, os.environ.get("MF_API_KEYS")), metrics_auth=metrics_auth,
             max_body_bytes=max_body_bytes, model_dir=model_dir,
             keys=transport.load_keypair(keys_dir, "fleet") if keys_dir else None,
