@@ -14,14 +14,19 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from modelfleet import __version__
+
 from . import names
 
 Obj = dict[str, Any]
 AGENT_STATUS_TIMEOUT_SECONDS = 0.5  # per member, each pass; a loading agent answers at once
 
 
+USER_AGENT = f"modelfleet-operator/{__version__}"  # names the operator's requests in audit logs
+
+
 class KubeCluster:
-    def __init__(self) -> None:
+    def __init__(self, user_agent: str = USER_AGENT) -> None:
         from kubernetes import config, dynamic
         from kubernetes.client import api_client
 
@@ -29,7 +34,9 @@ class KubeCluster:
             config.load_incluster_config()
         except config.ConfigException:  # $KUBECONFIG as it is now, not as it was at import
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        self._client = dynamic.DynamicClient(api_client.ApiClient())
+        client = api_client.ApiClient()
+        client.user_agent = user_agent
+        self._client = dynamic.DynamicClient(client)
 
     def _resource(self, api_version: str, kind: str) -> Any:
         return self._client.resources.get(api_version=api_version, kind=kind)

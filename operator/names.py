@@ -1,8 +1,10 @@
 """Names shared by the planner, the object builders and the handlers: one definition each.
 
-Pod names are stable (``<fleet>-g<group>-s<stage>``, ``-r<rank>`` when a stage has several
-tensor-parallel ranks), so a replaced pod keeps its DNS name under the headless Service
-(``<pod>.<fleet>-stages.<namespace>.svc``) and the plan's addresses stay true.
+Pod names carry the fleet's revision (``<fleet>-<revision>-g<group>-s<stage>``, ``-r<rank>`` when
+a stage has several tensor-parallel ranks). Within a revision they are stable, so a replaced pod
+keeps its DNS name under the headless Service (``<pod>.<fleet>-stages.<namespace>.svc``) and the
+plan's addresses stay true; across revisions they differ, so the stages of a new plan dial only
+each other and never join a chain with a stage of the old one.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import hashlib
 
 LABEL_FLEET = "modelfleet.io/fleet"
 LABEL_GROUP = "modelfleet.io/group"
-LABEL_STAGE = "modelfleet.io/stage"
+LABEL_STAGE_INDEX = "modelfleet.io/stage-index"
 LABEL_TP_RANK = "modelfleet.io/tp-rank"
+LABEL_REVISION = "modelfleet.io/revision"  # names.revision of the plan the pod runs
 LABEL_COMPONENT = "modelfleet.io/component"  # stage | gateway | inspect
 LABEL_MODEL = "modelfleet.io/model"  # names.model_key of the model URI, on inspection Jobs and summaries
 ANNOTATION_PLAN_HASH = "modelfleet.io/plan-hash"
+ANNOTATION_REVISION = "modelfleet.io/revision"
 ANNOTATION_GENERATION = "modelfleet.io/generation"
 ANNOTATION_STAGE_FAILED = "modelfleet.io/stage-failed"  # on a fleet: <pod>/<uid> of its last failed stage
 
@@ -31,8 +35,17 @@ PLAN_KEY = "plan.json"
 MEMBERS_KEY = "members.json"
 
 
-def pod_name(fleet: str, group: int, stage: int, tp_rank: int = 0, tp_size: int = 1) -> str:
-    base = f"{fleet}-g{group}-s{stage}"
+REVISION_LENGTH = 10  # hex digits: a pod name stays a DNS label (63) for fleet names up to ~40
+
+
+def revision(plan_hash: str, members: str) -> str:
+    """The short revision of a plan (hashed with its addresses left out) and its member nodes:
+    a change of either rolls out new pods under new names."""
+    return hashlib.sha256(f"{plan_hash}\n{members}".encode()).hexdigest()[:REVISION_LENGTH]
+
+
+def pod_name(fleet: str, revision: str, group: int, stage: int, tp_rank: int = 0, tp_size: int = 1) -> str:
+    base = f"{fleet}-{revision}-g{group}-s{stage}"
     return f"{base}-r{tp_rank}" if tp_size > 1 else base
 
 
@@ -57,9 +70,9 @@ def gateway_name(fleet: str) -> str:
     return f"{fleet}-gateway"
 
 
-def stage_address(fleet: str, namespace: str, group: int, stage: int, tp_size: int = 1) -> str:
+def stage_address(fleet: str, namespace: str, revision: str, group: int, stage: int, tp_size: int = 1) -> str:
     """host:port of a stage's rank 0, through the headless Service's per-pod DNS record."""
-    return f"{pod_name(fleet, group, stage, 0, tp_size)}.{stage_service(fleet)}.{namespace}.svc:{AGENT_PORT}"
+    return f"{pod_name(fleet, revision, group, stage, 0, tp_size)}.{stage_service(fleet)}.{namespace}.svc:{AGENT_PORT}"
 
 
 def transport_secret(fleet: str) -> str:

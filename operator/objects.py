@@ -19,6 +19,7 @@ from typing import Any
 
 from modelfleet import __version__
 from modelfleet.plan import FleetPlan
+from modelfleet.planner import parse_quantity
 
 from . import names
 from .placement import MemberAssignment, Placement
@@ -28,6 +29,15 @@ Obj = dict[str, Any]
 DEFAULT_IMAGE = f"ghcr.io/modelfleet/modelfleet:{__version__}"
 AGENT_IMAGE_ENV = "MF_AGENT_IMAGE_"  # + the profile: MF_AGENT_IMAGE_CPU, _NVIDIA_GPU, _INTEL_IGPU (set by the chart)
 MODEL_MOUNT_DIR = names.MODEL_MOUNT_DIR
+SCRATCH_DIR = "/tmp"
+STARTUP_BASE_SECONDS = 300
+STARTUP_LOAD_BYTES_PER_SECOND = 50 * 10**6
+# the images run as uid 10001 (images/*/Containerfile); nothing in a pod needs root or a capability
+POD_SECURITY: Obj = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY: Obj = {
+    "runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}  # fmt: skip
 
 
 def owner_reference(fleet: Mapping[str, Any]) -> Obj:
@@ -78,6 +88,7 @@ def plan_config_map(fleet: Mapping[str, Any], placement: Placement) -> Obj:
     meta = _metadata(fleet, name)
     meta["annotations"] = {
         names.ANNOTATION_PLAN_HASH: placement.plan.plan_hash(),
+        names.ANNOTATION_REVISION: placement.revision,
         names.ANNOTATION_GENERATION: str(fleet["metadata"].get("generation", 0)),
     }
     members = json.dumps([dataclasses.asdict(m) for m in placement.members], indent=1)
@@ -88,22 +99,26 @@ def plan_config_map(fleet: Mapping[str, Any], placement: Placement) -> Obj:
 # ---- stage pods -------------------------------------------------------------------------------
 
 
-def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: FleetPlan, member: MemberAssignment) -> Obj:
-    fleet_name = fleet["metadata"]["name"]
-    tp = plan.stage(member.group, member.stage).tp_size
-    name = names.pod_name(fleet_name, member.group, member.stage, member.tp_rank, tp)
+def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placement, member: MemberAssignment) -> Obj:
+    fleet_name, revision = fleet["metadata"]["name"], placement.revision
+    stage = placement.plan.stage(member.group, member.stage)
+    name = names.pod_name(fleet_name, revision, member.group, member.stage, member.tp_rank, stage.tp_size)
     labels = {
-        names.LABEL_GROUP: str(member.group), names.LABEL_STAGE: str(member.stage),
-        names.LABEL_TP_RANK: str(member.tp_rank),
+        names.LABEL_GROUP: str(member.group), names.LABEL_STAGE_INDEX: str(member.stage),
+        names.LABEL_TP_RANK: str(member.tp_rank), names.LABEL_REVISION: revision,
     }  # fmt: skip
     meta = _metadata(fleet, name, "stage", **labels)
-    meta["annotations"] = {names.ANNOTATION_PLAN_HASH: plan.plan_hash()}
+    meta["annotations"] = {names.ANNOTATION_PLAN_HASH: placement.plan.plan_hash()}
     model_volume, model_env = _model_volume(spec)
+    # MF_STAGE and MF_GROUP are what `modelfleet agent` reads; the others describe the pod
     env = [
+        _env("MF_FLEET", fleet_name), _env("MF_REVISION", revision),
         _env("MF_PLAN", f"{names.PLAN_MOUNT_DIR}/{names.PLAN_KEY}"), _env("MF_GROUP", str(member.group)),
-        _env("MF_STAGE", str(member.stage)), _env("MF_TP_RANK", str(member.tp_rank)), _env("MF_TP_SIZE", str(tp)),
+        _env("MF_STAGE", str(member.stage)), _env("MF_STAGE_INDEX", str(member.stage)),
+        _env("MF_LAYER_START", str(stage.layer_start)), _env("MF_LAYER_END", str(stage.layer_end)),
+        _env("MF_TP_RANK", str(member.tp_rank)), _env("MF_TP_SIZE", str(stage.tp_size)),
         _env("MF_BACKEND", spec.backend), _env("MF_NUMA", spec.placement.numa), *model_env,
-        _env("MF_HTTP_HOST", "0.0.0.0"), _env("MF_KEYS_DIR", names.TRANSPORT_KEYS_DIR),
+        _env("MF_HTTP_HOST", "0.0.0.0"), _env("MF_KEYS_DIR", names.TRANSPORT_KEYS_DIR), _env("HOME", SCRATCH_DIR),
         {"name": "MF_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "MF_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]  # fmt: skip
@@ -114,20 +129,39 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: FleetPlan, m
             {"name": "agent", "containerPort": names.AGENT_PORT},
             {"name": "http", "containerPort": names.AGENT_HTTP_PORT},
         ],
+        # the agent answers /healthz from the start of loading and /readyz once its layers are in;
+        # the startup budget covers the start of the process and loading the stage's weights
+        "startupProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=_startup_failures(stage.weights_bytes)),
         "readinessProbe": _probe("/readyz", names.AGENT_HTTP_PORT, period=5),
-        # weights load for minutes; the agent answers /healthz while loading
         "livenessProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=6),
-        "volumeMounts": [_plan_mount(), _model_mount(spec), _transport_mount()],
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [_plan_mount(), _model_mount(spec), _transport_mount(), _scratch_mount()],
     }  # fmt: skip
     pod_spec = {
         "hostname": name, "subdomain": names.stage_service(fleet_name), "restartPolicy": "Never",
         "affinity": _affinity(spec, member.node), "containers": [container],
-        "volumes": [_plan_volume(fleet_name), model_volume, _transport_volume(fleet_name)],
-        "automountServiceAccountToken": False,
+        "volumes": [_plan_volume(fleet_name), model_volume, _transport_volume(fleet_name), _scratch_volume()],
+        "automountServiceAccountToken": False, "securityContext": POD_SECURITY,
     }  # fmt: skip
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _startup_failures(weights_bytes: int) -> int:
+    """Startup probe failures (10 s apart) allowed: 5 minutes, plus the stage's weights at
+    STARTUP_LOAD_BYTES_PER_SECOND (a slow network volume), for at most a day."""
+    budget_seconds = STARTUP_BASE_SECONDS + weights_bytes / STARTUP_LOAD_BYTES_PER_SECOND
+    return min(8640, max(1, -(-int(budget_seconds) // 10)))
+
+
+def _scratch_volume() -> Obj:
+    return {"name": "scratch", "emptyDir": {}}
+
+
+def _scratch_mount() -> Obj:
+    """The root filesystem is read-only: caches (HOME, torch, OpenVINO) write here."""
+    return {"name": "scratch", "mountPath": SCRATCH_DIR}
 
 
 def _env(name: str, value: str) -> Obj:
@@ -139,10 +173,17 @@ def _probe(path: str, port: int, period: int, failures: int = 3) -> Obj:
 
 
 def _resources(spec: ModelFleetSpec, member: MemberAssignment) -> Obj:
-    requests = {k: v for k, v in (("cpu", spec.resources.cpu), ("memory", spec.resources.memory)) if v}
-    limits = dict(requests) if spec.placement.numa == "single-numa-node" else {}  # Guaranteed QoS for NUMA pinning
-    if "memory" in requests:
-        limits["memory"] = requests["memory"]
+    """Requests from ``resources``; with ``placement.numa: single-numa-node``, limits equal to the
+    requests and whole CPUs (Guaranteed QoS: the kubelet's static CPU and topology managers pin
+    only such pods to one NUMA node's cores)."""
+    cpu, memory = spec.resources.cpu, spec.resources.memory
+    pinned = spec.placement.numa == "single-numa-node"
+    if pinned and cpu is not None:
+        cpu = str(parse_quantity(cpu))  # rounded up
+    requests = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v}
+    limits = dict(requests) if pinned else {}
+    if memory:
+        limits["memory"] = memory
     if member.accelerator_resource and spec.accelerator.devices_per_pod:
         limits[member.accelerator_resource] = str(spec.accelerator.devices_per_pod)
     result: Obj = {}
@@ -215,7 +256,7 @@ def inspection_job(fleet: Mapping[str, Any], spec: ModelFleetSpec) -> Obj:
     container = {
         "name": "inspect", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
         "command": ["sh", "-c", 'exec modelfleet inspect --model "$MF_MODEL_PATH" --output /dev/termination-log'],
-        "env": model_env, "terminationMessagePolicy": "File",
+        "env": model_env, "terminationMessagePolicy": "File", "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True}],
     }  # fmt: skip
     pod_spec = {
@@ -223,6 +264,7 @@ def inspection_job(fleet: Mapping[str, Any], spec: ModelFleetSpec) -> Obj:
         "containers": [container],
         "volumes": [model_volume],
         "automountServiceAccountToken": False,
+        "securityContext": POD_SECURITY,
     }
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations]
@@ -276,9 +318,10 @@ def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: Fle
     fleet_name = fleet["metadata"]["name"]
     labels = selector(fleet_name, "gateway")
     model_volume, _ = _model_volume(spec)
-    mounts = [_plan_mount(), _model_mount(spec), _transport_mount()]
-    volumes = [_plan_volume(fleet_name), model_volume, _transport_volume(fleet_name)]
+    mounts = [_plan_mount(), _model_mount(spec), _transport_mount(), _scratch_mount()]
+    volumes = [_plan_volume(fleet_name), model_volume, _transport_volume(fleet_name), _scratch_volume()]
     env = [
+        _env("MF_FLEET", fleet_name), _env("HOME", SCRATCH_DIR),
         _env("MF_PLAN", f"{names.PLAN_MOUNT_DIR}/{names.PLAN_KEY}"), _env("MF_GATEWAY_HOST", "0.0.0.0"),
         _env("MF_GATEWAY_PORT", str(names.GATEWAY_PORT)), _env("MF_KEYS_DIR", names.TRANSPORT_KEYS_DIR),
     ]  # fmt: skip
@@ -296,10 +339,16 @@ def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: Fle
         "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],
         "readinessProbe": _probe("/readyz", names.GATEWAY_PORT, period=5),
         "livenessProbe": _probe("/healthz", names.GATEWAY_PORT, period=10),
+        "securityContext": CONTAINER_SECURITY,
     }  # fmt: skip
     template = {
         "metadata": {"labels": labels, "annotations": {names.ANNOTATION_PLAN_HASH: plan.plan_hash()}},
-        "spec": {"containers": [container], "volumes": volumes, "automountServiceAccountToken": False},
+        "spec": {
+            "containers": [container],
+            "volumes": volumes,
+            "automountServiceAccountToken": False,
+            "securityContext": POD_SECURITY,
+        },  # fmt: skip
     }
     deployment_spec = {"replicas": spec.gateway.replicas, "selector": {"matchLabels": labels}, "template": template}
     meta = _metadata(fleet, names.gateway_name(fleet_name), "gateway")
@@ -352,6 +401,6 @@ def fleet_objects(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Pla
     plan = placement.plan
     return [
         plan_config_map(fleet, placement), stage_service(fleet), *network_policies(fleet), disruption_budget(fleet),
-        *(stage_pod(fleet, spec, plan, member) for member in placement.members),
+        *(stage_pod(fleet, spec, placement, member) for member in placement.members),
         gateway_deployment(fleet, spec, plan), gateway_service(fleet, spec),
     ]  # fmt: skip

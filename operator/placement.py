@@ -30,6 +30,7 @@ from modelfleet.plan import FleetPlan, PlanError, build
 from modelfleet.planner import InfeasiblePlan, node_name, parse_quantity, split_by_memory, usable_memory
 
 from .names import model_path, stage_address
+from .names import revision as revision_of
 from .spec import ModelFleetSpec
 from .summary import ModelSummary
 
@@ -51,6 +52,7 @@ class MemberAssignment:
 class Placement:
     plan: FleetPlan
     members: tuple[MemberAssignment, ...]
+    revision: str  # names.revision: in every pod's name, label and environment
 
 
 @dataclass(frozen=True)
@@ -176,12 +178,27 @@ def _plan(
         groups.append({"group_index": g, "stages": [
             {
                 "stage_index": s, "layer_start": a, "layer_end": b, "tp_size": tp,
-                "address": stage_address(fleet, namespace, g, s, tp), "device": PLAN_DEVICE[spec.accelerator.profile],
+                "device": PLAN_DEVICE[spec.accelerator.profile],
                 "weights_bytes": sizes.stage_bytes(a, b), "kv_budget_bytes": sum(kv[a:b]),
             }
             for s, (a, b) in enumerate(ranges)
         ]})  # fmt: skip
-    return Placement(_build(spec, summary, groups), tuple(members))
+    # The revision hashes the plan without its addresses (which name the revision) and the nodes.
+    unaddressed = _build(spec, summary, _addressed(groups, fleet, namespace, "0"))
+    nodes = ",".join(f"{m.group}/{m.stage}/{m.tp_rank}={m.node}" for m in members)
+    revision = revision_of(unaddressed.plan_hash(), nodes)
+    plan = _build(spec, summary, _addressed(groups, fleet, namespace, revision))
+    return Placement(plan, tuple(members), revision)
+
+
+def _addressed(groups: list[dict[str, Any]], fleet: str, namespace: str, revision: str) -> list[dict[str, Any]]:
+    return [
+        {**group, "stages": [
+            {**stage, "address": stage_address(fleet, namespace, revision, group["group_index"], stage["stage_index"], stage["tp_size"])}
+            for stage in group["stages"]
+        ]}
+        for group in groups
+    ]  # fmt: skip
 
 
 def _ranges(

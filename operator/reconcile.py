@@ -8,6 +8,12 @@ deleted when their plan hash is stale, to be recreated on the next pass.
 
 A plan is kept while the fleet's generation is the one it was made for and every planned node
 still matches: nodes joining the cluster do not reshuffle a running fleet.
+
+Revisions: a plan (or member nodes) that differs from the running one has another revision
+(:func:`names.revision`), and so other pod names. A pass creates the new revision's pods and
+deletes the old revision's pods in the same pass; the two never form one chain, since each
+revision's plan addresses only its own pods. A spec change that leaves the plan as it was (the
+gateway's replicas, say) keeps the revision and its pods.
 """
 
 from __future__ import annotations
@@ -174,7 +180,8 @@ def _current_placement(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: 
     if config_map is None:
         return None
     annotations = config_map["metadata"].get("annotations") or {}
-    if annotations.get(names.ANNOTATION_GENERATION) != str(meta.get("generation") or 0):
+    revision = annotations.get(names.ANNOTATION_REVISION)
+    if annotations.get(names.ANNOTATION_GENERATION) != str(meta.get("generation") or 0) or not revision:
         return None
     try:
         plan = FleetPlan.from_json(config_map["data"][names.PLAN_KEY])
@@ -184,7 +191,7 @@ def _current_placement(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: 
     nodes = {(n.get("metadata") or {}).get("name"): n for n in cluster.list_nodes()}
     if any(m.node not in nodes or rejection(nodes[m.node], spec) is not None for m in assigned):
         return None
-    return Placement(plan, assigned)
+    return Placement(plan, assigned, revision)
 
 
 def apply(cluster: Cluster, obj: Obj) -> str:
@@ -218,7 +225,9 @@ def _contains(live: Any, desired: Any) -> bool:
 
 
 def _prune_stage_pods(fleet: Mapping[str, Any], cluster: Cluster, wanted: set[str]) -> list[str]:
-    """Delete stage pods the plan no longer has (fewer replicas or stages, a wider tensor group)."""
+    """Delete stage pods the plan no longer has: those of an older revision (in the pass that
+    created the new revision's pods, not once they are ready: both revisions would not fit the
+    nodes' accelerators, and an old stage never serves the new chain), or of fewer replicas."""
     meta = fleet["metadata"]
     pruned = []
     for pod in cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage")):
@@ -318,5 +327,5 @@ class _Report:
         self.fields.update(
             phase=str(phase), members=listed, ready=f"{loaded}/{total}", stages=len(placement.plan.groups[0].stages),
             replicas=ready_groups, selector=",".join(f"{k}={v}" for k, v in objects.selector(meta["name"], "stage").items()),
-            endpoint=objects.endpoint(fleet), planHash=placement.plan.plan_hash(),
+            endpoint=objects.endpoint(fleet), planHash=placement.plan.plan_hash(), revision=placement.revision,
         )  # fmt: skip

@@ -170,6 +170,11 @@ class ModelFleetSpec(_Spec):
             raise ValueError(
                 f"serving.windowRows={self.serving.window_rows} exceeds serving.contextLength={self.serving.context_length}"
             )
+        numa_pinned = self.placement.numa == "single-numa-node"
+        if numa_pinned and (self.resources.cpu is None or self.resources.memory is None):
+            raise ValueError(
+                "placement.numa=single-numa-node needs resources.cpu and resources.memory (Guaranteed QoS)"
+            )
         if self.stages is not None:
             _check_stage_ranges(self.stages)
             pipeline = self.parallelism.pipeline

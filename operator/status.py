@@ -121,7 +121,7 @@ def members(
     result = []
     for m in placement.members:
         stage = placement.plan.stage(m.group, m.stage)
-        pod = names.pod_name(fleet, m.group, m.stage, m.tp_rank, stage.tp_size)
+        pod = names.pod_name(fleet, placement.revision, m.group, m.stage, m.tp_rank, stage.tp_size)
         agent = (agents or {}).get(pod)
         phase = member_phase(pods.get(pod), agent)
         loaded = stage.num_layers if phase == MemberPhase.READY else 0

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from modelfleet.operator.summary import ModelSummary
 
 GiB = 1 << 30
+REVISION_IN_NAME = re.compile(r"-[0-9a-f]{10}-g(?=[0-9])")
+
+
+def unrevised(text: str) -> str:
+    """``text`` with the revision left out of stage pod names: qwen-0123456789-g0-s1 -> qwen-g0-s1."""
+    return REVISION_IN_NAME.sub("-g", text)
 
 
 def node(name: str, memory: str = "18Gi", labels: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -97,8 +104,21 @@ class FakeCluster:
     def of_kind(self, kind: str) -> dict[str, dict[str, Any]]:
         return {name: o for (k, _, name), o in self.objects.items() if k == kind}
 
+    def pods(self) -> list[str]:
+        """Stage and inspection pod names, sorted, without their revision."""
+        return sorted(unrevised(name) for name in self.of_kind("Pod"))
+
+    def pod_name(self, short: str) -> str:
+        """The full name of the one pod whose name without its revision is ``short``."""
+        (name,) = [name for name in self.of_kind("Pod") if unrevised(name) == short]
+        return name
+
+    def unrevised_log(self) -> list[str]:
+        return [unrevised(line) for line in self.log]
+
     def set_pod(self, name: str, phase: str, ready: bool = False) -> None:
-        pod = self.of_kind("Pod")[name]
+        """Set a pod's phase; ``name`` without the revision."""
+        pod = self.of_kind("Pod")[self.pod_name(name)]
         conditions = [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(ready)}]
         pod["status"] = {"phase": phase, "conditions": conditions}
 

@@ -168,6 +168,7 @@ BAD = {
     "zero queue timeout": _with(gateway={"queueTimeoutSeconds": 0}),
     "unknown service type": _with(gateway={"serviceType": "Ingress"}),
     "unknown numa policy": _with(placement={"numa": "interleave"}),
+    "numa pinning without resources": _with(placement={"numa": "single-numa-node"}, resources={"memory": "8Gi"}),
     "unknown weight format": {"model": {"uri": "hf://a/b", "servedName": "m", "formats": {"experts": "int3"}}},
 }
 

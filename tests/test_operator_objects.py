@@ -35,41 +35,58 @@ def env_of(pod: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "<ref>") for e in pod_spec["containers"][0]["env"]}
 
 
-def test_one_pod_per_stage_member_with_stable_names_labels_and_mf_environment():
-    _, objs, _ = build(parallelism={"pipeline": 2}, replicas=2)
-    pods = by_kind(objs, "Pod")
-    assert sorted(pods) == ["qwen-g0-s0", "qwen-g0-s1", "qwen-g1-s0", "qwen-g1-s1"]
-    pod = pods["qwen-g1-s0"]
+def test_one_pod_per_stage_member_named_and_labelled_with_the_revision_and_mf_environment():
+    _, objs, placement = build(parallelism={"pipeline": 2}, replicas=2)
+    pods, rev = by_kind(objs, "Pod"), placement.revision
+    assert sorted(pods) == [f"qwen-{rev}-g0-s0", f"qwen-{rev}-g0-s1", f"qwen-{rev}-g1-s0", f"qwen-{rev}-g1-s1"]
+    pod = pods[f"qwen-{rev}-g1-s1"]
     assert pod["metadata"]["labels"] == {
-        "modelfleet.io/fleet": "qwen", "modelfleet.io/group": "1", "modelfleet.io/stage": "0",
-        "modelfleet.io/tp-rank": "0", "modelfleet.io/component": "stage",
+        "modelfleet.io/fleet": "qwen", "modelfleet.io/group": "1", "modelfleet.io/stage-index": "1",
+        "modelfleet.io/tp-rank": "0", "modelfleet.io/revision": rev, "modelfleet.io/component": "stage",
     }  # fmt: skip
     env = env_of(pod)
-    assert (env["MF_PLAN"], env["MF_GROUP"], env["MF_STAGE"]) == (
-        "/etc/modelfleet/plan.json",
-        "1",
-        "0",
-    )
-    assert (env["MF_MODEL_PATH"], env["MF_KEYS_DIR"]) == (
-        "/models/qwen3",
-        "/etc/modelfleet-transport",
-    )
+    assert {k: env[k] for k in ("MF_FLEET", "MF_REVISION", "MF_STAGE_INDEX", "MF_LAYER_START", "MF_LAYER_END")} == {
+        "MF_FLEET": "qwen", "MF_REVISION": rev, "MF_STAGE_INDEX": "1", "MF_LAYER_START": "4", "MF_LAYER_END": "8",
+    }  # fmt: skip
+    # what `modelfleet agent` reads
+    assert (env["MF_PLAN"], env["MF_GROUP"], env["MF_STAGE"]) == ("/etc/modelfleet/plan.json", "1", "1")
+    assert (env["MF_MODEL_PATH"], env["MF_KEYS_DIR"]) == ("/models/qwen3", "/etc/modelfleet-transport")
     transport = {"secretName": "qwen-transport", "defaultMode": 0o400}
     assert {"name": "transport", "secret": transport} in pod["spec"]["volumes"]
-    assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == (
-        "qwen-g1-s0",
-        "qwen-stages",
-    )
+    assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == (f"qwen-{rev}-g1-s1", "qwen-stages")
+    assert placement.plan.stage(1, 0).address == f"qwen-{rev}-g1-s0.qwen-stages.ai.svc:5555"
 
 
 def test_tensor_parallel_members_get_a_rank_suffix():
-    _, objs, _ = build(parallelism={"pipeline": 2, "tensor": 2})
-    assert sorted(by_kind(objs, "Pod")) == [
-        "qwen-g0-s0-r0",
-        "qwen-g0-s0-r1",
-        "qwen-g0-s1-r0",
-        "qwen-g0-s1-r1",
-    ]
+    _, objs, placement = build(parallelism={"pipeline": 2, "tensor": 2})
+    rev = placement.revision
+    assert sorted(by_kind(objs, "Pod")) == [f"qwen-{rev}-g0-s{s}-r{r}" for s in (0, 1) for r in (0, 1)]
+
+
+def test_pods_run_unprivileged_on_a_read_only_root_with_a_scratch_directory():
+    _, objs, _ = build()
+    pod_specs = [p["spec"] for p in by_kind(objs, "Pod").values()]
+    pod_specs.append(by_kind(objs, "Deployment")["qwen-gateway"]["spec"]["template"]["spec"])
+    for pod_spec in pod_specs:
+        assert pod_spec["securityContext"]["runAsNonRoot"] is True
+        container = pod_spec["containers"][0]
+        assert container["securityContext"] == {
+            "runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }  # fmt: skip
+        assert {"name": "scratch", "mountPath": "/tmp"} in container["volumeMounts"]
+        assert env_of(pod_spec)["HOME"] == "/tmp"
+
+
+def test_the_startup_probe_allows_for_loading_the_stages_weights():
+    _, objs, placement = build(parallelism={"pipeline": 2})
+    container = next(iter(by_kind(objs, "Pod").values()))["spec"]["containers"][0]
+    startup = container["startupProbe"]
+    weights = placement.plan.stage(0, 0).weights_bytes  # 4 GiB
+    budget_seconds = startup["periodSeconds"] * startup["failureThreshold"]
+    assert startup["httpGet"]["path"] == "/healthz"
+    assert 300 + weights / 50e6 <= budget_seconds < 300 + weights / 50e6 + 10
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
 def test_a_pod_is_bound_to_its_planned_node_and_mounts_the_plan_with_probes():
@@ -77,7 +94,7 @@ def test_a_pod_is_bound_to_its_planned_node_and_mounts_the_plan_with_probes():
         parallelism={"pipeline": 2},
         placement={"affinity": {"podAntiAffinity": {"x": 1}}},
     )
-    pod = by_kind(objs, "Pod")["qwen-g0-s1"]
+    pod = by_kind(objs, "Pod")[f"qwen-{placement.revision}-g0-s1"]
     term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ][0]
@@ -101,9 +118,9 @@ def test_a_pod_is_bound_to_its_planned_node_and_mounts_the_plan_with_probes():
     assert pod["spec"]["restartPolicy"] == "Never"
 
 
-def test_resources_are_strings_with_the_accelerator_and_guaranteed_for_numa_pinning():
+def test_resources_are_strings_with_the_accelerator_and_guaranteed_whole_cpus_for_numa_pinning():
     _, objs, _ = build(
-        accelerator={"profile": "nvidia-gpu", "count": 1}, resources={"cpu": "4", "memory": "16Gi"},
+        accelerator={"profile": "nvidia-gpu", "count": 1}, resources={"cpu": "3500m", "memory": "16Gi"},
         placement={"numa": "single-numa-node"},
     )  # fmt: skip
     resources = next(iter(by_kind(objs, "Pod").values()))["spec"]["containers"][0]["resources"]
@@ -111,6 +128,12 @@ def test_resources_are_strings_with_the_accelerator_and_guaranteed_for_numa_pinn
         "requests": {"cpu": "4", "memory": "16Gi"},
         "limits": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
     }
+
+
+def test_without_numa_pinning_cpu_is_requested_as_given_and_not_limited():
+    _, objs, _ = build(resources={"cpu": "500m", "memory": "16Gi"})
+    resources = next(iter(by_kind(objs, "Pod").values()))["spec"]["containers"][0]["resources"]
+    assert resources == {"requests": {"cpu": "500m", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
 
 
 def test_plan_config_map_holds_the_plan_and_its_hash():

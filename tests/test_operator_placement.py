@@ -88,7 +88,7 @@ def test_tensor_parallel_groups_deal_nodes_group_by_group_stage_by_stage_rank_by
     assert layout(result) == [[(0, 4), (4, 8)]] * 2
     assert nodes_of(result)[:4] == [(0, 0, 0, "n0"), (0, 0, 1, "n1"), (0, 1, 0, "n2"), (0, 1, 1, "n3")]
     assert result.plan.groups[1].stages[1].tp_size == 2
-    assert result.plan.groups[1].stages[1].address == "f-g1-s1-r0.f-stages.ns.svc:5555"
+    assert result.plan.groups[1].stages[1].address == f"f-{result.revision}-g1-s1-r0.f-stages.ns.svc:5555"
 
 
 def test_listed_stages_are_kept_as_given():
@@ -105,7 +105,7 @@ def test_the_plan_carries_devices_sizes_serving_limits_and_headless_addresses():
     result = place(the_spec, summary(4, kv_per_position=10), [node("a", **gpu), node("b", **gpu)], "qwen", "ai")
     first = result.plan.stage(0, 0)
     assert (first.device, first.weights_bytes, first.kv_budget_bytes) == ("cuda", 2 * GiB, 2 * 4 * 100 * 10)
-    assert first.address == "qwen-g0-s0.qwen-stages.ai.svc:5555"
+    assert first.address == f"qwen-{result.revision}-g0-s0.qwen-stages.ai.svc:5555"
     assert (result.plan.serving.max_streams, result.plan.serving.max_queue) == (4, 3)
     assert result.members[0].accelerator_resource == "nvidia.com/gpu"
 
@@ -148,3 +148,17 @@ def test_a_listed_stage_larger_than_its_node_is_insufficient_capacity():
 def test_more_stages_than_layers_is_invalid_for_the_model():
     result = place(spec(parallelism={"pipeline": 3}), summary(2), [node(n) for n in "abc"], "qwen", "ai")
     assert isinstance(result, Infeasible) and result.reason == "InvalidForModel"
+
+
+def test_the_revision_follows_the_plan_and_the_nodes_and_every_address_names_it():
+    nodes = [node("a"), node("b"), node("c")]
+    base = place(spec(parallelism={"pipeline": 2}), summary(8), nodes, "qwen", "ai")
+    again = place(spec(parallelism={"pipeline": 2}), summary(8), nodes, "qwen", "ai")
+    streams = place(spec(parallelism={"pipeline": 2}, serving={"maxStreams": 8}), summary(8), nodes, "qwen", "ai")
+    moved = place(spec(parallelism={"pipeline": 2}), summary(8), [node("a"), node("c")], "qwen", "ai")
+    gateway = place(spec(parallelism={"pipeline": 2}, gateway={"replicas": 3}), summary(8), nodes, "qwen", "ai")
+    assert base.revision == again.revision == gateway.revision  # the gateway's replicas are not in the plan
+    assert len({base.revision, streams.revision, moved.revision}) == 3  # moved: same layers, other nodes
+    for result in (base, streams, moved):
+        assert len(result.revision) == 10
+        assert all(f"qwen-{result.revision}-g0-s" in stage.address for stage in result.plan.groups[0].stages)

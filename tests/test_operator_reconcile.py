@@ -7,7 +7,7 @@ from typing import Any
 
 import kopf
 import pytest
-from fleet_fixtures import FakeCluster, fleet, node, summary, summary_config_map
+from fleet_fixtures import FakeCluster, fleet, node, summary, summary_config_map, unrevised
 
 from modelfleet.operator import handlers
 from modelfleet.operator.reconcile import reconcile
@@ -84,7 +84,7 @@ def test_a_fleet_is_planned_applied_and_reported_with_members():
     cluster = cluster_for(body)
     outcome = reconcile(body, cluster)
     assert outcome.permanent_error is None and outcome.retry_after_seconds is None
-    assert sorted(cluster.of_kind("Pod")) == ["qwen-g0-s0", "qwen-g0-s1"]
+    assert cluster.pods() == ["qwen-g0-s0", "qwen-g0-s1"]
     assert set(cluster.of_kind("Service")) == {"qwen-stages", "qwen-gateway"}
     keys = cluster.of_kind("Secret")["qwen-transport"]["data"]
     assert len(base64.b64decode(keys["fleet.key"])) == len(base64.b64decode(keys["fleet.key_secret"])) == 40
@@ -100,7 +100,7 @@ def test_a_fleet_is_planned_applied_and_reported_with_members():
         "0/2",
     )
     assert status["members"][1] == {
-        "group": 0, "stage": 1, "tpRank": 0, "pod": "qwen-g0-s1", "node": "b", "layerStart": 4, "layerEnd": 8,
+        "group": 0, "stage": 1, "tpRank": 0, "pod": cluster.pod_name("qwen-g0-s1"), "node": "b", "layerStart": 4, "layerEnd": 8,
         "phase": "Pending", "layersLoaded": 0, "layersTotal": 4,
     }  # fmt: skip
     assert status["endpoint"] == "http://qwen-gateway.ai.svc:8000/v1"
@@ -137,8 +137,8 @@ def test_members_report_the_agents_own_phase_and_loading_progress():
     reconcile(body, cluster)
     cluster.set_pod("qwen-g0-s0", "Running")
     cluster.set_pod("qwen-g0-s1", "Running", ready=True)
-    cluster.agents["qwen-g0-s0"] = {"phase": "Loading", "layers_loaded": 3, "layers_total": 4}
-    cluster.agents["qwen-g0-s1"] = {"phase": "Draining", "layers_loaded": 4, "layers_total": 4}
+    cluster.agents[cluster.pod_name("qwen-g0-s0")] = {"phase": "Loading", "layers_loaded": 3, "layers_total": 4}
+    cluster.agents[cluster.pod_name("qwen-g0-s1")] = {"phase": "Draining", "layers_loaded": 4, "layers_total": 4}
     members = reconcile(body, cluster).status["members"]
     assert [(m["phase"], m["layersLoaded"], m["layersTotal"]) for m in members] == [
         ("Loading", 3, 4),
@@ -164,10 +164,10 @@ def test_a_failed_stage_pod_is_replaced_alone_and_counted():
     cluster.log.clear()
     outcome = reconcile(with_status(body, status), cluster)
     status = outcome.status
-    assert cluster.log == ["delete Pod/qwen-g0-s1", "create Pod/qwen-g0-s1"]
-    assert outcome.replaced == ["qwen-g0-s1"]
-    assert status["stageRestarts"] == {"qwen-g0-s1": 1}
-    assert "status" in cluster.of_kind("Pod")["qwen-g0-s0"]  # the healthy stage was left alone
+    assert cluster.unrevised_log() == ["delete Pod/qwen-g0-s1", "create Pod/qwen-g0-s1"]
+    assert outcome.replaced == [cluster.pod_name("qwen-g0-s1")]
+    assert status["stageRestarts"] == {cluster.pod_name("qwen-g0-s1"): 1}
+    assert "status" in cluster.of_kind("Pod")[cluster.pod_name("qwen-g0-s0")]  # the healthy stage was left alone
 
 
 def test_a_stage_failing_past_max_stage_restarts_fails_the_fleet_for_good():
@@ -185,7 +185,7 @@ def test_a_stage_failing_past_max_stage_restarts_fails_the_fleet_for_good():
     assert cluster.log == [] and again.status == status
     # a new generation (the user changed the spec) counts afresh: this replacement is its first
     fixed = reconcile(with_status(fleet(generation=2, parallelism={"pipeline": 2}), status), cluster).status
-    assert fixed["phase"] != "Failed" and fixed["stageRestarts"] == {"qwen-g0-s1": 1}
+    assert fixed["phase"] != "Failed" and list(map(unrevised, fixed["stageRestarts"])) == ["qwen-g0-s1"]
 
 
 def test_an_invalid_spec_is_a_permanent_error_with_a_failed_condition():
@@ -222,21 +222,22 @@ def test_a_node_joining_keeps_the_plan_and_a_new_generation_replans():
     cluster.log.clear()
     replanned = reconcile(fleet(generation=2), cluster).status
     assert replanned["stages"] == 3 and replanned["planHash"] != first["planHash"]
-    assert "delete Pod/qwen-g0-s0" in cluster.log  # stale plan: replaced on the next pass
-    assert "create Pod/qwen-g0-s2" in cluster.log
+    assert replanned["revision"] != first["revision"]
+    old, new = first["revision"], replanned["revision"]
+    assert f"create Pod/qwen-{new}-g0-s2" in cluster.log  # a new revision: new pods, then the old go
+    assert cluster.log.index(f"delete Pod/qwen-{old}-g0-s0") > cluster.log.index(f"create Pod/qwen-{new}-g0-s0")
 
 
 def test_scaling_down_deletes_the_pods_the_plan_no_longer_has():
     body = fleet(parallelism={"pipeline": 1}, replicas=2)
     cluster = cluster_for(body, [node("a"), node("b")])
     reconcile(body, cluster)
-    assert sorted(cluster.of_kind("Pod")) == ["qwen-g0-s0", "qwen-g1-s0"]
+    assert cluster.pods() == ["qwen-g0-s0", "qwen-g1-s0"]
     scaled = fleet(generation=2, parallelism={"pipeline": 1}, replicas=1)
     reconcile(scaled, cluster)
-    assert "qwen-g1-s0" not in cluster.of_kind("Pod")  # and g0-s0 goes too: its plan changed
+    assert cluster.pods() == ["qwen-g0-s0"]  # of the new revision: its plan changed
     status = reconcile(scaled, cluster).status
-    assert sorted(cluster.of_kind("Pod")) == ["qwen-g0-s0"]
-    assert [m["pod"] for m in status["members"]] == ["qwen-g0-s0"]
+    assert [m["pod"] for m in status["members"]] == [cluster.pod_name("qwen-g0-s0")]
 
 
 def test_a_planned_node_that_disappears_triggers_a_new_plan():
