@@ -256,13 +256,14 @@ def inspection_job(fleet: Mapping[str, Any], spec: ModelFleetSpec) -> Obj:
     container = {
         "name": "inspect", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
         "command": ["sh", "-c", 'exec modelfleet inspect --model "$MF_MODEL_PATH" --output /dev/termination-log'],
-        "env": model_env, "terminationMessagePolicy": "File", "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True}],
+        "env": [*model_env, _env("HOME", SCRATCH_DIR)], "terminationMessagePolicy": "File",
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True}, _scratch_mount()],
     }  # fmt: skip
     pod_spec = {
         "restartPolicy": "Never",
         "containers": [container],
-        "volumes": [model_volume],
+        "volumes": [model_volume, _scratch_volume()],
         "automountServiceAccountToken": False,
         "securityContext": POD_SECURITY,
     }

@@ -298,11 +298,10 @@ def test_the_inspection_job_reads_the_model_volume_and_reports_through_its_termi
     job = objects.inspection_job(body, parse_spec(body["spec"]))
     pod_spec = job["spec"]["template"]["spec"]
     assert pod_spec["volumes"] == [
-        {
-            "name": "model",
-            "hostPath": {"path": "/srv/models/qwen3", "type": "Directory"},
-        }
+        {"name": "model", "hostPath": {"path": "/srv/models/qwen3", "type": "Directory"}},
+        {"name": "scratch", "emptyDir": {}},  # the root filesystem is read-only
     ]
+    assert pod_spec["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
     assert "--output /dev/termination-log" in pod_spec["containers"][0]["command"][-1]
     assert pod_spec["restartPolicy"] == "Never" and pod_spec["automountServiceAccountToken"] is False
     client = ApiClient()

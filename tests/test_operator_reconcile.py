@@ -311,3 +311,13 @@ def test_the_operator_reads_an_agents_status_over_http_and_tolerates_silence():
         server.server_close()
     assert read_agent_status(pod, server.server_address[1]) is None  # nobody listens now
     assert read_agent_status({"status": {}}) is None  # not scheduled yet
+
+
+def test_a_spec_change_that_keeps_the_plan_keeps_the_revision_and_its_pods():
+    cluster = cluster_for(fleet(parallelism={"pipeline": 2}))
+    first = reconcile(fleet(parallelism={"pipeline": 2}), cluster).status
+    cluster.log.clear()
+    more_gateways = fleet(generation=2, parallelism={"pipeline": 2}, gateway={"replicas": 2})
+    second = reconcile(more_gateways, cluster).status
+    assert second["revision"] == first["revision"]
+    assert cluster.log == ["patch ConfigMap/qwen-plan", "patch Deployment/qwen-gateway"]  # no pod touched
