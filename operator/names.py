@@ -35,7 +35,9 @@ PLAN_KEY = "plan.json"
 MEMBERS_KEY = "members.json"
 
 
-REVISION_LENGTH = 10  # hex digits: a pod name stays a DNS label (63) for fleet names up to ~40
+REVISION_LENGTH = 10  # hex digits
+# <fleet>-<revision>-gGG-sSS-rRR stays a DNS label (63) with up to 99 groups, stages and ranks
+MAX_FLEET_NAME_LENGTH = 63 - len("-0123456789-g99-s99-r99")
 
 
 def revision(plan_hash: str, members: str) -> str:

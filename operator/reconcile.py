@@ -68,6 +68,7 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
         return Outcome(old, message="stopped: a stage exceeded restartPolicy.maxStageRestarts")
     try:
         spec = parse_spec(fleet.get("spec") or {})
+        _check_name(meta["name"])
     except SpecError as exc:
         report.fail(Condition.READY, Reason.INVALID_SPEC, str(exc))
         return Outcome(report.status, permanent_error=str(exc))
@@ -89,6 +90,15 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
     applied += _prune_stage_pods(fleet, cluster, {o["metadata"]["name"] for o in desired if o["kind"] == "Pod"})
     report.observe(fleet, placement, cluster)
     return Outcome(report.status, applied=applied, replaced=report.replaced)
+
+
+def _check_name(fleet_name: str) -> None:
+    """The CRD's rule on metadata.name, for fleets stored before it."""
+    if len(fleet_name) > names.MAX_FLEET_NAME_LENGTH:
+        raise SpecError(
+            f"metadata.name={fleet_name!r} has {len(fleet_name)} characters, at most {names.MAX_FLEET_NAME_LENGTH}:"
+            " stage pod names add a revision and indices and must stay DNS labels (63)"
+        )
 
 
 def wake_up(pod_meta: Mapping[str, Any]) -> Obj:

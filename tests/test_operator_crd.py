@@ -261,3 +261,12 @@ def test_the_schema_is_structural_every_field_has_a_type():
         return found
 
     assert untyped(SCHEMA, "") == []
+
+
+def test_the_crd_limits_the_fleet_name_as_the_operator_does():
+    from modelfleet.operator.names import MAX_FLEET_NAME_LENGTH
+
+    stored, _ = admit(MINIMAL)
+    for length, admitted in ((MAX_FLEET_NAME_LENGTH, True), (MAX_FLEET_NAME_LENGTH + 1, False)):
+        errors = cel_errors(SCHEMA, {**stored, "metadata": {"name": "q" * length}})
+        assert (errors == []) is admitted, errors

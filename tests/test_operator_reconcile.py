@@ -321,3 +321,12 @@ def test_a_spec_change_that_keeps_the_plan_keeps_the_revision_and_its_pods():
     second = reconcile(more_gateways, cluster).status
     assert second["revision"] == first["revision"]
     assert cluster.log == ["patch ConfigMap/qwen-plan", "patch Deployment/qwen-gateway"]  # no pod touched
+
+
+def test_a_fleet_name_too_long_for_its_pod_names_is_a_permanent_error():
+    body = fleet(name="q" * 41)
+    outcome = reconcile(body, cluster_for(body))
+    assert outcome.permanent_error is not None and "at most 40" in outcome.permanent_error
+    assert conditions(outcome.status)["Ready"] == ("False", "InvalidSpec")
+    ok = fleet(name="q" * 40, parallelism={"pipeline": 2})
+    assert all(len(m["pod"]) <= 63 for m in reconcile(ok, cluster_for(ok)).status["members"])
