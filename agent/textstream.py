@@ -3,7 +3,9 @@
 Invariants:
 - the pieces a :class:`TextStream` emits, concatenated, equal the full decode of the ids it was
   given (cut just before the first stop string, when one matches); a multi-byte character is
-  never split, because :class:`IncrementalDecoder` holds back an incomplete UTF-8 sequence;
+  never split, because :class:`WindowDecoder` holds back an incomplete UTF-8 sequence;
+- a token costs the decode of a short window of ids, not of the whole generation so far (a
+  long stream would otherwise cost the gateway time quadratic in its length);
 - text that could still become the start of a stop string is held back until it cannot, so a
   stop string (which may span several tokens) never reaches the client, not even in part.
 """
@@ -13,7 +15,37 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engine.tokenizer import IncrementalDecoder, TextTokenizer
+from ..engine.tokenizer import TextTokenizer
+
+
+class WindowDecoder:
+    """Token ids -> the text each adds, decoding only a window: the new text is the difference of
+    two decodes that start at the same id (``prefix_offset``), one ending where the emitted text
+    ends (``read_offset``), one at the newest id. Starting both at the same id cancels what a
+    tokenizer does to a sequence's first token (a leading space stripped, say), and both offsets
+    only ever sit where the text was complete, so a window never starts inside a character."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly complete text (empty while it ends mid-character)."""
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """What is left, complete or not."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(text) <= len(prefix) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix) :]
 
 
 class StopMatcher:
@@ -60,7 +92,7 @@ class TextStream:
     """One request's generated ids as text pieces; ``stopped`` once a stop string matched."""
 
     def __init__(self, tokenizer: TextTokenizer | None, stops: Sequence[str]):
-        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.decoder = WindowDecoder(tokenizer) if tokenizer is not None else None
         self.matcher = StopMatcher(stops)
         self.token_ids: list[int] = []
         self.stopped = False

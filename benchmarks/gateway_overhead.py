@@ -32,6 +32,7 @@ import heapq
 import json
 import multiprocessing as mp
 import os
+import random
 import socket
 import sys
 import threading
@@ -45,20 +46,32 @@ DEMO_MODEL = REPO / "models" / "demo"
 PROMPT_BASE = 10  # client i sends the prompt [PROMPT_BASE + i % 1000, PROMPT_BASE + i // 1000]
 
 
-def free_port(stride: int = 1) -> int:
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port + stride < 65536:
-            return port
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports: the stand-in head's three, then the gateway's."""
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        if all(port_free(base + k) for k in range(count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 # ---- the stand-in head ------------------------------------------------------------------------
 
 
-def stand_in_head(port: int, token_id: int, period_s: float, burst: bool, records: Any, stop: Any) -> None:
+def stand_in_head(port: int, token_id: int, period_s: float, burst: bool, records: Any, stop: Any,
+                  cpus: set[int] | None = None) -> None:  # fmt: skip
     """Tokens on schedule for every submit; on stop, puts {prompt key: [(scheduled, sent), ...]}."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     import zmq
 
     sys.path.insert(0, str(REPO))
@@ -129,7 +142,9 @@ def stand_in_head(port: int, token_id: int, period_s: float, burst: bool, record
 # ---- the gateway ------------------------------------------------------------------------------
 
 
-def gateway_process(plan_json: str, port: int, max_streams: int) -> None:
+def gateway_process(plan_json: str, port: int, max_streams: int, cpus: set[int] | None = None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # the gateway alone on these CPUs (the others run elsewhere)
     sys.path.insert(0, str(REPO))
     import logging
 
@@ -175,11 +190,20 @@ async def all_streams(url: str, model: str, streams: int, tokens: int, spread_s:
         return dict(await asyncio.gather(*jobs))
 
 
-def clients_process(url: str, model: str, streams: int, tokens: int, spread_s: float, results: Any) -> None:
+def clients_process(url: str, model: str, streams: int, tokens: int, spread_s: float, results: Any,
+                    cpus: set[int] | None = None) -> None:  # fmt: skip
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     results.put(asyncio.run(all_streams(url, model, streams, tokens, spread_s)))
 
 
 # ---- one run ----------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -204,13 +228,17 @@ def wait_http(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
-def run(plan: Any, token_id: int, streams: int, tokens: int, period_s: float, pattern: str) -> dict[str, Any]:
+def run(plan: Any, token_id: int, streams: int, tokens: int, period_s: float, pattern: str,
+        gateway_cpus: set[int] | None = None) -> dict[str, Any]:  # fmt: skip
     ctx = mp.get_context("spawn")
+    others = (set(range(os.cpu_count() or 1)) - gateway_cpus) or None if gateway_cpus else None
     records, results, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     head_port = int(plan.groups[0].stages[0].address.rsplit(":", 1)[1])
-    head = ctx.Process(target=stand_in_head, args=(head_port, token_id, period_s, pattern == "burst", records, stop))
-    gateway_port = free_port()
-    gateway = ctx.Process(target=gateway_process, args=(plan.to_json(), gateway_port, streams))
+    head = ctx.Process(
+        target=stand_in_head, args=(head_port, token_id, period_s, pattern == "burst", records, stop, others)
+    )
+    gateway_port = head_port + 3
+    gateway = ctx.Process(target=gateway_process, args=(plan.to_json(), gateway_port, streams, gateway_cpus))
     head.start()
     gateway.start()
     try:
@@ -218,11 +246,12 @@ def run(plan: Any, token_id: int, streams: int, tokens: int, period_s: float, pa
         url = f"http://127.0.0.1:{gateway_port}/v1/completions"
         spread_s = period_s if pattern == "spread" else 0.0
         clients = ctx.Process(target=clients_process,
-                              args=(url, plan.model.served_name, streams, tokens, spread_s, results))  # fmt: skip
-        started = time.monotonic()
+                              args=(url, plan.model.served_name, streams, tokens, spread_s, results, others))  # fmt: skip
+        started, cpu_before = time.monotonic(), cpu_seconds(gateway.pid)  # type: ignore[arg-type]
         clients.start()
         arrivals: dict[str, list[float]] = results.get(timeout=600)
         wall = time.monotonic() - started
+        gateway_cpu = cpu_seconds(gateway.pid) - cpu_before  # type: ignore[arg-type]
         clients.join()
         stop.set()
         emitted: dict[str, list[tuple[float, float]]] = records.get(timeout=30)
@@ -233,11 +262,11 @@ def run(plan: Any, token_id: int, streams: int, tokens: int, period_s: float, pa
         head.join(10)
         if head.is_alive():
             head.terminate()
-    return summarize(streams, tokens, period_s, pattern, arrivals, emitted, wall)
+    return summarize(streams, tokens, period_s, pattern, arrivals, emitted, wall, gateway_cpu)
 
 
 def summarize(streams: int, tokens: int, period_s: float, pattern: str, arrivals: dict[str, list[float]],
-              emitted: dict[str, list[tuple[float, float]]], wall: float) -> dict[str, Any]:  # fmt: skip
+              emitted: dict[str, list[tuple[float, float]]], wall: float, gateway_cpu: float) -> dict[str, Any]:  # fmt: skip
     added, path, jitter, first = [], [], [], []
     delivered = 0
     for key, times in arrivals.items():
@@ -253,6 +282,8 @@ def summarize(streams: int, tokens: int, period_s: float, pattern: str, arrivals
         "pattern": pattern, "streams": streams, "tokens_per_stream": tokens, "period_ms": period_s * ms,
         "offered_tokens_per_s": round(streams / period_s), "delivered_tokens": delivered,
         "expected_tokens": streams * tokens, "wall_s": round(wall, 2),
+        "gateway_cpu_share": round(gateway_cpu / wall, 2),  # of one core, over the clients' run
+        "gateway_cpu_us_per_token": round(gateway_cpu / max(1, delivered) * 1e6, 1),
         "added_p50_ms": percentile(added, 0.5) * ms, "added_p99_ms": percentile(added, 0.99) * ms,
         "added_max_ms": max(added, default=float("nan")) * ms,
         "path_p50_ms": percentile(path, 0.5) * ms, "path_p99_ms": percentile(path, 0.99) * ms,
@@ -274,6 +305,7 @@ def main() -> None:
     parser.add_argument("--patterns", default="spread,burst", help="spread and/or burst")
     parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="tokenizer and config for the gateway")
     parser.add_argument("--out", type=Path, default=Path("out/gateway_overhead.csv"))
+    parser.add_argument("--gateway-cpus", default="", help="pin the gateway to these CPUs (e.g. 0,1) and the rest away")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from modelfleet.commands.fleet import make_plan
@@ -285,8 +317,9 @@ def main() -> None:
     for pattern in args.patterns.split(","):
         for streams in counts:
             plan = make_plan(args.model, 1, max_streams=streams, context_length=args.tokens + 16,
-                             base_port=free_port(stride=2))  # fmt: skip
-            row = run(plan, token_id, streams, args.tokens, args.period_ms / 1000, pattern)
+                             base_port=free_ports(4))  # fmt: skip
+            cpus = {int(c) for c in args.gateway_cpus.split(",") if c}
+            row = run(plan, token_id, streams, args.tokens, args.period_ms / 1000, pattern, cpus or None)
             rows.append(row)
             print_row(row, header=len(rows) == 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -294,7 +327,9 @@ def main() -> None:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\n{os.cpu_count()} CPUs shared by the clients, the gateway and the stand-in head; wrote {args.out}")
+    where = f"the gateway on CPUs {args.gateway_cpus}" if args.gateway_cpus else "all processes sharing them"
+    load = os.getloadavg()[0]
+    print(f"\n{os.cpu_count()} CPUs, {where}; load average {load:.1f} at the end; wrote {args.out}")
     print(json.dumps({"goal": "p99 added < 5 ms at 256 streams", "measured": {
         f"{r['pattern']}/{r['streams']}": round(r["added_p99_ms"], 2) for r in rows}}))  # fmt: skip
 
@@ -303,12 +338,16 @@ def print_row(row: dict[str, Any], header: bool) -> None:
     columns = [("pattern", "{:>7}"), ("streams", "{:>7}"), ("offered_tokens_per_s", "{:>9}"),
                ("delivered_tokens", "{:>9}"), ("added_p50_ms", "{:>9.2f}"), ("added_p99_ms", "{:>9.2f}"),
                ("path_p50_ms", "{:>9.2f}"), ("path_p99_ms", "{:>9.2f}"), ("first_token_added_p99_ms", "{:>9.2f}"),
-               ("jitter_p50_ms", "{:>9.2f}"), ("jitter_p99_ms", "{:>9.2f}"), ("sustained", "{!s:>9}")]  # fmt: skip
+               ("jitter_p50_ms", "{:>9.2f}"), ("jitter_p99_ms", "{:>9.2f}"), ("gateway_cpu_share", "{:>9.2f}"),
+               ("gateway_cpu_us_per_token", "{:>9.1f}"), ("sustained", "{!s:>9}")]  # fmt: skip
     if header:
         names = ["pattern", "streams", "tok/s", "tokens", "add p50", "add p99", "path p50", "path p99",
-                 "1st p99", "jit p50", "jit p99", "sustained"]  # fmt: skip
+                 "1st p99", "jit p50", "jit p99", "gw cpu", "gw us/tok", "sustained"]  # fmt: skip
         print(" ".join(f"{n:>9}" if i > 1 else f"{n:>7}" for i, n in enumerate(names)))
-        print("  (ms; add = arrival - scheduled, path = arrival - sent, jit = sent - scheduled at the stand-in)")
+        print(
+            "  (ms; add = arrival - scheduled, path = arrival - sent, jit = sent - scheduled at the stand-in;"
+            " gw cpu = the gateway's share of one core, gw us/tok = its CPU per token)"
+        )
     print(" ".join(fmt.format(row[name]) for name, fmt in columns))
 
 
