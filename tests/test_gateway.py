@@ -284,6 +284,14 @@ def test_text_stream_never_splits_a_multibyte_character_and_holds_back_stop_pref
     assert StopMatcher(["abc"]).push("xxab") == ("xx", False)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ids=st.lists(st.integers(0, 127), max_size=40))
+def test_text_stream_pieces_of_any_ids_equal_their_full_decode(tokenizer, ids) -> None:  # type: ignore[no-untyped-def]
+    stream = TextStream(tokenizer, [])
+    pieces = [stream.push([t]).text for t in ids]
+    assert "".join(pieces) + stream.finish() == tokenizer.decode(ids)
+
+
 def test_a_multibyte_character_written_as_two_tokens_streams_whole_and_the_stream_equals_the_decode(
     served, reference, tokenizer, checkpoint
 ) -> None:
