@@ -156,6 +156,8 @@ def _fill_tensors(root: nn.Module, ckpt: Checkpoint, layer_start: int, device: t
                 if stored == "head.weight" and stored not in ckpt and embed is not None:
                     table[name] = embed  # a tied head, stored once as the embeddings
                     continue
+                if stored == "head.weight" and stored not in ckpt and "embed" in ckpt:
+                    stored = "embed"  # a tied head on a last shard that does not hold the embeddings
                 if stored not in ckpt:
                     raise CheckpointError(f"{ckpt.dir}: {kind} {stored!r} is missing from the quantized checkpoint")
                 value = ckpt.read(stored)

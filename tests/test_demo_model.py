@@ -72,3 +72,12 @@ def test_the_demo_model_generates_text_through_its_tokenizer(tokenizer) -> None:
     text = tokenizer.decode(result.token_ids)
     assert result.token_ids and text.strip()
     assert tokenizer.config.get("chat_template") and tokenizer.token_id("<|endoftext|>") in lm.spec.eos_token_ids
+
+
+def test_the_bundled_quantized_model_cut_into_shards_gives_the_logits_of_the_whole() -> None:
+    # the head is tied to the embeddings: a last shard without them must still find its head
+    ids = list(range(10, 60))
+    whole = LocalModel.load(DEMO).forward(Frame.of_streams([(0, 0, ids)]))
+    for shards in (2, 3):
+        assert torch.equal(LocalModel.load(DEMO, shards=shards).forward(Frame.of_streams([(0, 0, ids)])), whole)
+    assert LocalModel.load(DEMO).bytes_by_role["experts"].keys() == {"int4"}
