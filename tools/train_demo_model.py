@@ -5,7 +5,7 @@ a hash of their relative path: every 20th file is held out (never trained on) an
 model directory, so a test can measure next-token accuracy on code the model has not seen.
 
     python tools/train_demo_model.py prepare --out out/demo-data      # corpus, tokenizer, token ids
-    python tools/train_demo_model.py train --data out/demo-data --out models/demo --seconds 150
+    python tools/train_demo_model.py train --data out/demo-data --out out/demo --seconds 75
 
 ``prepare`` runs anywhere in about a minute; ``train`` wants a GPU (it runs on a CPU too, slowly):
 both wall times are in models/demo/README.md.
@@ -180,7 +180,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("out/demo-data"))
     t = sub.add_parser("train", help="train the main and draft models")
     t.add_argument("--data", type=Path, default=Path("out/demo-data"))
-    t.add_argument("--out", type=Path, default=Path("models/demo"))
+    t.add_argument("--out", type=Path, default=Path("out/demo"))
     t.add_argument("--seconds", type=float, default=150.0, help="training time of the main model (draft: 1/4)")
     t.add_argument("--device", default="cuda")
     t.add_argument("--eval-tokens", type=int, default=400_000, help="held-out tokens scored after training")
