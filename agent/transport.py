@@ -241,13 +241,39 @@ def _kind(f: Any) -> Kind:
     return f.metadata["wire"]  # type: ignore[no-any-return]
 
 
-def _header_fields(cls: type) -> list[tuple[str, HeaderKind]]:
-    return [(f.name, kind) for f in fields(cls) if not isinstance(kind := _kind(f), Tensor)]
+@dataclass(frozen=True)
+class _Schema:
+    """A class's fields by kind, built once per class: decoding a token's message should not
+    walk ``dataclasses.fields`` again."""
+
+    all: tuple[tuple[str, Kind], ...]
+    header: tuple[tuple[str, HeaderKind], ...]
+    header_names: frozenset[str]
+    tensors: dict[str, Tensor]
+
+
+_SCHEMAS: dict[type, _Schema] = {}
+
+
+def _schema(cls: type) -> _Schema:
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        every = tuple((f.name, _kind(f)) for f in fields(cls))
+        header = tuple((name, kind) for name, kind in every if not isinstance(kind, Tensor))
+        tensors = {name: kind for name, kind in every if isinstance(kind, Tensor)}
+        schema = _SCHEMAS[cls] = _Schema(every, header, frozenset(name for name, _ in header), tensors)
+    return schema
+
+
+def _header_fields(cls: type) -> tuple[tuple[str, HeaderKind], ...]:
+    return _schema(cls).header
 
 
 def _load_fields(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
     """Header values for ``cls``'s non-tensor fields: exactly its keys, each checked."""
-    expected = {name for name, _ in _header_fields(cls)}
+    expected = _schema(cls).header_names
+    if data.keys() == expected:
+        return {name: kind.check(data[name], f"{where}.{name}") for name, kind in _header_fields(cls)}
     if unknown := sorted(set(data) - expected):
         raise MalformedMessage(f"{where} has unknown field(s) {unknown}")
     if missing := sorted(expected - set(data)):
@@ -265,9 +291,8 @@ class Checked:
     TYPE: ClassVar[str] = "record"
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # type: ignore[arg-type]
-            value = _kind(f).check(getattr(self, f.name), f"{self.TYPE}.{f.name}")
-            object.__setattr__(self, f.name, value)
+        for name, kind in _schema(type(self)).all:
+            object.__setattr__(self, name, kind.check(getattr(self, name), f"{self.TYPE}.{name}"))
         self.check()
 
     def check(self) -> None:
@@ -613,7 +638,7 @@ def _descriptors(cls: type[Message], listed: object, sizes: list[int]) -> list[D
         raise MalformedMessage(f"{where} must be a list, got {_type_name(listed)}")
     if len(listed) != len(sizes):
         raise MalformedMessage(f"{where} lists {len(listed)} payload(s), the message has {len(sizes)}")
-    specs = {f.name: _kind(f) for f in fields(cls) if isinstance(_kind(f), Tensor)}  # type: ignore[arg-type]
+    specs = _schema(cls).tensors
     out: list[Descriptor] = []
     for i, (entry, size) in enumerate(zip(listed, sizes, strict=True)):
         name, dtype, shape = _descriptor(entry, f"{where}[{i}]", specs)
