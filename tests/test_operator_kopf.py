@@ -220,15 +220,25 @@ def site(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def _real_cluster(api: Any) -> Iterator[Site]:
-    """A fresh namespace on the real cluster, deleted afterwards; its nodes must hold two stages."""
+    """A fresh namespace on the real cluster, deleted afterwards (or ``$MF_TEST_NAMESPACE``, which
+    must be empty and is kept); its nodes must hold two stages."""
     if len(api.list_nodes()) < 2:
         pytest.skip("the cluster of $KUBECONFIG has fewer than 2 nodes")
-    namespace = f"mf-test-{uuid.uuid4().hex[:8]}"
-    api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    given = os.environ.get("MF_TEST_NAMESPACE")
+    namespace = given or f"mf-test-{uuid.uuid4().hex[:8]}"
+    if not given:
+        api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
     try:
         yield Site(api, namespace, None, ["--namespace", namespace])
     finally:
-        api.delete("v1", "Namespace", "", namespace)
+        # the operator has stopped: drop kopf's finalizer, or the fleet (and a namespace) would stay
+        fleet_ref = {"apiVersion": "modelfleet.io/v1alpha1", "kind": "ModelFleet"}
+        if api.get(fleet_ref["apiVersion"], "ModelFleet", namespace, "qwen") is not None:
+            api.patch({**fleet_ref, "metadata": {"name": "qwen", "namespace": namespace, "finalizers": []}})
+            api.delete(fleet_ref["apiVersion"], "ModelFleet", namespace, "qwen")
+        api.delete("v1", "ConfigMap", namespace, "qwen-model-summary")
+        if not given:
+            api.delete("v1", "Namespace", "", namespace)
 
 
 @kopf.on.login(id="login_for_tests")
@@ -263,6 +273,7 @@ def operator(site: Site, create_fleet: bool = True) -> Iterator[Any]:
     del body["metadata"]["uid"], body["metadata"]["generation"]  # the API server sets them
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False
+    settings.scanning.disabled = site.log is None  # one namespace, given: nothing to scan for
     with KopfRunner(["run", "--standalone", *site.kopf_args], settings=settings) as runner:
         if create_fleet:
             site.api.create(body)
