@@ -30,6 +30,7 @@ import asyncio
 import csv
 import heapq
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -162,22 +163,29 @@ def gateway_process(plan_json: str, port: int, max_streams: int, cpus: set[int] 
 
 
 async def one_stream(session: Any, url: str, model: str, index: int, tokens: int, delay: float) -> tuple[str, list]:
-    import aiohttp  # noqa: F401
-
+    """The stream's prompt key and its tokens' arrival times; a failed stream is named in FAILED."""
     await asyncio.sleep(delay)
     prompt = [PROMPT_BASE + index % 1000, PROMPT_BASE + index // 1000]
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
     arrivals: list[float] = []
-    async with session.post(url, json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"stream {index}: HTTP {response.status}: {await response.text()}")
-        async for line in response.content:
-            if line.startswith(b"data: {"):
-                arrived = time.monotonic()
-                # a gateway behind its head merges the tokens waiting into one chunk: each arrived now
-                arrivals += [arrived] * len(json.loads(line[6:])["choices"][0]["token_ids"])
-    return ",".join(map(str, prompt)), arrivals
+    key = ",".join(map(str, prompt))
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    arrived = time.monotonic()
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"error event: {event['error']['message']}")
+                    # a gateway behind its head merges the tokens waiting into one chunk: each arrived now
+                    arrivals += [arrived] * len(event["choices"][0]["token_ids"])
+    except Exception as exc:  # counted and shown, so one broken stream does not hide the rest
+        arrivals.append(float("nan"))
+        print(f"stream {index} failed after {len(arrivals) - 1} tokens: {type(exc).__name__}: {exc}"[:300])
+    return key, arrivals
 
 
 async def all_streams(url: str, model: str, streams: int, tokens: int, spread_s: float) -> dict[str, list]:
@@ -269,6 +277,8 @@ def summarize(streams: int, tokens: int, period_s: float, pattern: str, arrivals
               emitted: dict[str, list[tuple[float, float]]], wall: float, gateway_cpu: float) -> dict[str, Any]:  # fmt: skip
     added, path, jitter, first = [], [], [], []
     delivered = 0
+    failed = sum(1 for times in arrivals.values() if times and math.isnan(times[-1]))
+    arrivals = {key: [t for t in times if not math.isnan(t)] for key, times in arrivals.items()}
     for key, times in arrivals.items():
         schedule = emitted.get(key, [])
         delivered += len(times)
@@ -280,7 +290,7 @@ def summarize(streams: int, tokens: int, period_s: float, pattern: str, arrivals
     ms = 1000.0
     return {
         "pattern": pattern, "streams": streams, "tokens_per_stream": tokens, "period_ms": period_s * ms,
-        "offered_tokens_per_s": round(streams / period_s), "delivered_tokens": delivered,
+        "offered_tokens_per_s": round(streams / period_s), "delivered_tokens": delivered, "failed_streams": failed,
         "expected_tokens": streams * tokens, "wall_s": round(wall, 2),
         "gateway_cpu_share": round(gateway_cpu / wall, 2),  # of one core, over the clients' run
         "gateway_cpu_us_per_token": round(gateway_cpu / max(1, delivered) * 1e6, 1),
