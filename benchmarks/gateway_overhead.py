@@ -109,6 +109,7 @@ def stand_in_head(port: int, token_id: int, period_s: float, burst: bool, record
             last = stream["left"] == 0
             msg = wire.OutputMsg(request_id=request_id, token_ids=(token_id,), finish_reason="length" if last else None)
             router.send_multipart([client, *wire.encode(msg)])
+            # stamped when the send returns: on an idle machine a client may read it a few us sooner
             log[stream["key"]].append((scheduled, time.monotonic()))
             if last:
                 del streams[client, request_id]
