@@ -84,10 +84,13 @@ class LocalFleet:
         return [sys.executable, "-P", "-m", "modelfleet.cli", *agent]
 
     def start(self) -> None:
+        """Every stage of every pipeline group, named ``stage S`` (``gG stage S`` with several groups)."""
         env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
-        for stage in self.plan.groups[0].stages:
-            self.spawn(f"stage {stage.stage_index}", self.stage_command(stage.stage_index), env,
-                       f"http://{stage.host}:{stage.port + 1}/status")  # fmt: skip
+        for group in self.plan.groups:
+            prefix = f"g{group.group_index} " if len(self.plan.groups) > 1 else ""
+            for stage in group.stages:
+                self.spawn(f"{prefix}stage {stage.stage_index}", self.stage_command(stage.stage_index, group.group_index),
+                           env, f"http://{stage.host}:{stage.port + 1}/status")  # fmt: skip
 
     def spawn(self, name: str, command: list[str], env: dict[str, str], status_url: str | None = None) -> Child:
         process = subprocess.Popen(
@@ -112,7 +115,7 @@ class LocalFleet:
     def wait_ready(
         self, timeout_seconds: float, on_progress: Callable[[list[dict[str, Any] | None]], None] | None = None
     ) -> None:
-        """Until the head reports ready; raises LaunchError if a child exits or time runs out."""
+        """Until every group's head reports ready; raises LaunchError if a child exits or time runs out."""
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             for child in self.children:
@@ -123,8 +126,8 @@ class LocalFleet:
             statuses = self.statuses()
             if on_progress is not None:
                 on_progress(statuses)
-            head = statuses[0]
-            if head is not None and head.get("ready"):
+            heads = [status for status in statuses if status is not None and status.get("stage_index") == 0]
+            if len(heads) == len(self.plan.groups) and all(head.get("ready") for head in heads):
                 return
             time.sleep(0.2)
         raise LaunchError(f"the fleet was not ready within {timeout_seconds:.0f} s")

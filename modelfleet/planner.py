@@ -37,7 +37,9 @@ PORT_STRIDE = 10  # a stage uses its port (frames), +1 (HTTP health/metrics) and
 REWIND_SLACK_POSITIONS = 64
 
 EMBED_NAME, NORM_NAME, HEAD_NAME = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+# a checkpoint written by `modelfleet quantize` names tensors by shard path: embed, layers.N..., norm.weight, head.weight
+_QUANTIZED_NAMES = {"embed": EMBED_NAME, "norm.weight": NORM_NAME, "head.weight": HEAD_NAME}
+_LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -89,7 +91,8 @@ def layer_bytes(model_dir: str | Path, dtype: str | None = None) -> LayerBytes:
 
     spec = load_spec(model_dir)
     checkpoint = Checkpoint(model_dir)
-    itemsize = _itemsize(dtype)
+    # a quantized checkpoint is loaded as stored: its bytes are the resident bytes
+    itemsize = None if spec.raw.get("quantization_config") else _itemsize(dtype)
     per_layer = [0] * spec.num_layers
     named: dict[str, int] = {}
     for name in checkpoint.names():
@@ -98,8 +101,8 @@ def layer_bytes(model_dir: str | Path, dtype: str | None = None) -> LayerBytes:
         match = _LAYER_NAME.match(name)
         if match and int(match.group(1)) < spec.num_layers:
             per_layer[int(match.group(1))] += size
-        elif name in (EMBED_NAME, NORM_NAME, HEAD_NAME):
-            named[name] = size
+        elif (canonical := _QUANTIZED_NAMES.get(name, name)) in (EMBED_NAME, NORM_NAME, HEAD_NAME):
+            named[canonical] = size
     tied = spec.tie_word_embeddings or HEAD_NAME not in named
     head = named.get(EMBED_NAME, 0) if tied else named[HEAD_NAME]
     return LayerBytes(tuple(per_layer), named.get(EMBED_NAME, 0), named.get(NORM_NAME, 0), head, tied)

@@ -81,3 +81,13 @@ def test_the_bundled_quantized_model_cut_into_shards_gives_the_logits_of_the_who
     for shards in (2, 3):
         assert torch.equal(LocalModel.load(DEMO, shards=shards).forward(Frame.of_streams([(0, 0, ids)])), whole)
     assert LocalModel.load(DEMO).bytes_by_role["experts"].keys() == {"int4"}
+
+
+def test_planning_the_bundled_quantized_model_counts_its_packed_bytes() -> None:
+    from modelfleet.planner import layer_bytes
+
+    sizes = layer_bytes(DEMO, "float32")
+    stored = sum(p.stat().st_size for p in DEMO.glob("*.safetensors"))
+    assert all(n > 0 for n in sizes.per_layer) and sizes.embed_bytes > 0 and sizes.tied
+    total = sum(sizes.per_layer) + sizes.embed_bytes + sizes.norm_bytes
+    assert 0.95 * stored < total <= stored  # the packed bytes as stored, not re-counted at float32

@@ -239,3 +239,15 @@ def test_killing_a_stage_fails_requests_fast_and_the_restarted_stage_rejoins(sec
         again = client.generate([4, 5, 6], SamplingParams(max_tokens=6, stop_token_ids=()))
         assert again.finish_reason == "length" and len(again.token_ids) == 6
     assert [secure_fleet.status(s)["phase"] for s in range(STAGES)] == ["Ready"] * 3
+
+
+def test_a_local_fleet_of_two_replicas_starts_every_stage_of_both_groups(tiny_checkpoint, tmp_path) -> None:
+    path, _ = tiny_checkpoint("qwen3_moe")
+    plan = make_plan(path, 2, groups=2, base_port=free_base_port(4))
+    fleet = LocalFleet(plan, tmp_path / "plan.json")
+    spawned: list[tuple[str, list[str]]] = []
+    fleet.spawn = lambda name, command, env, status_url=None: spawned.append((name, command))  # type: ignore[method-assign,assignment,misc,return-value]
+    fleet.start()
+    assert [name for name, _ in spawned] == ["g0 stage 0", "g0 stage 1", "g1 stage 0", "g1 stage 1"]
+    assert [command[-3:] for _, command in spawned] == [["0", "--group", "0"], ["1", "--group", "0"],
+                                                        ["0", "--group", "1"], ["1", "--group", "1"]]  # fmt: skip

@@ -159,6 +159,9 @@ def up(
     groups: int | None = typer.Option(
         None, "--groups", min=1, help="Stream groups in flight (default: one per stage)."
     ),
+    replicas: int = typer.Option(
+        1, "--replicas", min=1, help="Copies of the whole pipeline; the gateway balances requests over them."
+    ),
     window_rows: int = typer.Option(8, "--window-rows", min=1),
     max_streams: int = typer.Option(16, "--max-streams", min=1),
     max_queue: int = typer.Option(64, "--max-queue", min=0),
@@ -188,7 +191,7 @@ def up(
     try:
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, stream_groups=groups, max_queue=max_queue, dtype=dtype,
-                               device=device, base_port=base_port)  # fmt: skip
+                               device=device, base_port=base_port, groups=replicas)  # fmt: skip
         check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
         fail(str(exc))
@@ -202,8 +205,11 @@ def up(
         fleet.start()
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
                       console=err, transient=True) as progress:  # fmt: skip
+            many = len(fleet_plan.groups) > 1
             tasks = [
-                progress.add_task(f"stage {s.stage_index}", total=s.num_layers) for s in fleet_plan.groups[0].stages
+                progress.add_task(f"{f'g{g.group_index} ' if many else ''}stage {s.stage_index}", total=s.num_layers)
+                for g in fleet_plan.groups
+                for s in g.stages
             ]
 
             def show(statuses: list[dict[str, Any] | None]) -> None:
