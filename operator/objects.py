@@ -4,7 +4,9 @@ Every object carries ``modelfleet.io/fleet`` and an ownerReference to the ModelF
 fleet deletes them). Quantities are strings. Stage pods use ``restartPolicy: Never``: a failed
 stage is replaced by the operator, which counts the replacements (``restartPolicy.maxStageRestarts``).
 A pod is bound to its planned node by a required node affinity on ``metadata.name`` (as DaemonSets
-are), so the scheduler still checks resources; ``placement.affinity``'s other parts are kept.
+are), so the scheduler still checks resources; that replaces ``placement.affinity``'s required node
+affinity, which the planner has already evaluated; its other parts are kept. The tensor ranks of a
+packed stage are pods of their own bound to the same node.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 the node of every stage member. Pure: plain data in, plain data out, no API calls.
 
 A node matches a fleet when it is Ready and schedulable, carries every ``placement.nodeSelector``
-label, tolerates every NoSchedule/NoExecute taint, and offers the accelerator profile through its
-device plugin's allocatable resource (the pods request that resource, so labels alone would not do):
+label, passes ``placement.affinity``'s required node affinity (:mod:`.affinity`; preferred terms are
+not evaluated), tolerates every NoSchedule/NoExecute taint, and offers the accelerator profile
+through its device plugin's allocatable resource (the pods request that resource, so labels alone
+would not do):
 
 - ``nvidia-gpu``: ``status.allocatable["nvidia.com/gpu"] >= count`` (NVIDIA device plugin; GPU
   feature discovery's ``nvidia.com/gpu.memory`` label adds device memory, see
@@ -12,10 +14,15 @@ device plugin's allocatable resource (the pods request that resource, so labels 
   GPU device plugin); iGPUs share host RAM and add no memory;
 - ``cpu``: every node.
 
-``placement.affinity`` is copied into the pods and not evaluated here. Members are taken from the
-matching nodes with the most usable memory, then ordered by name and dealt group by group, stage by
-stage, rank by rank. A stage of ``tensor`` ranks offers ``tensor * min(usable of its nodes)``
-(weights are split evenly across ranks). Layer ranges come from
+Every member (one pod per tensor rank, requesting ``accelerator.count`` devices) is placed on a node.
+Tensor-parallel stages are *packed* when ``parallelism.tensor > 1``, the profile is a GPU one, and
+some matching node offers ``tensor * count`` devices and ``tensor`` pods' ``resources``: then each
+stage's ranks share one such node (nodes offering fewer are rejected with that reason), and the
+stage offers that node's usable memory counting ``tensor * count`` GPUs. Otherwise each rank takes a
+node of its own and a stage offers ``tensor * min(usable of its nodes)`` (weights are split evenly
+across ranks). A node holds at most one stage. Nodes are taken from the matching ones with the
+most usable memory, then ordered by name and dealt group by group, stage by stage (and rank by
+rank when not packed). Layer ranges come from
 :func:`modelfleet.planner.split_by_memory` (in proportion to usable memory) unless the spec lists
 them.
 """
@@ -29,6 +36,7 @@ from typing import Any, Literal
 from modelfleet.plan import FleetPlan, PlanError, build
 from modelfleet.planner import InfeasiblePlan, node_name, parse_quantity, split_by_memory, usable_memory
 
+from .affinity import affinity_rejection
 from .names import model_path, stage_address
 from .names import revision as revision_of
 from .spec import ModelFleetSpec
@@ -75,6 +83,8 @@ def rejection(node: Node, spec: ModelFleetSpec) -> str | None:
     for key, value in spec.placement.node_selector.items():
         if labels.get(key) != value:
             return f"label {key}={value} missing (nodeSelector)"
+    if (why := affinity_rejection(node, spec.placement.affinity)) is not None:
+        return why
     if (node.get("spec") or {}).get("unschedulable"):
         return "unschedulable (cordoned)"
     if not _ready(node):
@@ -99,6 +109,27 @@ def accelerator_resource(node: Node, spec: ModelFleetSpec) -> str | None:
         if parse_quantity(allocatable.get(resource, 0)) >= spec.accelerator.devices_per_pod:
             return resource
     return None
+
+
+def stage_rejection(node: Node, spec: ModelFleetSpec) -> str | None:
+    """Why a matching ``node`` cannot hold all ``tensor`` ranks of one stage, or None when it can."""
+    tp, allocatable = spec.parallelism.tensor, (node.get("status") or {}).get("allocatable") or {}
+    resource = accelerator_resource(node, spec) or ACCELERATOR_RESOURCES[spec.accelerator.profile][0]
+    need = tp * spec.accelerator.devices_per_pod
+    if parse_quantity(allocatable.get(resource, 0)) < need:
+        have = allocatable.get(resource, 0)
+        return f"allocatable {resource} {have} below parallelism.tensor x accelerator.count = {need} (a stage's ranks share one node)"
+    for resource, wanted in (("cpu", spec.resources.cpu), ("memory", spec.resources.memory)):
+        if wanted and resource in allocatable and parse_quantity(allocatable[resource]) < tp * parse_quantity(wanted):
+            return f"allocatable {resource} {allocatable[resource]} below parallelism.tensor x resources.{resource} ({tp} x {wanted})"
+    return None
+
+
+def packs_stages(spec: ModelFleetSpec, matching: Sequence[Node]) -> bool:
+    """Whether each stage's tensor ranks go on one node: a GPU profile, tensor > 1, a node fits."""
+    if spec.accelerator.profile == "cpu" or spec.parallelism.tensor == 1:
+        return False
+    return any(stage_rejection(n, spec) is None for n in matching)
 
 
 def _ready(node: Node) -> bool:
@@ -129,12 +160,18 @@ def place(
     considered = tuple(sorted(node_name(n) for n in nodes))
     if not matching:
         return Infeasible("NoMatchingNodes", _no_match_message(spec, rejected), 0, considered, rejected)
-    per_stage = spec.parallelism.tensor
+    tp = spec.parallelism.tensor
+    packed = packs_stages(spec, matching)
+    if packed:
+        rejected.update({node_name(n): why for n in matching if (why := stage_rejection(n, spec)) is not None})
+        matching = [n for n in matching if node_name(n) not in rejected]
+    per_stage = 1 if packed else tp  # nodes per stage
     width = per_stage * spec.replicas
     stages = spec.pipeline or min(summary.num_layers, len(matching) // width)
     if stages < 1 or stages * width > len(matching):
         need = max(stages, 1) * width
-        message = f"the fleet needs {need} matching nodes ({max(stages, 1)} stages x {per_stage} ranks x {spec.replicas} groups), {len(matching)} match: {', '.join(sorted(node_name(n) for n in matching))}"
+        ranks = f"{tp} ranks on one node" if packed else f"{tp} ranks"
+        message = f"the fleet needs {need} matching nodes ({max(stages, 1)} stages x {ranks} x {spec.replicas} groups), {len(matching)} match: {', '.join(sorted(node_name(n) for n in matching))}"
         if rejected:
             message += "; not matching: " + "; ".join(f"{name}: {why}" for name, why in sorted(rejected.items()))
         return Infeasible("InsufficientCapacity", message, 0, considered, rejected)
@@ -145,7 +182,7 @@ def place(
     chosen = sorted(matching, key=lambda n: (-usable_memory(n), node_name(n)))[: stages * width]
     chosen.sort(key=node_name)
     try:
-        return _plan(spec, summary, chosen, stages, fleet, namespace)
+        return _plan(spec, summary, chosen, stages, per_stage, fleet, namespace)
     except InfeasiblePlan as exc:
         return Infeasible("InsufficientCapacity", str(exc), exc.missing_bytes, considered, rejected)
     except PlanError as exc:
@@ -160,20 +197,28 @@ def _no_match_message(spec: ModelFleetSpec, rejected: Mapping[str, str]) -> str:
 
 
 def _plan(
-    spec: ModelFleetSpec, summary: ModelSummary, chosen: list[Node], stages: int, fleet: str, namespace: str
+    spec: ModelFleetSpec,
+    summary: ModelSummary,
+    chosen: list[Node],
+    stages: int,
+    per_stage: int,
+    fleet: str,
+    namespace: str,
 ) -> Placement:
+    """``per_stage`` is the number of nodes a stage spans: ``tensor``, or 1 when its ranks share one."""
     tp, sizes = spec.parallelism.tensor, summary.sizes
     streams_per_group = -(-spec.serving.max_streams // spec.replicas)
     kv = summary.kv_bytes(streams_per_group, spec.serving.context_length)
     members, groups = [], []
     for g in range(spec.replicas):
-        group_nodes = chosen[g * stages * tp : (g + 1) * stages * tp]
-        stage_nodes = [group_nodes[s * tp : (s + 1) * tp] for s in range(stages)]
+        group_nodes = chosen[g * stages * per_stage : (g + 1) * stages * per_stage]
+        stage_nodes = [group_nodes[s * per_stage : (s + 1) * per_stage] for s in range(stages)]
         ranges = _ranges(spec, summary, kv, stage_nodes)
         members += [
-            MemberAssignment(g, s, r, node_name(node), accelerator_resource(node, spec))
-            for s, ranks in enumerate(stage_nodes)
-            for r, node in enumerate(ranks)
+            # rank r on the r-th node of its stage, or on the stage's one node when packed
+            MemberAssignment(g, s, r, node_name(nodes[r % per_stage]), accelerator_resource(nodes[r % per_stage], spec))
+            for s, nodes in enumerate(stage_nodes)
+            for r in range(tp)
         ]
         groups.append({"group_index": g, "stages": [
             {
@@ -206,7 +251,7 @@ def _ranges(
 ) -> list[tuple[int, int]]:
     """Layer ranges of one group: the spec's, checked against memory, or split by memory."""
     sizes, stages = summary.sizes, len(stage_nodes)
-    usable = [len(ranks) * min(usable_memory(n) for n in ranks) for ranks in stage_nodes]
+    usable = [_stage_usable(spec, ranks) for ranks in stage_nodes]
     names = ["+".join(node_name(n) for n in ranks) for ranks in stage_nodes]
     head = sizes.norm_bytes if stages == 1 and sizes.tied else sizes.head_bytes
     if spec.stages is None:
@@ -225,6 +270,19 @@ def _ranges(
                 short, tuple(max(0, need - u) if i == k else 0 for i, u in enumerate(usable)),
             )  # fmt: skip
     return ranges
+
+
+def _stage_usable(spec: ModelFleetSpec, nodes: list[Node]) -> int:
+    """Bytes one stage offers: its one node with ``tensor * count`` of its GPUs when its ranks share
+    the node, else ``tensor * min(usable)`` of its nodes (weights split evenly across ranks)."""
+    tp = spec.parallelism.tensor
+    if len(nodes) == tp:
+        return tp * min(usable_memory(n) for n in nodes)
+    (node,) = nodes
+    allocatable = dict((node.get("status") or {}).get("allocatable") or {})
+    if "nvidia.com/gpu" in allocatable:  # only the stage's GPUs add their memory
+        allocatable["nvidia.com/gpu"] = str(tp * spec.accelerator.devices_per_pod)
+    return usable_memory({**node, "status": {**(node.get("status") or {}), "allocatable": allocatable}})
 
 
 def _build(spec: ModelFleetSpec, summary: ModelSummary, groups: list[dict[str, Any]]) -> FleetPlan:

@@ -104,7 +104,9 @@ class Toleration(_Spec):
 class Placement(_Spec):
     node_selector: dict[str, str] = {}
     tolerations: tuple[Toleration, ...] = ()
-    affinity: dict[str, Any] | None = Field(default=None, description="passed to pods as is; not used by the planner")
+    affinity: dict[str, Any] | None = Field(
+        default=None, description="its required nodeAffinity filters nodes; copied into pods"
+    )
     numa: Literal["none", "single-numa-node"] = "none"
 
 

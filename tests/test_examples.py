@@ -71,9 +71,19 @@ def test_cascadia_is_eleven_stages_of_six_layers_on_the_igpus_with_openvino() ->
     assert (spec.backend, spec.model.formats.experts, spec.model.formats.attention) == ("openvino", "int4", "int8")
 
 
-def test_freetoken_holds_the_four_gpus_of_its_node_with_mxfp4_experts() -> None:
-    (pod,) = [o for o in render("freetoken-4gpu") if o["kind"] == "Pod"]
-    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+def test_freetoken_is_one_stage_of_four_tensor_ranks_on_the_four_gpus_of_its_node_with_mxfp4_experts() -> None:
+    objects = render("freetoken-4gpu")
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    (stage,) = stages(objects)
+    assert (stage["layer_start"], stage["layer_end"], stage["tp_size"]) == (0, 43, 4)
+    assert sorted(int(p["metadata"]["labels"]["modelfleet.io/tp-rank"]) for p in pods) == [0, 1, 2, 3]
+    for pod in pods:
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert (limits["nvidia.com/gpu"], limits["cpu"], limits["memory"]) == ("1", "7", "60Gi")
+        (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        assert term["matchFields"][0]["values"] == ["gpu-box"]
     assert parse_spec(fleet("freetoken-4gpu")["spec"]).model.formats.experts == "mxfp4"
 
 

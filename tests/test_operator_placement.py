@@ -162,3 +162,160 @@ def test_the_revision_follows_the_plan_and_the_nodes_and_every_address_names_it(
     for result in (base, streams, moved):
         assert len(result.revision) == 10
         assert all(f"qwen-{result.revision}-g0-s" in stage.address for stage in result.plan.groups[0].stages)
+
+
+# ---- required node affinity -------------------------------------------------------------------
+
+
+def required(*terms):
+    return {
+        "placement": {
+            "affinity": {
+                "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": list(terms)}}
+            }
+        }
+    }
+
+
+def expr(key, operator, *values):
+    return {"key": key, "operator": operator, **({"values": list(values)} if values else {})}
+
+
+A100 = {"gpu": "a100", "gpus": "8"}
+
+
+@pytest.mark.parametrize(
+    "terms, labels, why",
+    [
+        ([{"matchExpressions": [expr("gpu", "In", "a100", "h100")]}], A100, None),
+        ([{"matchExpressions": [expr("gpu", "In", "h100")]}], A100, "term 0: label gpu In ['h100'] not met"),
+        ([{"matchExpressions": [expr("gpu", "In", "a100")]}], {}, "gpu In ['a100'] not met"),
+        ([{"matchExpressions": [expr("gpu", "NotIn", "h100")]}], A100, None),
+        ([{"matchExpressions": [expr("gpu", "NotIn", "h100")]}], {}, None),
+        ([{"matchExpressions": [expr("gpu", "NotIn", "a100")]}], A100, "gpu NotIn ['a100'] not met"),
+        ([{"matchExpressions": [expr("gpu", "Exists")]}], A100, None),
+        ([{"matchExpressions": [expr("gpu", "Exists")]}], {}, "gpu Exists not met"),
+        ([{"matchExpressions": [expr("spot", "DoesNotExist")]}], A100, None),
+        ([{"matchExpressions": [expr("gpu", "DoesNotExist")]}], A100, "gpu DoesNotExist not met"),
+        ([{"matchExpressions": [expr("gpus", "Gt", "4")]}], A100, None),
+        ([{"matchExpressions": [expr("gpus", "Gt", "8")]}], A100, "gpus Gt ['8'] not met"),
+        ([{"matchExpressions": [expr("gpus", "Lt", "9")]}], A100, None),
+        ([{"matchExpressions": [expr("gpus", "Lt", "8")]}], A100, "gpus Lt ['8'] not met"),
+        ([{"matchExpressions": [expr("gpu", "Gt", "1")]}], A100, "gpu Gt ['1'] not met"),  # not an integer
+        ([{"matchExpressions": [expr("gpus", "Gt", "1")]}], {}, "gpus Gt ['1'] not met"),
+        ([{"matchExpressions": [expr("gpu", "Exists"), expr("gpus", "Gt", "8")]}], A100, "gpus Gt ['8'] not met"),  # ANDed
+        ([{"matchExpressions": [expr("gpu", "In", "h100")]}, {"matchExpressions": [expr("gpus", "Gt", "4")]}], A100, None),  # ORed
+        ([{"matchExpressions": [expr("gpu", "In", "h100")]}, {"matchExpressions": [expr("x", "Exists")]}], A100, "term 0: label gpu In ['h100'] not met; term 1: label x Exists not met"),
+        ([{"matchFields": [expr("metadata.name", "In", "a", "b")]}], {}, None),
+        ([{"matchFields": [expr("metadata.name", "NotIn", "a")]}], {}, "field metadata.name NotIn ['a'] not met"),
+        ([{"matchExpressions": [expr("gpu", "Exists")], "matchFields": [expr("metadata.name", "In", "b")]}], A100, "field metadata.name In ['b'] not met"),
+        ([{"matchExpressions": [expr("gpu", "Near", "a100")]}], A100, "unknown operator"),
+        ([{}], A100, "empty term matches no node"),
+        ([], A100, "nodeSelectorTerms is empty"),
+    ],
+)  # fmt: skip
+def test_required_node_affinity_ors_terms_and_ands_requirements_on_labels_and_the_node_name(terms, labels, why):
+    found = rejection(node("a", labels=labels), spec(**required(*terms)))
+    if why is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith("placement.affinity") and why in found
+
+
+def test_preferred_node_affinity_alone_rejects_no_node():
+    preferred = [{"weight": 1, "preference": {"matchExpressions": [expr("gpu", "In", "h100")]}}]
+    affinity = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
+    assert rejection(node("a", labels=A100), spec(placement={"affinity": affinity})) is None
+
+
+def test_nodes_outside_the_required_affinity_are_not_used_and_are_named_with_the_reason():
+    terms = {"matchExpressions": [expr("pool", "In", "ai")]}
+    nodes = [node("a", labels={"pool": "ai"}), node("b", labels={"pool": "web"}), node("c", labels={"pool": "ai"})]
+    result = place(spec(**required(terms)), summary(8), nodes, "qwen", "ai")
+    assert [m.node for m in result.members] == ["a", "c"]
+    none = place(spec(**required(terms)), summary(8), [nodes[1]], "qwen", "ai")
+    assert isinstance(none, Infeasible) and none.reason == "NoMatchingNodes" and none.nodes_considered == ("b",)
+    assert none.rejected == {
+        "b": "placement.affinity: no required nodeSelectorTerm matches (term 0: label pool In ['ai'] not met)"
+    }
+
+
+# ---- tensor ranks sharing a node --------------------------------------------------------------
+
+
+def gpus(count, gpu_mib=0):
+    labels = {"nvidia.com/gpu.memory": str(gpu_mib)} if gpu_mib else {}
+    return {"labels": labels, "allocatable": {"nvidia.com/gpu": str(count)}}
+
+
+def gpu_node(name, count, memory="18Gi", gpu_mib=0):
+    extra = gpus(count, gpu_mib)
+    return node(name, memory, labels=extra["labels"], allocatable=extra["allocatable"])
+
+
+@pytest.mark.parametrize(
+    "fields, nodes, members",
+    [
+        # four ranks of one stage on the one node with four GPUs
+        ({"parallelism": {"tensor": 4}}, [gpu_node("box", 4)], [(0, 0, r, "box") for r in range(4)]),
+        # two stages of two ranks: a node per stage, the ranks of a stage together
+        ({"parallelism": {"pipeline": 2, "tensor": 2}}, [gpu_node("a", 2), gpu_node("b", 2)],
+         [(0, 0, 0, "a"), (0, 0, 1, "a"), (0, 1, 0, "b"), (0, 1, 1, "b")]),
+        # a node with too few GPUs for a stage is left out when another holds one
+        ({"parallelism": {"tensor": 2}}, [gpu_node("one", 1), gpu_node("two", 2)], [(0, 0, 0, "two"), (0, 0, 1, "two")]),
+        # tensor x count devices: two ranks of two GPUs need four
+        ({"parallelism": {"tensor": 2}, "accelerator": {"profile": "nvidia-gpu", "count": 2}},
+         [gpu_node("two", 2), gpu_node("four", 4)], [(0, 0, 0, "four"), (0, 0, 1, "four")]),
+        # no node holds a stage: ranks on separate nodes, as before
+        ({"parallelism": {"tensor": 2}}, [gpu_node("a", 1), gpu_node("b", 1)], [(0, 0, 0, "a"), (0, 0, 1, "b")]),
+        # two groups: a node each
+        ({"parallelism": {"tensor": 2}, "replicas": 2}, [gpu_node("a", 2), gpu_node("b", 2)],
+         [(0, 0, 0, "a"), (0, 0, 1, "a"), (1, 0, 0, "b"), (1, 0, 1, "b")]),
+    ],
+)  # fmt: skip
+def test_a_stage_s_tensor_ranks_share_one_node_that_offers_their_devices(fields, nodes, members):
+    the_spec = spec(**{"accelerator": {"profile": "nvidia-gpu"}, **fields})
+    result = place(the_spec, summary(8), nodes, "f", "ns")
+    assert isinstance(result, Placement), getattr(result, "message", result)
+    assert nodes_of(result) == members
+    assert all(m.accelerator_resource == "nvidia.com/gpu" for m in result.members)
+
+
+def test_cpu_tensor_ranks_keep_a_node_each():
+    result = place(spec(parallelism={"tensor": 2}), summary(8), [node("a"), node("b")], "f", "ns")
+    assert nodes_of(result) == [(0, 0, 0, "a"), (0, 0, 1, "b")]
+
+
+def test_a_packed_stage_offers_its_node_s_host_memory_plus_the_memory_of_its_tensor_gpus():
+    # 8 GPUs of 10 GiB, 2 of them per stage: 34 - 2 + 2 x 10 = 52 GiB per stage, 26 GiB short of 78
+    box = gpu_node("box", 8, "34Gi", gpu_mib=10 * 1024)
+    result = place(
+        spec(accelerator={"profile": "nvidia-gpu"}, parallelism={"tensor": 2}), summary(78), [box], "f", "ns"
+    )
+    assert isinstance(result, Infeasible) and result.reason == "InsufficientCapacity"
+    assert result.missing_bytes == 26 * GiB and "box (stage 0, layers [0, 78)) needs" in result.message
+    fits = place(spec(accelerator={"profile": "nvidia-gpu"}, parallelism={"tensor": 2}), summary(52), [box], "f", "ns")
+    assert layout(fits) == [[(0, 52)]] and fits.plan.groups[0].stages[0].tp_size == 2
+
+
+def test_a_packed_stage_needs_its_tensor_pods_resources_on_one_node():
+    fields = {"accelerator": {"profile": "nvidia-gpu"}, "parallelism": {"tensor": 2}, "resources": {"cpu": "4"}}
+    nodes = [
+        node("small", allocatable={"cpu": "7", "nvidia.com/gpu": "2"}),
+        node("big", allocatable={"cpu": "9", "nvidia.com/gpu": "2"}),
+    ]
+    result = place(spec(**fields), summary(8), nodes, "f", "ns")
+    assert nodes_of(result) == [(0, 0, 0, "big"), (0, 0, 1, "big")]
+    tight = place(spec(**{**fields, "resources": {"cpu": "5"}}), summary(8), nodes, "f", "ns")
+    assert nodes_of(tight) == [(0, 0, 0, "big"), (0, 0, 1, "small")]  # no node holds a stage: one rank each
+
+
+def test_too_few_nodes_for_packed_stages_names_the_nodes_with_too_few_devices():
+    the_spec = spec(accelerator={"profile": "nvidia-gpu"}, parallelism={"pipeline": 2, "tensor": 4})
+    result = place(the_spec, summary(8), [gpu_node("box", 4), gpu_node("small", 2)], "f", "ns")
+    assert isinstance(result, Infeasible) and result.reason == "InsufficientCapacity"
+    assert "needs 2 matching nodes (2 stages x 4 ranks on one node x 1 groups), 1 match: box" in result.message
+    assert result.rejected == {
+        "small": "allocatable nvidia.com/gpu 2 below parallelism.tensor x accelerator.count = 4 (a stage's ranks share one node)"
+    }
+    assert result.nodes_considered == ("box", "small")
