@@ -79,8 +79,15 @@ def _type_name(value: object) -> str:
     return type(value).__name__
 
 
+class _Scalar:
+    """A kind whose checked value goes on the wire as it is."""
+
+    def dump(self, value: Any) -> Any:
+        return value
+
+
 @dataclass(frozen=True)
-class Int:
+class Int(_Scalar):
     lo: int = 0
     hi: int = INT64_MAX
 
@@ -91,12 +98,9 @@ class Int:
             raise MalformedMessage(f"{where}={value} is outside [{self.lo}, {self.hi}]")
         return value
 
-    def dump(self, value: Any) -> Any:
-        return value
-
 
 @dataclass(frozen=True)
-class Float:
+class Float(_Scalar):
     lo: float
     hi: float
     lo_open: bool = False  # (lo, hi] instead of [lo, hi]
@@ -110,23 +114,17 @@ class Float:
             raise MalformedMessage(f"{where}={number} is outside {bracket}{self.lo}, {self.hi}]")
         return number
 
-    def dump(self, value: Any) -> Any:
-        return value
-
 
 @dataclass(frozen=True)
-class Bool:
+class Bool(_Scalar):
     def check(self, value: object, where: str) -> bool:
         if type(value) is not bool:
             raise MalformedMessage(f"{where} must be true or false, got {_type_name(value)}")
         return value
 
-    def dump(self, value: Any) -> Any:
-        return value
-
 
 @dataclass(frozen=True)
-class Str:
+class Str(_Scalar):
     max_len: int
     pattern: str | None = None
     choices: frozenset[str] | None = None
@@ -140,9 +138,6 @@ class Str:
             raise MalformedMessage(f"{where}={value!r} is not one of {', '.join(sorted(self.choices))}")
         if self.pattern is not None and re.fullmatch(self.pattern, value) is None:
             raise MalformedMessage(f"{where}={value!r} does not match {self.pattern}")
-        return value
-
-    def dump(self, value: Any) -> Any:
         return value
 
 

@@ -27,7 +27,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from modelfleet.engine.errors import ModelfleetError
-from modelfleet.plan import Formats, _describe
+from modelfleet.plan import Formats, NonNegativeInt, PositiveInt, _describe
 from modelfleet.planner import parse_quantity
 
 GROUP, VERSION, PLURAL, KIND = "modelfleet.io", "v1alpha1", "modelfleets", "ModelFleet"
@@ -40,9 +40,6 @@ MODEL_URI_PATTERN = (
 )
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/\-]*$"
 QUANTITY_PATTERN = r"^([+]?([0-9]+(\.[0-9]*)?|\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
-
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
-NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 
 
 class SpecError(ModelfleetError, ValueError):

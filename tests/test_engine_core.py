@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import assert_close_to, reference_logits
 
 from modelfleet.engine.errors import CapacityError
 from modelfleet.engine.frame import Frame
@@ -14,17 +15,6 @@ from modelfleet.engine.shard import Shard
 
 FAMILIES = ["qwen3_moe", "mixtral"]
 PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33, 90, 6, 101, 58, 27, 14, 71, 40]
-
-
-def reference_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
-
-
-def assert_close_to(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
-    scale = ref.abs().max().item()
-    diff = (ours - ref).abs().max().item()
-    assert diff <= tol * max(scale, 1.0), f"max |diff| {diff:.3e} over logit scale {scale:.3f}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import hf_config, save_model
+from tiny import assert_close_to, hf_config, reference_logits, save_model
 
 from modelfleet.engine.errors import ConfigError
 from modelfleet.engine.frame import Frame
@@ -18,17 +18,6 @@ from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import load_spec, spec_from_config
 
 PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33, 90, 6, 101, 58, 27, 14, 71, 40, 9, 88, 52, 30]
-
-
-def reference_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
-
-
-def assert_close_to(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
-    scale = ref.abs().max().item()
-    diff = (ours - ref).abs().max().item()
-    assert diff <= tol * scale, f"max |diff| {diff:.3e} over logit scale {scale:.3f}"
 
 
 def prefill_logits(path: Path) -> torch.Tensor:

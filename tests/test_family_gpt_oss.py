@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import save_model
+from tiny import reference_logits, save_model
 
 from modelfleet.engine.errors import CapacityError, CheckpointError, ConfigError
 from modelfleet.engine.frame import Frame
@@ -37,11 +37,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modul
 
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
 
 
 def relative_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:

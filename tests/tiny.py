@@ -113,3 +113,16 @@ def save_model(family: str, path: Path, seed: int = 0, max_shard_size: str | Non
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return model
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """transformers' logits at every position of ``ids``: [len(ids), vocab]."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def assert_close_to(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
+    """max |ours - ref| within ``tol`` of the reference's logit scale (at least 1)."""
+    scale = ref.abs().max().item()
+    diff = (ours - ref).abs().max().item()
+    assert diff <= tol * max(scale, 1.0), f"max |diff| {diff:.3e} over logit scale {scale:.3f}"
