@@ -49,21 +49,29 @@ class TensorInfo:
 def _read_header(path: Path) -> dict[str, TensorInfo]:
     size = path.stat().st_size
     with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CheckpointError(
-                f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {size})"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: corrupt safetensors header JSON: {exc}") from exc
+        header_len = header_length(path, f.read(8), size)
+        return parse_header(path, f.read(header_len), size)
+
+
+def header_length(path: Path, prefix: bytes, size: int) -> int:
+    """The header length the first 8 bytes of a ``size``-byte file declare, checked against the size."""
+    if len(prefix) < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        raise CheckpointError(f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {size})")
+    return int(header_len)
+
+
+def parse_header(path: Path, header_bytes: bytes, size: int) -> dict[str, TensorInfo]:
+    """Tensor name -> location from the header JSON of a ``size``-byte file (bytes 8 onwards)."""
+    try:
+        header = json.loads(header_bytes)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    base = 8 + header_len
+    base = 8 + len(header_bytes)
     infos: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":

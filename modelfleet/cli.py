@@ -136,7 +136,8 @@ def _register() -> None:
 
 _register()
 app.command()(__import__("modelfleet.commands.gateway", fromlist=["gateway"]).gateway)
-app.add_typer(__import__("modelfleet.commands.render", fromlist=["app"]).app)  # render, operator
+app.add_typer(__import__("modelfleet.commands.render", fromlist=["app"]).app)  # render, inspect, operator
+app.command()(__import__("modelfleet.commands.fetch", fromlist=["fetch"]).fetch)
 
 app.command()(quantize_command)
 

@@ -21,11 +21,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .plan import FleetPlan, Formats, PlanError, ServingLimits, build
 
 if TYPE_CHECKING:
+    from .engine.checkpoint import TensorInfo
     from .engine.spec import ModelSpec
 
 GiB = 1 << 30
@@ -53,6 +54,14 @@ class InfeasiblePlan(PlanError):
 
 
 # ---- sizes from a checkpoint ----------------------------------------------------------------
+
+
+class TensorIndex(Protocol):
+    """What sizing needs of a checkpoint: its tensor names and each one's dtype and shape."""
+
+    def names(self) -> list[str]: ...
+
+    def info(self, name: str) -> TensorInfo: ...
 
 
 @dataclass(frozen=True)
@@ -89,8 +98,11 @@ def layer_bytes(model_dir: str | Path, dtype: str | None = None) -> LayerBytes:
     from .engine.checkpoint import Checkpoint
     from .engine.spec import load_spec
 
-    spec = load_spec(model_dir)
-    checkpoint = Checkpoint(model_dir)
+    return layer_bytes_of(load_spec(model_dir), Checkpoint(model_dir), dtype)
+
+
+def layer_bytes_of(spec: ModelSpec, checkpoint: TensorIndex, dtype: str | None = None) -> LayerBytes:
+    """:func:`layer_bytes` of a parsed config and a tensor index (a directory's or a Hub repository's)."""
     # a quantized checkpoint is loaded as stored: its bytes are the resident bytes
     itemsize = None if spec.raw.get("quantization_config") else _itemsize(dtype)
     per_layer = [0] * spec.num_layers

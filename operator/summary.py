@@ -9,12 +9,15 @@ one stream, with ``kv_window_positions`` the positions a sliding-window layer ke
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from modelfleet.plan import ComputeDtype, PlanError, _describe
-from modelfleet.planner import REWIND_SLACK_POSITIONS, LayerBytes, kv_bytes_per_layer, layer_bytes
+from modelfleet.planner import REWIND_SLACK_POSITIONS, LayerBytes, TensorIndex, kv_bytes_per_layer, layer_bytes_of
+
+if TYPE_CHECKING:
+    from modelfleet.engine.spec import ModelSpec
 
 SUMMARY_KEY = "summary.json"
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
@@ -66,12 +69,22 @@ class ModelSummary(BaseModel):
             raise PlanError(f"invalid model summary: {_describe(exc)}") from exc
 
 
-def inspect_checkpoint(model_dir: str | Path, dtype: str = "bfloat16") -> ModelSummary:
-    """The summary of a local checkpoint, from config.json and safetensors headers only."""
-    from modelfleet.engine.spec import load_spec
+def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSummary:
+    """The summary of a checkpoint, from config.json and safetensors headers only: a local
+    directory, or ``hf://ORG/NAME[@REV]`` read over HTTP Range requests (no tensor bytes)."""
+    from modelfleet.engine.checkpoint import Checkpoint
+    from modelfleet.engine.hub import RemoteCheckpoint, is_hub_uri
+    from modelfleet.engine.spec import load_spec, spec_from_config
 
-    spec = load_spec(model_dir)
-    sizes = layer_bytes(model_dir, dtype)
+    if is_hub_uri(model):
+        remote = RemoteCheckpoint(str(model))
+        return _summarise(spec_from_config(remote.config), remote, dtype)
+    spec = load_spec(model)
+    return _summarise(spec, Checkpoint(model), dtype)
+
+
+def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSummary:
+    sizes = layer_bytes_of(spec, checkpoint, dtype)
     per_position = kv_bytes_per_layer(spec, 1, 1, dtype)
     window = spec.get("sliding_window")
     types = spec.get("layer_types") or ["full_attention"] * spec.num_layers

@@ -106,24 +106,31 @@ TERMINATION_LOG_BYTES = 4096  # what the kubelet keeps of a termination message
 
 @app.command()
 def inspect(
-    model_dir: Path = typer.Option(..., "--model", help="Local checkpoint (config.json + *.safetensors)."),
+    source: str | None = typer.Argument(None, help="Checkpoint directory or hf://ORG/NAME[@REV] (or --model)."),
+    model: str | None = typer.Option(None, "--model", help="Checkpoint directory or hf://ORG/NAME[@REV]."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="Compute dtype the sizes are counted at."),
     output: Path | None = typer.Option(None, "--output", help="Write the JSON here (errors too) instead of stdout."),
 ) -> None:
-    """Print a checkpoint's model summary (JSON), read from its config and safetensors headers only."""
+    """Print a checkpoint's model summary (JSON), read from its config and safetensors headers only.
+
+    For hf:// the headers are read with HTTP Range requests (HF_TOKEN, HF_ENDPOINT as for fetch):
+    no tensor bytes are downloaded."""
     from modelfleet.engine.errors import ModelfleetError
     from modelfleet.operator.summary import inspect_checkpoint
 
+    if (source is None) == (model is None):
+        _fail("give the checkpoint once: a directory or hf:// URI, as an argument or with --model")
+    checkpoint = str(source or model)
     try:
-        text = inspect_checkpoint(model_dir, dtype).model_dump_json()
+        text = inspect_checkpoint(checkpoint, dtype).model_dump_json()
         if output == TERMINATION_LOG and len(text) > TERMINATION_LOG_BYTES:
             raise ModelfleetError(
                 f"the summary is {len(text)} bytes; a termination message holds {TERMINATION_LOG_BYTES}"
             )
     except (ModelfleetError, OSError) as exc:
         if output is not None:
-            output.write_text(f"{model_dir}: {exc}")
-        _fail(f"{model_dir}: {exc}")
+            output.write_text(f"{checkpoint}: {exc}")
+        _fail(f"{checkpoint}: {exc}")
         return
     if output is None:
         typer.echo(text)
