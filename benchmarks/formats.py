@@ -2,12 +2,17 @@
 
 Workloads (bf16 activations, the serving dtype on both CPU and GPU):
 - ``moe``: one Qwen3-30B-A3B-shaped MoE layer (hidden 2048, expert width 768, 128 experts, top-8):
-  fused gate_up [E, 1536, 2048] and down [E, 2048, 768] banks; a step routes each row to 8 random
-  experts and runs each active expert on its rows (gate_up, SwiGLU, down, weighted sum).
+  fused gate_up [E, 1536, 2048] and down [E, 2048, 768] banks run by the engine's own expert module
+  (``Experts`` for bf16, ``QuantizedExperts`` otherwise) for rows routed to 8 random experts each:
+  on CUDA, few pairs run through the gathered kernels (the decode path), on CPU each used expert
+  runs once over its rows.
 - ``dense-7168x2048`` / ``dense-2048x7168``: DeepSeek-V3-like projections (out x in).
 
-Effective GB/s = resident bytes of the weights the step uses / step time; the bound beside it is
-the same run's copy bandwidth (bytes read + written by a large tensor copy). A bank is built by
+Modes: ``eager`` launches every kernel from Python per step (wall time includes launch cost);
+``graph`` (CUDA only) replays the step from a CUDA graph, as the engine's decode steps run.
+Effective GB/s = format bytes of the weights the step uses (codes, scales, zero points: not the
+kernels' private layouts) / step time; the bound beside it is the same run's copy bandwidth
+(bytes read + written by a large tensor copy). A bank is built by
 quantizing a few distinct experts and replicating their storage (every expert still owns its
 memory, so caches see the full bank); values do not change kernel speed.
 
@@ -28,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from modelfleet.engine.formats import (
     Int4Weight,
@@ -38,6 +42,8 @@ from modelfleet.engine.formats import (
     QuantizedWeight,
     quantize,
 )
+from modelfleet.engine.layers import Experts
+from modelfleet.engine.quantize import QuantizedExperts, prepare_kernels
 
 HIDDEN, EXPERT_WIDTH, TOP_K = 2048, 768, 8
 DENSE_SHAPES = ((7168, 2048), (2048, 7168))
@@ -98,32 +104,26 @@ def build_bank(fmt: str, out_features: int, in_features: int, experts: int, devi
     return replicate(quantize(distinct, fmt), experts).to(device)
 
 
-def route(rows: int, experts: int, generator: torch.Generator, device: str) -> list[Group]:
-    """Each row to TOP_K distinct random experts with softmax weights, grouped by expert."""
+def route(rows: int, experts: int, generator: torch.Generator, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row to TOP_K distinct random experts with softmax weights: index, weight [rows, TOP_K]."""
     index = torch.stack([torch.randperm(experts, generator=generator)[:TOP_K] for _ in range(rows)])
     weight = torch.softmax(torch.randn(rows, TOP_K, generator=generator), dim=-1)
-    groups = []
-    for e in index.unique().tolist():
-        row_ids, slot = (index == e).nonzero(as_tuple=True)
-        groups.append(Group(e, row_ids.to(device), weight[row_ids, slot].to(device)[:, None]))
-    return groups
+    return index.to(device), weight.to(device).to(torch.bfloat16)
 
 
-@dataclass
-class Group:
-    expert: int
-    rows: torch.Tensor  # [n] row ids routed to the expert
-    weight: torch.Tensor  # [n, 1] routing weights
-
-
-def moe_step(gate_up: QuantizedWeight, down: QuantizedWeight, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
-    """x: [R, H] -> [R, H]: sum over routed experts of weight * down(silu(gate) * up)."""
-    out = torch.zeros_like(x)
-    for g in groups:
-        gate, up = gate_up.expert_matmul(g.expert, x[g.rows]).chunk(2, dim=-1)
-        y = down.expert_matmul(g.expert, F.silu(gate) * up)
-        out.index_add_(0, g.rows, y * g.weight.to(x.dtype))
-    return out
+def expert_layer(fmt: str, experts: int, device: str) -> tuple[torch.nn.Module, int]:
+    """The engine's expert module for ``fmt`` (as a loader builds it) and one expert's format bytes."""
+    gate_up = build_bank(fmt, 2 * EXPERT_WIDTH, HIDDEN, experts, device)
+    down = build_bank(fmt, HIDDEN, EXPERT_WIDTH, experts, device)
+    per_expert = gate_up.expert(0).nbytes + down.expert(0).nbytes  # before any kernel layout
+    layer: torch.nn.Module
+    if isinstance(gate_up, PlainWeight) and isinstance(down, PlainWeight):
+        layer = Experts(gate_up.weight, down.weight)
+        layer.pack_for_cpu()  # the engine's CPU layout (a no-op on CUDA)
+    else:
+        layer = QuantizedExperts(gate_up, down)
+        prepare_kernels(layer, torch.bfloat16)
+    return layer, per_expert
 
 
 @dataclass
@@ -132,8 +132,9 @@ class Result:
     workload: str
     format: str
     rows: int
-    bytes_per_param: float  # resident bytes of the whole bank or matrix / its parameters
-    weights_mb: float  # resident bytes of the weights one step uses
+    mode: str  # eager: launched from Python each step; graph: replayed from a CUDA graph
+    bytes_per_param: float  # format bytes of the whole bank or matrix / its parameters
+    weights_mb: float  # format bytes of the weights one step uses
     time_ms: float
     gb_per_s: float = 0.0
     copy_gb_per_s: float = 0.0
@@ -156,22 +157,37 @@ class Cycle:
         return self.step(self.items[self.calls % len(self.items)])
 
 
+def timings(steps: list[Callable[[], object]], device: str) -> dict[str, float]:
+    """ms per step, cycling through ``steps``: eager, and on CUDA also replayed from graphs (one
+    per step, captured after a warm-up that lets the autotuners choose)."""
+    for step in steps:
+        step()
+    times = {"eager": time_ms(Cycle(lambda step: step(), steps), device)}
+    if device == "cuda":
+        graphs = []
+        for step in steps:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graphs.append(graph)
+        times["graph"] = time_ms(Cycle(lambda graph: graph.replay(), graphs), device)
+    return times
+
+
 def bench_moe(fmt: str, experts: int, rows_list: list[int], device: str) -> list[Result]:
-    gate_up = build_bank(fmt, 2 * EXPERT_WIDTH, HIDDEN, experts, device)
-    down = build_bank(fmt, HIDDEN, EXPERT_WIDTH, experts, device)
+    layer, per_expert = expert_layer(fmt, experts, device)
     params = (2 * EXPERT_WIDTH * HIDDEN + HIDDEN * EXPERT_WIDTH) * experts
     results = []
     for rows in rows_list:
         generator = torch.Generator().manual_seed(rows)
         routings = [route(rows, experts, generator, device) for _ in range(ROUTINGS)]
         x = torch.randn(rows, HIDDEN, device=device).to(torch.bfloat16)
-        moe_step(gate_up, down, x, routings[0])  # builds kernel layouts once, as a loader would
-        used = statistics.mean(
-            sum(gate_up.expert(g.expert).nbytes + down.expert(g.expert).nbytes for g in groups) for groups in routings
-        )
-        ms = time_ms(Cycle(partial(moe_step, gate_up, down, x), routings), device)
-        per_param = (gate_up.nbytes + down.nbytes) / params
-        results.append(Result(device, f"moe-{experts}x{TOP_K}", fmt, rows, per_param, used / 1e6, ms))
+        used = statistics.mean(index.unique().numel() * per_expert for index, _ in routings)
+        steps = [partial(layer, x, index, weight) for index, weight in routings]
+        with torch.inference_mode():
+            for mode, ms in timings(steps, device).items():
+                per_param = per_expert * experts / params
+                results.append(Result(device, f"moe-{experts}x{TOP_K}", fmt, rows, mode, per_param, used / 1e6, ms))
     return results
 
 
@@ -179,24 +195,28 @@ def bench_dense(fmt: str, shape: tuple[int, int], rows_list: list[int], device: 
     one = quantize(torch.randn(1, *shape) * 0.02, fmt)
     copies = max(2, -(-DENSE_RING_BYTES // one.nbytes))
     ring = replicate(one, copies).to(device)
+    matrices = [ring.expert(i) for i in range(copies)]
+    w = matrices[0]
     results = []
     for rows in rows_list:
         x = torch.randn(rows, shape[1], device=device).to(torch.bfloat16)
-        ring.expert_matmul(0, x)
-        ms = time_ms(Cycle(partial(ring.expert_matmul, x=x), range(copies)), device)
-        w = ring.expert(0)
-        per_param = w.nbytes / (shape[0] * shape[1])
-        results.append(Result(device, f"dense-{shape[0]}x{shape[1]}", fmt, rows, per_param, w.nbytes / 1e6, ms))
+        for m in matrices:
+            m.prepare_for(x)
+        with torch.inference_mode():
+            for mode, ms in timings([partial(m.matmul, x) for m in matrices], device).items():
+                per_param = w.nbytes / (shape[0] * shape[1])
+                workload = f"dense-{shape[0]}x{shape[1]}"
+                results.append(Result(device, workload, fmt, rows, mode, per_param, w.nbytes / 1e6, ms))
     return results
 
 
 def annotate(results: list[Result], bandwidth: float) -> None:
     """The share of copy bandwidth, and the speedup over bf16 at the same workload and rows."""
-    bf16 = {(r.workload, r.rows): r.time_ms for r in results if r.format == "bf16"}
+    bf16 = {(r.workload, r.rows, r.mode): r.time_ms for r in results if r.format == "bf16"}
     for r in results:
         r.copy_gb_per_s = bandwidth
         r.share_of_copy_bw = r.gb_per_s / bandwidth
-        base = bf16.get((r.workload, r.rows))
+        base = bf16.get((r.workload, r.rows, r.mode))
         r.speedup_vs_bf16 = base / r.time_ms if base else float("nan")
 
 
@@ -213,8 +233,9 @@ def print_table(results: list[Result]) -> None:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in columns))
 
 
-def order(r: Result) -> tuple[str, str, int, int]:
-    return (r.device, r.workload, r.rows, FORMATS.index(r.format) if r.format in FORMATS else len(FORMATS))
+def order(r: Result) -> tuple[str, str, int, str, int]:
+    fmt = FORMATS.index(r.format) if r.format in FORMATS else len(FORMATS)
+    return (r.device, r.workload, r.rows, r.mode, fmt)
 
 
 def main() -> None:

@@ -322,7 +322,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
-        if x.is_cuda and (index.numel() <= GATHER_MAX_PAIRS or torch.cuda.is_current_stream_capturing()):
+        if use_gathered(x, index):
             return self._forward_gathered(x, index, weight)
         return self._forward_grouped(x, index, weight)
 
@@ -345,10 +345,21 @@ class Experts(nn.Module):
             y = torch.bmm(self.down[flat], a[:, :, None])[:, :, 0]  # [T*k, H]
         if self.down_bias is not None:
             y = y + self.down_bias[flat]
-        return torch.bmm(weight.to(y.dtype)[:, None, :], y.view(tokens, top_k, -1))[:, 0]  # sum_k w * y
+        return weighted_sum_of_pairs(y, weight)
 
     def _forward_grouped(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return forward_grouped(self.expert, self.num_experts, x, index, weight)
+
+
+def use_gathered(x: torch.Tensor, index: torch.Tensor) -> bool:
+    """Whether a CUDA expert bank runs pair by pair (few pairs, or inside a graph capture)."""
+    return x.is_cuda and (index.numel() <= GATHER_MAX_PAIRS or torch.cuda.is_current_stream_capturing())
+
+
+def weighted_sum_of_pairs(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y: [T*k, H] per (token, expert) pair, weight: [T, k] -> sum_k weight * y: [T, H]."""
+    tokens, top_k = weight.shape
+    return torch.bmm(weight.to(y.dtype)[:, None, :], y.view(tokens, top_k, -1))[:, 0]
 
 
 def forward_grouped(

@@ -24,7 +24,7 @@ from torch import nn
 from .formats import FormatError, QuantizedWeight, quantize
 from .formats.plain import PLAIN_DTYPES
 from .formats.plan import FormatPlan, role_of
-from .layers import Dense, Experts, forward_grouped, silu_glu
+from .layers import Dense, Experts, forward_grouped, silu_glu, use_gathered, weighted_sum_of_pairs
 
 DTYPE_FORMATS = {dtype: name for name, dtype in PLAIN_DTYPES.items()}
 
@@ -48,8 +48,10 @@ class QuantizedDense(nn.Module):
 class QuantizedExperts(nn.Module):
     """A bank of E experts in a weight format: gate_up (E, 2I, H) as [gate; up] rows, down (E, H, I).
 
-    Runs the grouped path on every device (each used expert once over its tokens), so a
-    static-decode step is never built over it (see :func:`engine.static_decode.supports_static_decode`).
+    On CUDA, a few (token, expert) pairs (decode) run through the format's gathered kernel, which
+    reads each pair's packed expert in place with no host synchronisation, so decode steps can be
+    graph-captured; otherwise, and for formats without that kernel, each used expert runs once
+    over its tokens (grouped), which synchronises with the host.
     """
 
     def __init__(
@@ -84,9 +86,22 @@ class QuantizedExperts(nn.Module):
         y = self.down.expert_matmul(e, self.activation(h))
         return y if self.down_bias is None else y + self.down_bias[e].to(y.dtype)
 
+    def gathered_on(self, device: torch.device) -> bool:
+        """Whether decode pairs on ``device`` run through a gathered kernel (graph-capturable)."""
+        return self.gate_up.has_gathered_kernel(device) and self.down.has_gathered_kernel(device)
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
-        return forward_grouped(self.expert, self.num_experts, x, index, weight)
+        if not (use_gathered(x, index) and self.gathered_on(x.device)):
+            return forward_grouped(self.expert, self.num_experts, x, index, weight)
+        flat = index.reshape(-1)
+        h = self.gate_up.gathered_matmul(x, flat, index.shape[1])  # [T*k, 2I]
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[flat].to(h.dtype)
+        y = self.down.gathered_matmul(self.activation(h), flat, 1)  # [T*k, H]
+        if self.down_bias is not None:
+            y = y + self.down_bias[flat].to(y.dtype)
+        return weighted_sum_of_pairs(y, weight)
 
     def quantized_weights(self) -> dict[str, QuantizedWeight]:
         return {"gate_up": self.gate_up, "down": self.down}

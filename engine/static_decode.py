@@ -20,19 +20,25 @@ import torch
 from .errors import InputError
 from .frame import Segment
 from .layers import Attention, FrameContext
-from .quantize import is_quantized
+from .quantize import QuantizedExperts
 from .shard import Shard
 
 MAX_GRAPH_BATCH = 8  # experts are gathered per (row, expert) pair: fine for small batches only
 
 
 def supports_static_decode(shards: Sequence[Shard]) -> bool:
-    """One device, grouped-query attention, and no weight in a format: quantized experts run
-    grouped (a host sync per step) and the formats' kernels are not captured in graphs yet."""
+    """One device, grouped-query attention and, on CUDA, every quantized expert bank in a format
+    with a gathered kernel (the grouped path synchronises with the host, which a graph cannot
+    hold). Quantized projections run their formats' kernels, which capture as they are."""
     devices = {shard.device for shard in shards}
     attentions = [layer.attention for shard in shards for layer in shard.layers]
-    quantized = any(is_quantized(m) for shard in shards for m in shard.modules())
-    return len(devices) == 1 and all(isinstance(a, Attention) for a in attentions) and not quantized
+    banks = [m for shard in shards for m in shard.modules() if isinstance(m, QuantizedExperts)]
+    eager = all(device.type == "cpu" for device in devices)
+    return (
+        len(devices) == 1
+        and all(isinstance(a, Attention) for a in attentions)
+        and (eager or all(bank.gathered_on(bank.gate_up.device) for bank in banks))
+    )
 
 
 class StaticDecoder:

@@ -401,6 +401,45 @@ def test_cuda_expert_bank_matches_the_cpu_decode(name):
         assert_matmul_close(y, x, bank.dequantize()[e], TOLERANCE[torch.bfloat16])
 
 
+NIBBLE_BANKS = ("int4", "int4_sym", "mxfp4")  # the formats with a gathered expert kernel
+
+
+def gathered_reference(bank: QuantizedWeight, x: torch.Tensor, index: torch.Tensor, row_div: int):
+    """Pair by pair from the exact decode: (x rows [P, in], weights [P, out, in])."""
+    decoded = bank.dequantize()
+    rows = torch.arange(index.numel()) // row_div
+    return x[rows], decoded[index.cpu()]
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("name", NIBBLE_BANKS)
+def test_cuda_gathered_expert_kernel_matches_the_exact_decode(name, tokens, dtype):
+    bank = weight_for(name, (6, 200, 512)).to("cuda")
+    top_k = 2
+    generator = torch.Generator().manual_seed(tokens)
+    index = torch.stack([torch.randperm(6, generator=generator)[:top_k] for _ in range(tokens)]).reshape(-1)
+    x = torch.randn(tokens, 512, generator=generator).to(dtype)
+    assert bank.has_gathered_kernel(torch.device("cuda"))
+    y = bank.gathered_matmul(x.cuda(), index.cuda(), top_k)
+    assert y.dtype == dtype and y.shape == (tokens * top_k, 200)
+    rows, weights = gathered_reference(bank, x, index, top_k)
+    for p in range(index.numel()):
+        assert_matmul_close(y[p : p + 1].cpu(), rows[p : p + 1], weights[p].cpu(), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("name", [*QUANTIZED, "bf16"])
+def test_a_bank_without_a_gathered_kernel_here_says_so(name):
+    bank = weight_for(name, (2, 32, 64))
+    assert not bank.has_gathered_kernel(torch.device("cpu"))
+    with pytest.raises(FormatError, match="no gathered expert kernel on cpu"):
+        bank.gathered_matmul(torch.randn(1, 64), torch.zeros(2, dtype=torch.int64), 2)
+    if name in ("int8", "bf16"):
+        assert not bank.has_gathered_kernel(torch.device("cuda"))
+
+
 @cuda_only
 @pytest.mark.gpu
 def test_triton_is_present_where_cuda_is():
@@ -426,3 +465,28 @@ def test_triton_kernels_in_the_interpreter_match_the_exact_decode(name):
         assert isinstance(weight, MXFP4Weight)
         y = triton_kernels.mxfp4_matmul(x, weight.blocks, weight.scales)
     assert_matmul_close(y, x, weight.dequantize(), TOLERANCE[torch.float32])
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
+    reason="runs the Triton kernels on CPU only under TRITON_INTERPRET=1 with triton installed",
+)
+@pytest.mark.parametrize("name", NIBBLE_BANKS)
+def test_the_gemv_kernel_in_the_interpreter_matches_the_exact_decode(name):
+    from modelfleet.engine.formats import triton_kernels
+
+    def layout(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if isinstance(w, MXFP4Weight):
+            return w.blocks.flatten(-2), w.scales, None
+        assert isinstance(w, Int4Weight)
+        return w.codes, w.scales, None if w.symmetric else w.zero_points()
+
+    bank, index = weight_for(name, (3, 80, 96)), torch.tensor([2, 0, 1, 1, 0, 2])
+    x = torch.randn(3, 96)
+    y = triton_kernels.nibble_gemv(x, *layout(bank), index, 2, mxfp4=name == "mxfp4")
+    rows, weights = gathered_reference(bank, x, index, 2)
+    for p in range(index.numel()):
+        assert_matmul_close(y[p : p + 1], rows[p : p + 1], weights[p], TOLERANCE[torch.float32])
+    dense = weight_for(name, (80, 96))
+    y = triton_kernels.nibble_gemv(x, *layout(dense), None, 1, mxfp4=name == "mxfp4")
+    assert_matmul_close(y, x, dense.dequantize(), TOLERANCE[torch.float32])

@@ -24,7 +24,7 @@ from modelfleet.engine.errors import CheckpointError, InputError
 from modelfleet.engine.formats import FormatError, Int4Weight, Int8Weight, MXFP4Weight, quantize
 from modelfleet.engine.formats.plan import FormatPlan, plan_from_options, role_of
 from modelfleet.engine.frame import Frame
-from modelfleet.engine.generate import LocalModel, generate
+from modelfleet.engine.generate import LocalModel, generate, generate_batch
 from modelfleet.engine.kernels import cpu_linear
 from modelfleet.engine.layers import Dense
 from modelfleet.engine.quantize import QuantizedDense, QuantizedExperts
@@ -35,6 +35,7 @@ from modelfleet.engine.spec import load_spec
 
 INT4_EXPERTS_INT8_ATTENTION = FormatPlan(experts="int4", attention="int8")
 PROMPT = [5, 17, 3, 99, 42, 8]
+PROMPT_IDS = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33, 90, 6, 101, 58]
 
 
 def successor_chains(successor: torch.Tensor, rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -231,16 +232,64 @@ def test_deepseek_kv_b_proj_stays_plain_while_the_rest_of_attention_is_int8(tiny
     assert isinstance(shard.layers[1].mlp.router_proj, Dense)  # routers stay in float32
 
 
-def test_quantized_modules_are_never_packed_for_onednn_and_turn_static_decode_off(tiny_checkpoint):
+def test_quantized_modules_are_never_packed_for_onednn(tiny_checkpoint):
     source, _ = tiny_checkpoint("qwen3_moe")
     shard = Shard.load(source, dtype="bfloat16", formats=FormatPlan(experts="int4"))
     assert isinstance(shard.layers[0].mlp.experts, QuantizedExperts)
     assert set(shard.bytes_by_role["experts"]) == {"int4"}  # the dense layer's MLP too
     if cpu_linear.available(torch.empty(1, 1, dtype=torch.bfloat16)):  # plain bf16 projections still pack
         assert shard.layers[0].attention.qkv.packed is not None
-    model = LocalModel([shard], static_decode=True)
-    assert not model.static_decode
-    assert LocalModel([Shard.load(source)], static_decode=True).static_decode
+
+
+QUANTIZED_PLANS = {
+    "qwen3_moe": FormatPlan(experts="int4", attention="int8", head="int8"),
+    "gpt_oss": FormatPlan(experts="mxfp4", attention="int8"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(QUANTIZED_PLANS))
+def test_static_decode_over_quantized_weights_gives_the_logits_of_general_frames(tiny_checkpoint, family):
+    path, _ = tiny_checkpoint(family)
+    prompts = [PROMPT_IDS[:5], PROMPT_IDS[4:15], PROMPT_IDS[9:10]]
+    plan = QUANTIZED_PLANS[family]
+    general = LocalModel.load(path, max_slots=3, max_context=32, static_decode=False, formats=plan)
+    static = LocalModel.load(path, max_slots=3, max_context=32, static_decode=True, formats=plan)
+    assert static.static_decode  # on CPU steps run eagerly, experts grouped
+    for lm in (general, static):
+        for slot, prompt in enumerate(prompts):
+            lm.acquire()
+            lm.forward(Frame.of_streams([(slot, 0, prompt)]))
+    positions = [len(p) for p in prompts]
+    for step in range(8):
+        tokens = [(5 * step + 3 * slot) % 100 for slot in range(3)]
+        ours, ref = static.decode(tokens, [0, 1, 2], positions), general.decode(tokens, [0, 1, 2], positions)
+        assert float((ours - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+        positions = [p + 1 for p in positions]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(QUANTIZED_PLANS))
+def test_cuda_graphs_over_packed_experts_give_the_tokens_of_eager_decoding(tiny_checkpoint, family):
+    path, _ = tiny_checkpoint(family)
+    prompts = [PROMPT_IDS[:3], PROMPT_IDS[2:12], PROMPT_IDS[7:8]]
+    params = SamplingParams(max_tokens=16, stop_token_ids=())
+    plan = QUANTIZED_PLANS[family]
+    eager = LocalModel.load(path, device="cuda", dtype="bfloat16", max_slots=3, static_decode=False, formats=plan)
+    graphed = LocalModel.load(path, device="cuda", dtype="bfloat16", max_slots=3, static_decode=True, formats=plan)
+    assert graphed.static_decode
+    bank = graphed.shards[0].layers[-1].mlp.experts
+    assert isinstance(bank, QuantizedExperts) and bank.gathered_on(torch.device("cuda"))
+    expected = [r.token_ids for r in generate_batch(eager, prompts, params)]
+    assert [r.token_ids for r in generate_batch(graphed, prompts, params)] == expected
+    assert graphed._decoders and all(d.graph is not None for d in graphed._decoders.values())
+
+
+def test_int8_experts_on_cuda_have_no_gathered_kernel_so_static_decode_stays_off(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3_moe")
+    shard = Shard.load(path, formats=FormatPlan(experts="int8"))
+    bank = shard.layers[-1].mlp.experts
+    assert isinstance(bank, QuantizedExperts) and not bank.gathered_on(torch.device("cuda"))
 
 
 def test_embeddings_in_bf16_feed_the_layers_in_the_compute_dtype(tiny_checkpoint):

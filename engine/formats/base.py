@@ -204,6 +204,15 @@ class QuantizedWeight(ABC):
         self.prepare_for(x)
         return self.expert(e).matmul(x)
 
+    def has_gathered_kernel(self, device: torch.device) -> bool:
+        """Whether :meth:`gathered_matmul` runs on ``device`` (callers otherwise run experts grouped)."""
+        return False
+
+    def gathered_matmul(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
+        """For a bank: out[p] = x[p // row_div] @ W[index[p]].T, [P, out], reading each pair's expert
+        in place with no host synchronisation (so decode steps can be graph-captured)."""
+        raise FormatError(f"{self.format} has no gathered expert kernel on {x.device}")
+
     def check_expert_index(self, e: int) -> None:
         if len(self.shape) != 3:
             raise FormatError(f"{self.format} weight of shape {shape_str(self.shape)} is not an expert bank")

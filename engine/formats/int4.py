@@ -205,8 +205,23 @@ class Int4Weight(QuantizedWeight):
         if self.device.type == "cuda" and triton_available():
             from . import triton_kernels
 
+            if x.shape[0] <= triton_kernels.GEMV_MAX_ROWS:
+                return triton_kernels.nibble_gemv(
+                    x, self.codes, self.scales, self._cuda_zero_points(), None, 1, mxfp4=False
+                )
             return triton_kernels.int4_matmul(x, self.codes, self.scales, self._cuda_zero_points())
         return tiled_matmul(x, self.decode_columns, self.out_features)
+
+    def has_gathered_kernel(self, device: torch.device) -> bool:
+        return self.num_experts is not None and device.type == "cuda" and triton_available()
+
+    def gathered_matmul(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
+        if not (self.has_gathered_kernel(x.device) and self.device == x.device):
+            return super().gathered_matmul(x, index, row_div)
+        from . import triton_kernels
+
+        zeros = self._cuda_zero_points()
+        return triton_kernels.nibble_gemv(x, self.codes, self.scales, zeros, index, row_div, mxfp4=False)
 
     # --- views, slices, moves ------------------------------------------------------------------
 

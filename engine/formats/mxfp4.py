@@ -134,8 +134,21 @@ class MXFP4Weight(QuantizedWeight):
         if self.device.type == "cuda" and triton_available():
             from . import triton_kernels
 
+            if x.shape[0] <= triton_kernels.GEMV_MAX_ROWS:
+                codes = self.blocks.flatten(-2)
+                return triton_kernels.nibble_gemv(x, codes, self.scales, None, None, 1, mxfp4=True)
             return triton_kernels.mxfp4_matmul(x, self.blocks, self.scales)
         return tiled_matmul(x, self.decode_columns, self.out_features)
+
+    def has_gathered_kernel(self, device: torch.device) -> bool:
+        return self.num_experts is not None and device.type == "cuda" and triton_available()
+
+    def gathered_matmul(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
+        if not (self.has_gathered_kernel(x.device) and self.device == x.device):
+            return super().gathered_matmul(x, index, row_div)
+        from . import triton_kernels
+
+        return triton_kernels.nibble_gemv(x, self.blocks.flatten(-2), self.scales, None, index, row_div, mxfp4=True)
 
     def expert(self, e: int) -> MXFP4Weight:
         self.check_expert_index(e)

@@ -23,6 +23,8 @@ triton's interpreter, TRITON_INTERPRET=1), never on the CPU-only CI.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -86,6 +88,74 @@ def _nibble_gemm_kernel(
             acc += tl.dot(x_odd, w_high)
     out = out_ptr + rm[:, None] * stride_om + rn[None, :]
     tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+# Small-M path: one program per (pair, BLOCK_N outputs); no tl.dot, which would waste 15 of its
+# 16 rows at M = 1. Each step covers GROUPS groups of 32 inputs as a [BLOCK_N, GROUPS, 16] byte
+# tile, sums code x input per group, then applies the group's zero point and scale once per group.
+_GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "GROUPS": g}, num_warps=nw)
+    for bn in (16, 32, 64, 128)
+    for g in (2, 4, 8)
+    for nw in (2, 4, 8)
+    if bn * g * 16 <= 8192
+]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter cannot time configurations
+
+
+@triton.jit
+def _nibble_gemv_kernel(
+    x_ptr, codes_ptr, scales_ptr, zeros_ptr, index_ptr, out_ptr,
+    N, K, NUM_GROUPS,
+    stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_om,
+    ROW_DIV: tl.constexpr, GATHER: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    pair, block_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(index_ptr + pair).to(tl.int64) if GATHER else 0
+    row = pair // ROW_DIV
+    rn = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rg = tl.arange(0, GROUPS)
+    rj = tl.arange(0, 16)
+    codes_row = codes_ptr + expert * stride_ce + rn[:, None, None] * stride_cn
+    scales_row = scales_ptr + expert * stride_se + rn[:, None] * stride_sn
+    zeros_row = zeros_ptr + expert * stride_ze + rn[:, None] * stride_zn
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * 32):
+        g = k0 // 32 + rg
+        g_mask = g < NUM_GROUPS
+        byte_index = g[:, None] * 16 + rj[None, :]  # [GROUPS, 16]; byte j holds inputs 2j, 2j + 1
+        x_even = tl.load(x_row + 2 * byte_index, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + 2 * byte_index + 1, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        tile_mask = n_mask[:, None, None] & g_mask[None, :, None]
+        byte = tl.load(codes_row + byte_index[None, :, :], mask=tile_mask, other=0).to(tl.int32)
+        low, high = byte & 0xF, byte >> 4
+        group_mask = n_mask[:, None] & g_mask[None, :]
+        if MXFP4:
+            # E2M1 as fp16 bits: sign to bit 15, the 3 magnitude bits to bits 11..9; that fp16 is
+            # the E2M1 value x 2^-14 exactly (code 1 lands on fp16's subnormal 2^-15)
+            w_low = (((low & 8) << 12) | ((low & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+            w_high = (((high & 8) << 12) | ((high & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+            part = tl.sum(w_low.to(tl.float32) * x_even[None] + w_high.to(tl.float32) * x_odd[None], axis=2)
+            e = tl.load(scales_row + g[None, :], mask=group_mask, other=127).to(tl.int32)
+            bits = tl.where(e == 0, 0x00400000, e << 23)  # 2^(e-127) as float32 bits; e = 0 is subnormal
+            scale = bits.to(tl.float32, bitcast=True) * 16384.0
+        else:
+            part = tl.sum(low.to(tl.float32) * x_even[None] + high.to(tl.float32) * x_odd[None], axis=2)
+            z = tl.load(zeros_row + g[None, :], mask=group_mask, other=8).to(tl.float32) if HAS_ZEROS else 8.0
+            part -= z * tl.sum(x_even + x_odd, axis=1)[None, :]  # sum (q - z) x = sum q x - z sum x
+            scale = tl.load(scales_row + g[None, :], mask=group_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(part * scale, axis=1)
+    tl.store(out_ptr + pair * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+_GEMV_KEY = ["N", "K", "ROW_DIV", "MXFP4", "HAS_ZEROS", "GATHER"]
+_nibble_gemv = (
+    _nibble_gemv_kernel if INTERPRETED else triton.autotune(_GEMV_CONFIGS, key=_GEMV_KEY)(_nibble_gemv_kernel)
+)
+_GEMV_FIXED = {"BLOCK_N": 16, "GROUPS": 2} if INTERPRETED else {}
 
 
 @triton.jit
@@ -157,6 +227,47 @@ def _nibble_gemm(
         xc.stride(0), codes.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         MXFP4=mxfp4, HAS_ZEROS=zeros is not scales, IEEE=xc.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return out.to(x.dtype)
+
+
+GEMV_MAX_ROWS = 4  # up to this many rows a dense matmul runs one GEMV per row (weights stay in L2)
+
+
+def nibble_gemv(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    index: torch.Tensor | None,
+    row_div: int,
+    mxfp4: bool,
+) -> torch.Tensor:
+    """out[p] = x[p // row_div] @ W[index[p]].T for a bank (codes [E, N, K/2], scales and zero
+    points [E, N, K/32]); with ``index`` None, W is 2-D and p runs over x's rows (row_div 1).
+    No host synchronisation and no data-dependent shapes: safe inside a CUDA graph once the
+    autotuner has picked its configuration (the first call per shape)."""
+    xc = _prepare_x(x)
+    n, k = codes.shape[-2], codes.shape[-1] * 2
+    pairs = xc.shape[0] if index is None else index.numel()
+    codes, scales = codes.contiguous(), scales.contiguous()
+    zeros = scales if zeros is None else zeros.contiguous()  # placeholder pointer when HAS_ZEROS is off
+    out = torch.empty((pairs, n), dtype=xc.dtype, device=x.device)
+    bank = codes.dim() == 3
+
+    def stride(t: torch.Tensor, dim: int) -> int:
+        return t.stride(dim) if bank else 0
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
+
+    _nibble_gemv[grid](
+        xc, codes, scales, zeros, codes if index is None else index, out,
+        n, k, k // 32,
+        xc.stride(0), stride(codes, 0), codes.stride(-2), stride(scales, 0), scales.stride(-2),
+        stride(zeros, 0), zeros.stride(-2), out.stride(0),
+        ROW_DIV=row_div, GATHER=index is not None, MXFP4=mxfp4, HAS_ZEROS=zeros is not scales,
+        **_GEMV_FIXED,
     )  # fmt: skip
     return out.to(x.dtype)
 
