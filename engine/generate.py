@@ -22,6 +22,7 @@ from .sampling import SamplingParams, StreamSampler, sample_rows
 from .shard import Shard
 from .spec import ModelSpec, load_spec
 from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, supports_static_decode
+from .tensor_parallel import TensorGroup
 
 
 def even_ranges(num_layers: int, parts: int) -> list[tuple[int, int]]:
@@ -53,11 +54,16 @@ class LocalModel:
         max_context: int | None = None,
         static_decode: bool | None = None,
         formats: FormatPlan | None = None,
+        tensor: TensorGroup | None = None,
     ) -> LocalModel:
-        """``formats`` quantizes at load (None: the compute dtype, or a quantized checkpoint's own formats)."""
+        """``formats`` quantizes at load (None: the compute dtype, or a quantized checkpoint's own formats).
+        ``tensor``: this process is one rank of a tensor-parallel group; every rank loads the same
+        model with its own group rank and then runs the same frames (and gets the same outputs)."""
         spec = load_spec(model_dir)
         parts = [
-            Shard.load(model_dir, start, end, device=device, dtype=dtype, progress=progress, formats=formats)
+            Shard.load(
+                model_dir, start, end, device=device, dtype=dtype, progress=progress, formats=formats, tensor=tensor
+            )
             for start, end in even_ranges(spec.num_layers, shards)
         ]
         context = max_context or min(spec.max_position_embeddings, 4096)

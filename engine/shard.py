@@ -24,6 +24,7 @@ from .models import family as family_module
 from .quantize import apply_embedding_format, apply_formats, bytes_by_role, prepare_kernels
 from .quantized_checkpoint import QuantizedCheckpoint, fill_quantized, open_checkpoint
 from .spec import ModelSpec, load_spec
+from .tensor_parallel import TensorGroup, check_tensor_split, split_for_rank
 from .weights import LayerWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,6 +59,7 @@ class Shard(nn.Module):
         self.device, self.dtype = device, dtype
         self.slots: SlotTable | None = None
         self.kv: list[LayerKV] = []
+        self.tensor: TensorGroup | None = None  # set when the layers hold one rank's share
 
     @property
     def is_first(self) -> bool:
@@ -101,6 +103,7 @@ class Shard(nn.Module):
         pack: bool | None = None,
         formats: FormatPlan | None = None,
         on_layer: Callable[[int, int], None] | None = None,
+        tensor: TensorGroup | None = None,
     ) -> Shard:
         spec = load_spec(model_dir)
         ckpt = checkpoint or open_checkpoint(model_dir, spec.raw)
@@ -115,6 +118,7 @@ class Shard(nn.Module):
             pack=pack,
             formats=formats,
             on_layer=on_layer,
+            tensor=tensor,
         )
 
     @classmethod
@@ -131,12 +135,15 @@ class Shard(nn.Module):
         pack: bool | None = None,
         formats: FormatPlan | None = None,
         on_layer: Callable[[int, int], None] | None = None,
+        tensor: TensorGroup | None = None,
     ) -> Shard:
         """Build a shard from any tensor source (a checkpoint directory or tensors in memory).
 
         ``formats`` quantizes each layer right after it is built (so at most one layer is ever
         held in the compute dtype); None keeps every weight in the compute dtype, or as a
         checkpoint stores it packed. A quantized checkpoint loads its stored formats as they are.
+        ``tensor`` keeps this rank's share of each layer (split right after it is built, before
+        it is quantized or packed; a quantized checkpoint's shard is split once it is filled).
         """
         end = spec.num_layers if layer_end is None else layer_end
         if not 0 <= layer_start < end <= spec.num_layers:
@@ -147,13 +154,21 @@ class Shard(nn.Module):
         torch_device, torch_dtype = torch.device(device), resolve_dtype(dtype)
         if torch_device.type == "cuda" and not torch.cuda.is_available():
             raise InputError("device 'cuda' was asked for but no CUDA GPU is available; use --device cpu")
+        if tensor is not None:
+            check_tensor_split(spec, tensor.size)
         if isinstance(ckpt, QuantizedCheckpoint):
-            return cls._load_quantized(spec, ckpt, layer_start, end, torch_device, torch_dtype, formats, pack, on_layer)
+            shard = cls._load_quantized(spec, ckpt, layer_start, end, torch_device, torch_dtype, formats, on_layer)
+            if tensor is not None:
+                split_for_rank(shard, tensor)
+                shard.tensor = tensor
+            return shard._prepare(pack)
         root = LayerWeights(ckpt, "", torch_dtype, torch_device)
         family = family_module(spec.family)
         layers = []
         for i in _progress(range(layer_start, end), progress, f"loading layers [{layer_start}, {end})"):
             layer = family.build_layer(spec, i, root.sub(f"model.layers.{i}."))
+            if tensor is not None:
+                split_for_rank(layer, tensor, f"layers.{i - layer_start}.")
             if formats is not None:
                 apply_formats(layer, formats, f"layers.{i - layer_start}.")
             layers.append(layer)
@@ -168,6 +183,7 @@ class Shard(nn.Module):
                 head_name = "model.embed_tokens.weight"
             head = Dense(root.get(head_name) if embed is None or head_name == "lm_head.weight" else embed)
         shard = cls(spec, layer_start, end, layers, embed, norm, head, torch_device, torch_dtype)
+        shard.tensor = tensor
         if formats is not None:
             apply_formats(shard, formats)  # the head: every layer is done already
             shard.embed = apply_embedding_format(shard.embed, formats)
@@ -183,11 +199,10 @@ class Shard(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         formats: FormatPlan | None,
-        pack: bool | None,
         on_layer: Callable[[int, int], None] | None,
     ) -> Shard:
         """A skeleton on the meta device from the source's names and shapes, filled with the
-        stored tensors: nothing is quantized again."""
+        stored tensors: nothing is quantized again (kernel layouts are left to ``_prepare``)."""
         if formats is not None and formats != ckpt.plan:
             raise InputError(
                 f"{ckpt.dir} is already quantized as {ckpt.plan.to_json()}; load it without formats "
@@ -198,7 +213,7 @@ class Shard(nn.Module):
         )
         fill_quantized(shard, ckpt, layer_start, device)
         shard.device = device
-        return shard._prepare(pack)
+        return shard
 
     def _prepare(self, pack: bool | None) -> Shard:
         """Kernel layouts: oneDNN packing for plain bf16 on CPU, each format's own layout."""

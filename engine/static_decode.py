@@ -22,21 +22,25 @@ from .frame import Segment
 from .layers import Attention, FrameContext
 from .quantize import QuantizedExperts
 from .shard import Shard
+from .tensor_parallel import is_split
 
 MAX_GRAPH_BATCH = 8  # experts are gathered per (row, expert) pair: fine for small batches only
 
 
 def supports_static_decode(shards: Sequence[Shard]) -> bool:
-    """One device, grouped-query attention and, on CUDA, every quantized expert bank in a format
-    with a gathered kernel (the grouped path synchronises with the host, which a graph cannot
-    hold). Quantized projections run their formats' kernels, which capture as they are."""
+    """One device, grouped-query attention, no tensor-parallel split (a split layer's all-reduces
+    are not captured in graphs yet) and, on CUDA, every quantized expert bank in a format with a
+    gathered kernel (the grouped path synchronises with the host, which a graph cannot hold).
+    Quantized projections run their formats' kernels, which capture as they are."""
     devices = {shard.device for shard in shards}
     attentions = [layer.attention for shard in shards for layer in shard.layers]
     banks = [m for shard in shards for m in shard.modules() if isinstance(m, QuantizedExperts)]
     eager = all(device.type == "cpu" for device in devices)
+    split = any(is_split(shard) for shard in shards)
     return (
         len(devices) == 1
         and all(isinstance(a, Attention) for a in attentions)
+        and not split
         and (eager or all(bank.gathered_on(bank.gate_up.device) for bank in banks))
     )
 
