@@ -85,9 +85,10 @@ def model_path(uri: str) -> str:
     """Where a pod finds the checkpoint: the plan's ``model.path`` inside the fleet's pods.
 
     pvc://CLAIM/PATH mounts the claim at MODEL_MOUNT_DIR, hostpath:///PATH mounts PATH there;
-    hf:// checkpoints are not mounted, and the URI stays as it is."""
+    hf://ORG/NAME[@REV] is fetched into ORG/NAME[@REV] under MODEL_MOUNT_DIR (a cache claim may
+    hold several models and revisions side by side)."""
     if uri.startswith("pvc://"):
         return f"{MODEL_MOUNT_DIR}/{uri.removeprefix('pvc://').partition('/')[2]}"
     if uri.startswith("hostpath://"):
         return MODEL_MOUNT_DIR
-    return uri
+    return f"{MODEL_MOUNT_DIR}/{uri.removeprefix('hf://')}"

@@ -145,6 +145,7 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
         "volumes": [_plan_volume(fleet_name), model_volume, _transport_volume(fleet_name), _scratch_volume()],
         "automountServiceAccountToken": False, "securityContext": POD_SECURITY,
     }  # fmt: skip
+    pod_spec = _with_fetch(pod_spec, spec)
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
@@ -213,7 +214,7 @@ def _plan_mount() -> Obj:
 
 
 def _model_mount(spec: ModelFleetSpec) -> Obj:
-    return {"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": not spec.model.uri.startswith("hf://")}
+    return {"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True}  # for hf://, only the fetch writes
 
 
 def _transport_volume(fleet_name: str) -> Obj:
@@ -234,7 +235,8 @@ def transport_secret(fleet: Mapping[str, Any], public_key: str, secret_key: str)
 
 
 def _model_volume(spec: ModelFleetSpec) -> tuple[Obj, list[Obj]]:
-    """The checkpoint volume and MF_MODEL_PATH; hf:// models download into an emptyDir cache."""
+    """The checkpoint volume and MF_MODEL_PATH; hf:// models are fetched into ``model.cache``'s claim
+    or an emptyDir (downloaded again whenever a pod is replaced)."""
     uri = spec.model.uri
     if uri.startswith("pvc://"):
         claim = uri.removeprefix("pvc://").partition("/")[0]
@@ -243,7 +245,38 @@ def _model_volume(spec: ModelFleetSpec) -> tuple[Obj, list[Obj]]:
     if uri.startswith("hostpath://"):
         volume = {"name": "model", "hostPath": {"path": uri.removeprefix("hostpath://"), "type": "Directory"}}
         return volume, [_env("MF_MODEL_PATH", names.model_path(uri))]
-    return {"name": "model", "emptyDir": {}}, [_env("MF_MODEL_URI", uri), _env("MF_MODEL_CACHE", MODEL_MOUNT_DIR)]
+    cache = spec.model.cache
+    volume = {
+        "name": "model",
+        **({"persistentVolumeClaim": {"claimName": cache.claim_name}} if cache else {"emptyDir": {}}),
+    }
+    return volume, [_env("MF_MODEL_PATH", names.model_path(uri))]
+
+
+def _with_fetch(pod_spec: Obj, spec: ModelFleetSpec, weights: bool = True) -> Obj:
+    """For an hf:// model, an init container fetches it into the model volume before the pod's
+    containers start; a complete snapshot already there (a cache claim) costs one listing request."""
+    if not spec.model.uri.startswith("hf://"):
+        return pod_spec
+    command = ["modelfleet", "fetch", spec.model.uri, "--out", names.model_path(spec.model.uri)]
+    fetch = {
+        "name": "fetch", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
+        "command": command if weights else [*command, "--no-weights"], "env": [*_hub_env(spec), _env("HOME", SCRATCH_DIR)],
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT_DIR}, _scratch_mount()],
+    }  # fmt: skip
+    return {**pod_spec, "initContainers": [fetch]}
+
+
+def _hub_env(spec: ModelFleetSpec) -> list[Obj]:
+    """HF_TOKEN from ``model.tokenSecret``, HF_ENDPOINT from ``model.endpoint``, the Hub client's
+    own files on the scratch volume (the root filesystem is read-only)."""
+    env = [_env("HF_HOME", f"{SCRATCH_DIR}/huggingface")]
+    if secret := spec.model.token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    if spec.model.endpoint:
+        env.append(_env("HF_ENDPOINT", spec.model.endpoint))
+    return env
 
 
 # ---- model inspection -------------------------------------------------------------------------
@@ -252,20 +285,25 @@ def _model_volume(spec: ModelFleetSpec) -> tuple[Obj, list[Obj]]:
 def inspection_job(fleet: Mapping[str, Any], spec: ModelFleetSpec) -> Obj:
     """A Job that reads the checkpoint's config and safetensors headers and reports its ModelSummary
     as the pod's termination message (so it needs no Kubernetes credentials); the operator copies
-    the message into the summary ConfigMap. Only local checkpoints (pvc://, hostpath://) are read."""
+    the message into the summary ConfigMap. A local checkpoint (pvc://, hostpath://) is mounted; an
+    hf:// one is read over HTTP Range requests, with no volume and no weight bytes."""
     fleet_name = fleet["metadata"]["name"]
     model_volume, model_env = _model_volume(spec)
+    hub = spec.model.uri.startswith("hf://")
+    if hub:
+        model_env = [_env("MF_MODEL_URI", spec.model.uri), *_hub_env(spec)]
+    source = "$MF_MODEL_URI" if hub else "$MF_MODEL_PATH"
+    model_mounts = [] if hub else [{"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True}]
     container = {
         "name": "inspect", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
-        "command": ["sh", "-c", 'exec modelfleet inspect --model "$MF_MODEL_PATH" --output /dev/termination-log'],
+        "command": ["sh", "-c", f'exec modelfleet inspect --model "{source}" --output /dev/termination-log'],
         "env": [*model_env, _env("HOME", SCRATCH_DIR)], "terminationMessagePolicy": "File",
-        "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True}, _scratch_mount()],
+        "securityContext": CONTAINER_SECURITY, "volumeMounts": [*model_mounts, _scratch_mount()],
     }  # fmt: skip
     pod_spec = {
         "restartPolicy": "Never",
         "containers": [container],
-        "volumes": [model_volume, _scratch_volume()],
+        "volumes": [_scratch_volume()] if hub else [model_volume, _scratch_volume()],
         "automountServiceAccountToken": False,
         "securityContext": POD_SECURITY,
     }
@@ -346,12 +384,16 @@ def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: Fle
     }  # fmt: skip
     template = {
         "metadata": {"labels": labels, "annotations": {names.ANNOTATION_PLAN_HASH: plan.plan_hash()}},
-        "spec": {
-            "containers": [container],
-            "volumes": volumes,
-            "automountServiceAccountToken": False,
-            "securityContext": POD_SECURITY,
-        },  # fmt: skip
+        "spec": _with_fetch(
+            {
+                "containers": [container],
+                "volumes": volumes,
+                "automountServiceAccountToken": False,
+                "securityContext": POD_SECURITY,
+            },
+            spec,
+            weights=False,  # the gateway reads the config, tokenizer and chat template
+        ),
     }
     deployment_spec = {"replicas": spec.gateway.replicas, "selector": {"matchLabels": labels}, "template": template}
     meta = _metadata(fleet, names.gateway_name(fleet_name), "gateway")

@@ -149,10 +149,6 @@ def _inspect(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster, r
     """Start the inspection Job, or return the summary its pod reported; None until it has."""
     meta = fleet["metadata"]
     wanted = f"ConfigMap {summary_config_map_name(meta['name'])} with key {SUMMARY_KEY}"
-    if spec.model.uri.startswith("hf://"):
-        message = f"waiting for {wanted}: hf:// checkpoints are not inspected in the cluster yet"
-        report.fail(Condition.MODEL_INSPECTED, Reason.AWAITING_MODEL_SUMMARY, message, Phase.PENDING)
-        return None
     job = objects.inspection_job(fleet, spec)
     if cluster.get("batch/v1", "Job", meta["namespace"], job["metadata"]["name"]) is None:
         cluster.create(job)  # a Job's template is immutable: never patched, a new model gets a new Job

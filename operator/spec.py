@@ -24,7 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
+from pydantic.alias_generators import to_camel, to_snake
 
 from modelfleet.engine.errors import ModelfleetError
 from modelfleet.plan import Formats, NonNegativeInt, PositiveInt, _describe
@@ -38,6 +38,9 @@ MODEL_URI_PATTERN = (
     r"|hostpath:///.+"
     r"|hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?)$"
 )
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+ENDPOINT_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/\-]*$"
 QUANTITY_PATTERN = r"^([+]?([0-9]+(\.[0-9]*)?|\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
 
@@ -50,12 +53,35 @@ class _Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
 
 
+class SecretKey(_Spec):
+    name: StrictStr = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    key: StrictStr = Field(min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN)
+
+
+class ModelCache(_Spec):
+    claim_name: StrictStr = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+
+
 class ModelSource(_Spec):
     uri: StrictStr = Field(
         pattern=MODEL_URI_PATTERN, description="pvc://CLAIM/PATH, hostpath:///PATH, hf://ORG/NAME[@REV]"
     )
     served_name: StrictStr = Field(min_length=1, max_length=256, pattern=SERVED_NAME_PATTERN)
     formats: Formats = Formats()
+    token_secret: SecretKey | None = Field(default=None, description="hf:// only: the Secret key holding HF_TOKEN")
+    cache: ModelCache | None = Field(
+        default=None, description="hf:// only: a PersistentVolumeClaim to download into (default: an emptyDir)"
+    )
+    endpoint: StrictStr | None = Field(
+        default=None, pattern=ENDPOINT_PATTERN, description="hf:// only: a Hub mirror's URL (HF_ENDPOINT)"
+    )
+
+    @model_validator(mode="after")
+    def _check_hub_fields(self) -> ModelSource:
+        given = [name for name in ("tokenSecret", "cache", "endpoint") if getattr(self, to_snake(name)) is not None]
+        if given and not self.uri.startswith("hf://"):
+            raise ValueError(f"model.{given[0]} applies to hf:// models only, not {self.uri}")
+        return self
 
 
 class Accelerator(_Spec):

@@ -121,6 +121,10 @@ GOOD = {
         "accelerator": {"profile": "intel-igpu"}, "parallelism": {"pipeline": "auto"},
     },
     "hf model at a revision": {"model": {"uri": "hf://deepseek-ai/DeepSeek-V3@main", "servedName": "dsv3"}},
+    "gated hf model through a mirror into a cache claim": {"model": {
+        "uri": "hf://meta-llama/Llama-4-Scout", "servedName": "scout", "tokenSecret": {"name": "hf", "key": "token"},
+        "cache": {"claimName": "hf-cache"}, "endpoint": "https://hub.mirror.internal/hf",
+    }},
 }  # fmt: skip
 
 
@@ -170,6 +174,10 @@ BAD = {
     "unknown numa policy": _with(placement={"numa": "interleave"}),
     "numa pinning without resources": _with(placement={"numa": "single-numa-node"}, resources={"memory": "8Gi"}),
     "unknown weight format": {"model": {"uri": "hf://a/b", "servedName": "m", "formats": {"experts": "int3"}}},
+    "token secret for a pvc model": {"model": {"uri": "pvc://m/x", "servedName": "m", "tokenSecret": {"name": "hf", "key": "t"}}},
+    "download cache for a host path": {"model": {"uri": "hostpath:///m", "servedName": "m", "cache": {"claimName": "c"}}},
+    "token secret without a key": {"model": {"uri": "hf://a/b", "servedName": "m", "tokenSecret": {"name": "hf"}}},
+    "endpoint not a url": {"model": {"uri": "hf://a/b", "servedName": "m", "endpoint": "mirror.local"}},
 }
 
 

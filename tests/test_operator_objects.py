@@ -331,3 +331,90 @@ def test_every_built_object_and_the_crd_pass_strict_kubernetes_schema_validation
 def test_the_operator_command_needs_namespaces_or_all_of_them(args):
     result = CliRunner().invoke(app, ["operator", *args])
     assert result.exit_code == 2 and "--namespace NS" in result.output
+
+
+# ---- hf:// models ------------------------------------------------------------------------------
+
+HF_GATED = {
+    "uri": "hf://org/tiny@v1", "servedName": "tiny", "tokenSecret": {"name": "hf", "key": "token"},
+    "cache": {"claimName": "hf-cache"}, "endpoint": "https://mirror.example/hf",
+}  # fmt: skip
+
+
+def test_an_hf_stage_pod_fetches_the_model_in_an_init_container_into_the_path_the_agent_reads():
+    _, objs, placement = build(model=HF_GATED, parallelism={"pipeline": 2})
+    pod = next(iter(by_kind(objs, "Pod").values()))
+    (fetch,) = pod["spec"]["initContainers"]
+    assert fetch["command"] == ["modelfleet", "fetch", "hf://org/tiny@v1", "--out", "/models/org/tiny@v1"]
+    assert env_of(pod)["MF_MODEL_PATH"] == placement.plan.model.path == "/models/org/tiny@v1"
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["spec"]["volumes"]
+    assert {"name": "model", "mountPath": "/models"} in fetch["volumeMounts"]  # the fetch writes, the agent reads
+    agent_mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model")
+    assert agent_mount["readOnly"] is True
+    env = {e["name"]: e for e in fetch["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert env["HF_ENDPOINT"]["value"] == "https://mirror.example/hf"
+    assert env["HF_HOME"]["value"].startswith("/tmp/") and fetch["securityContext"]["readOnlyRootFilesystem"]
+
+
+def test_an_hf_model_without_a_cache_claim_downloads_into_an_empty_dir_and_needs_no_token():
+    _, objs, _ = build(model={"uri": "hf://org/tiny", "servedName": "tiny"})
+    pod = next(iter(by_kind(objs, "Pod").values()))
+    assert {"name": "model", "emptyDir": {}} in pod["spec"]["volumes"]
+    names_in_env = {e["name"] for e in pod["spec"]["initContainers"][0]["env"]}
+    assert "HF_TOKEN" not in names_in_env and "HF_ENDPOINT" not in names_in_env
+
+
+def test_the_gateway_of_an_hf_model_fetches_only_config_and_tokenizer():
+    _, objs, _ = build(model=HF_GATED)
+    template = next(iter(by_kind(objs, "Deployment").values()))["spec"]["template"]["spec"]
+    (fetch,) = template["initContainers"]
+    assert fetch["command"][-1] == "--no-weights" and fetch["command"][2] == "hf://org/tiny@v1"
+
+
+def test_local_models_get_no_init_container():
+    _, objs, _ = build()
+    assert all("initContainers" not in p["spec"] for p in by_kind(objs, "Pod").values())
+
+
+def test_the_inspection_job_of_an_hf_model_reads_headers_over_http_with_no_volume():
+    body = fleet(model=HF_GATED)
+    job = objects.inspection_job(body, parse_spec(body["spec"]))
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["volumes"] == [{"name": "scratch", "emptyDir": {}}]
+    (container,) = pod_spec["containers"]
+    assert 'modelfleet inspect --model "$MF_MODEL_URI" --output /dev/termination-log' in container["command"][-1]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["MF_MODEL_URI"]["value"] == "hf://org/tiny@v1"
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert env["HF_ENDPOINT"]["value"] == "https://mirror.example/hf"
+
+
+def test_network_policies_restrict_only_ingress_so_pods_may_download():
+    _, objs, _ = build(model=HF_GATED)
+    for policy in by_kind(objs, "NetworkPolicy").values():
+        assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"]
+
+
+@pytest.mark.parametrize("model", [HF_GATED, {"uri": "hf://org/tiny", "servedName": "tiny"}], ids=["gated", "public"])
+def test_every_object_of_an_hf_fleet_passes_strict_kubernetes_schema_validation(model):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    body, objs, _ = build(model=model, parallelism={"pipeline": 2})
+    for obj in [*objs, objects.inspection_job(body, parse_spec(body["spec"]))]:
+        kubernetes_validate.validate(obj, "1.31", strict=True)
+
+
+def test_render_of_an_hf_fleet_with_a_local_stand_in_for_inspection(tmp_path, tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3_moe")
+    body = fleet(model=HF_GATED)
+    del body["metadata"]["uid"]
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(body))
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump({"kind": "List", "items": [node("a")]}))
+    args = ["render", "--fleet", str(tmp_path / "fleet.yaml"), "--nodes", str(tmp_path / "nodes.yaml")]
+    result = CliRunner().invoke(app, [*args, "--model", str(path)])
+    assert result.exit_code == 0, result.output
+    docs = list(yaml.safe_load_all(result.output))
+    pods = [d for d in docs if d["kind"] == "Pod"]
+    assert pods and all(p["spec"]["initContainers"][0]["name"] == "fetch" for p in pods)
+    plan = FleetPlan.from_json(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["plan.json"])
+    assert plan.model.path == "/models/org/tiny@v1"

@@ -27,13 +27,19 @@ def with_status(body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
     return {**body, "status": status}
 
 
-def test_an_hf_model_without_a_summary_waits_for_one_and_creates_nothing():
+def test_an_hf_model_without_a_summary_is_inspected_over_http_by_a_job_without_a_volume():
     body = fleet(model={"uri": "hf://Qwen/Qwen3-30B-A3B", "servedName": "qwen3"})
     cluster = FakeCluster([node("a")])
     outcome = reconcile(body, cluster)
-    assert conditions(outcome.status)["ModelInspected"] == ("False", "AwaitingModelSummary")
+    assert conditions(outcome.status)["ModelInspected"] == ("False", "Inspecting")
     assert outcome.status["phase"] == "Pending" and outcome.retry_after_seconds is not None
-    assert cluster.log == []
+    (job,) = cluster.of_kind("Job").values()
+    pod_spec = job["spec"]["template"]["spec"]
+    assert "$MF_MODEL_URI" in pod_spec["containers"][0]["command"][-1]
+    assert [v["name"] for v in pod_spec["volumes"]] == ["scratch"]
+    assert [
+        o for o in cluster.of_kind("Pod").values() if o["metadata"]["labels"].get("modelfleet.io/component") == "stage"
+    ] == []
 
 
 def inspection_pod(cluster: FakeCluster, phase: str, message: str) -> None:
