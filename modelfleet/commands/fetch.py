@@ -12,7 +12,9 @@ err = Console(stderr=True, soft_wrap=True)
 
 
 def fetch(
-    uri: str = typer.Argument(..., help="hf://ORG/NAME or hf://ORG/NAME@REVISION (branch, tag or commit)."),
+    uri: str = typer.Argument(
+        ..., metavar="URI", help="hf://ORG/NAME or hf://ORG/NAME@REVISION (branch, tag or commit)."
+    ),
     out: Path = typer.Option(..., "--out", help="Directory to download into (created if missing)."),
     include: list[str] = typer.Option(
         [], "--include", help="Also download repository paths matching this glob (repeatable)."
@@ -21,7 +23,9 @@ def fetch(
         True, "--weights/--no-weights", help="--no-weights: config, tokenizer and chat template only (a gateway)."
     ),
 ) -> None:
-    """Download a checkpoint from a Hugging Face Hub: config, tokenizer, chat template, *.safetensors
+    """Download an hf:// checkpoint into a directory (what a modelfleet load reads).
+
+    Takes config.json, generation_config.json, the tokenizer files, the chat template, *.safetensors
     and their index. HF_TOKEN authenticates, HF_ENDPOINT names a mirror. A complete snapshot of the
     same commit already in --out is not downloaded again."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn

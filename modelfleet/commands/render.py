@@ -106,8 +106,10 @@ TERMINATION_LOG_BYTES = 4096  # what the kubelet keeps of a termination message
 
 @app.command()
 def inspect(
-    source: str | None = typer.Argument(None, help="Checkpoint directory or hf://ORG/NAME[@REV] (or --model)."),
-    model: str | None = typer.Option(None, "--model", help="Checkpoint directory or hf://ORG/NAME[@REV]."),
+    source: str | None = typer.Argument(
+        None, metavar="CHECKPOINT", help="Checkpoint directory, hf://ORG/NAME or hf://ORG/NAME@REV (or --model)."
+    ),
+    model: str | None = typer.Option(None, "--model", help="Checkpoint directory, hf://ORG/NAME or hf://ORG/NAME@REV."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="Compute dtype the sizes are counted at."),
     output: Path | None = typer.Option(None, "--output", help="Write the JSON here (errors too) instead of stdout."),
 ) -> None:
