@@ -56,7 +56,13 @@ def stage_service(fleet: str) -> str:
 
 
 def plan_config_map(fleet: str) -> str:
+    """The plan of the fleet's current generation (the operator's record; no pod mounts it)."""
     return f"{fleet}-plan"
+
+
+def revision_plan_config_map(fleet: str, revision: str) -> str:
+    """The plan that one revision's stage pods mount, and the gateway while it serves that revision."""
+    return f"{fleet}-plan-{revision}"
 
 
 def model_key(uri: str) -> str:

@@ -16,11 +16,10 @@ import copy
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modelfleet import __version__
-from modelfleet.plan import FleetPlan
 from modelfleet.planner import parse_quantity
 
 from . import names
@@ -83,16 +82,20 @@ def selector(fleet: str, component: str) -> dict[str, str]:
 # ---- the plan ---------------------------------------------------------------------------------
 
 
-def plan_config_map(fleet: Mapping[str, Any], placement: Placement) -> Obj:
-    """The plan agents read, plus the member nodes and the fleet generation they were planned for
-    (the operator keeps a plan while its generation holds and its nodes still match)."""
-    name = names.plan_config_map(fleet["metadata"]["name"])
-    meta = _metadata(fleet, name)
-    meta["annotations"] = {
-        names.ANNOTATION_PLAN_HASH: placement.plan.plan_hash(),
-        names.ANNOTATION_REVISION: placement.revision,
-        names.ANNOTATION_GENERATION: str(fleet["metadata"].get("generation", 0)),
-    }
+def plan_config_map(fleet: Mapping[str, Any], placement: Placement, revision_scoped: bool = False) -> Obj:
+    """The plan, plus the member nodes: the fleet's record of its current generation's plan (the
+    operator keeps a plan while its generation holds and its nodes still match), or, revision
+    scoped, the copy that revision's pods mount (two revisions run side by side in a rollout)."""
+    fleet_name, revision = fleet["metadata"]["name"], placement.revision
+    if revision_scoped:
+        meta = _metadata(
+            fleet, names.revision_plan_config_map(fleet_name, revision), **{names.LABEL_REVISION: revision}
+        )
+    else:
+        meta = _metadata(fleet, names.plan_config_map(fleet_name))
+    meta["annotations"] = {names.ANNOTATION_PLAN_HASH: placement.plan.plan_hash(), names.ANNOTATION_REVISION: revision}
+    if not revision_scoped:
+        meta["annotations"][names.ANNOTATION_GENERATION] = str(fleet["metadata"].get("generation", 0))
     members = json.dumps([dataclasses.asdict(m) for m in placement.members], indent=1)
     data = {names.PLAN_KEY: placement.plan.to_json(), names.MEMBERS_KEY: members}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
@@ -142,7 +145,7 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
     pod_spec = {
         "hostname": name, "subdomain": names.stage_service(fleet_name), "restartPolicy": "Never",
         "affinity": _affinity(spec, member.node), "containers": [container],
-        "volumes": [_plan_volume(fleet_name), model_volume, _transport_volume(fleet_name), _scratch_volume()],
+        "volumes": [_plan_volume(fleet_name, revision), model_volume, _transport_volume(fleet_name), _scratch_volume()],
         "automountServiceAccountToken": False, "securityContext": POD_SECURITY,
     }  # fmt: skip
     pod_spec = _with_fetch(pod_spec, spec)
@@ -205,8 +208,8 @@ def _affinity(spec: ModelFleetSpec, node: str) -> Obj:
     return affinity
 
 
-def _plan_volume(fleet_name: str) -> Obj:
-    return {"name": "plan", "configMap": {"name": names.plan_config_map(fleet_name)}}
+def _plan_volume(fleet_name: str, revision: str) -> Obj:
+    return {"name": "plan", "configMap": {"name": names.revision_plan_config_map(fleet_name, revision)}}
 
 
 def _plan_mount() -> Obj:
@@ -354,13 +357,20 @@ def stage_service(fleet: Mapping[str, Any]) -> Obj:
     }
 
 
-def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: FleetPlan) -> Obj:
-    """The gateway: tokenizer from the model volume, CURVE keys to reach the head, API keys if given."""
-    fleet_name = fleet["metadata"]["name"]
+def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, serving: Placement) -> Obj:
+    """The gateway: tokenizer from the model volume, CURVE keys to reach the heads of the
+    ``serving`` revision (its plan; the template names it, so switching revisions rolls the
+    gateway), API keys if given."""
+    fleet_name, plan = fleet["metadata"]["name"], serving.plan
     labels = selector(fleet_name, "gateway")
     model_volume, _ = _model_volume(spec)
     mounts = [_plan_mount(), _model_mount(spec), _transport_mount(), _scratch_mount()]
-    volumes = [_plan_volume(fleet_name), model_volume, _transport_volume(fleet_name), _scratch_volume()]
+    volumes = [
+        _plan_volume(fleet_name, serving.revision),
+        model_volume,
+        _transport_volume(fleet_name),
+        _scratch_volume(),
+    ]
     env = [
         _env("MF_FLEET", fleet_name), _env("HOME", SCRATCH_DIR),
         _env("MF_PLAN", f"{names.PLAN_MOUNT_DIR}/{names.PLAN_KEY}"), _env("MF_GATEWAY_HOST", "0.0.0.0"),
@@ -383,7 +393,13 @@ def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, plan: Fle
         "securityContext": CONTAINER_SECURITY,
     }  # fmt: skip
     template = {
-        "metadata": {"labels": labels, "annotations": {names.ANNOTATION_PLAN_HASH: plan.plan_hash()}},
+        "metadata": {
+            "labels": labels,
+            "annotations": {
+                names.ANNOTATION_PLAN_HASH: plan.plan_hash(),
+                names.ANNOTATION_REVISION: serving.revision,
+            },
+        },
         "spec": _with_fetch(
             {
                 "containers": [container],
@@ -441,11 +457,21 @@ def disruption_budget(fleet: Mapping[str, Any]) -> Obj:
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta, "spec": spec}
 
 
-def fleet_objects(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placement) -> list[Obj]:
-    """Everything the operator applies for a fleet, in apply order (the plan before its readers)."""
-    plan = placement.plan
+def fleet_objects(
+    fleet: Mapping[str, Any],
+    spec: ModelFleetSpec,
+    placement: Placement,
+    running: Sequence[Placement] | None = None,
+    serving: Placement | None = None,
+) -> list[Obj]:
+    """Everything the operator applies for a fleet, in apply order (a plan before its readers):
+    ``placement`` is the plan of the fleet's generation; in a rollout, ``running`` lists the
+    revisions whose plans and pods are applied and ``serving`` the one the gateway points at
+    (both default to ``placement``)."""
+    running = running or [placement]
     return [
-        plan_config_map(fleet, placement), stage_service(fleet), *network_policies(fleet), disruption_budget(fleet),
-        *(stage_pod(fleet, spec, placement, member) for member in placement.members),
-        gateway_deployment(fleet, spec, plan), gateway_service(fleet, spec),
+        plan_config_map(fleet, placement), *(plan_config_map(fleet, p, revision_scoped=True) for p in running),
+        stage_service(fleet), *network_policies(fleet), disruption_budget(fleet),
+        *(stage_pod(fleet, spec, p, member) for p in running for member in p.members),
+        gateway_deployment(fleet, spec, serving or placement), gateway_service(fleet, spec),
     ]  # fmt: skip

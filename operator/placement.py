@@ -189,6 +189,28 @@ def place(
         return Infeasible("InvalidForModel", str(exc), 0, considered, rejected)
 
 
+def shortfall(placement: Placement, spec: ModelFleetSpec, nodes: Sequence[Node]) -> str | None:
+    """Why ``placement``'s stages do not fit ``nodes`` as they are given (another revision's members
+    may hold part of them: :func:`.rollout.free_nodes`), or None when every stage fits."""
+    by_name = {node_name(n): n for n in nodes}
+    for group in placement.plan.groups:
+        for stage in group.stages:
+            here = (group.group_index, stage.stage_index)
+            names = list(dict.fromkeys(m.node for m in placement.members if (m.group, m.stage) == here))
+            if missing := [n for n in names if n not in by_name]:
+                return f"node {missing[0]} is gone"
+            stage_nodes = [by_name[n] for n in names]
+            packed = len(stage_nodes) < spec.parallelism.tensor
+            for node in stage_nodes:
+                if why := rejection(node, spec) or (stage_rejection(node, spec) if packed else None):
+                    return f"{node_name(node)}: {why}"
+            need, usable = stage.weights_bytes + stage.kv_budget_bytes, _stage_usable(spec, stage_nodes)
+            if need > usable:
+                where = f"{'+'.join(names)} (group {here[0]}, stage {here[1]})"
+                return f"{where} needs {need} bytes, has {usable}, short by {need - usable} bytes"
+    return None
+
+
 def _no_match_message(spec: ModelFleetSpec, rejected: Mapping[str, str]) -> str:
     if not rejected:
         return "the cluster has no nodes"

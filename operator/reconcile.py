@@ -10,16 +10,20 @@ A plan is kept while the fleet's generation is the one it was made for and every
 still matches: nodes joining the cluster do not reshuffle a running fleet.
 
 Revisions: a plan (or member nodes) that differs from the running one has another revision
-(:func:`names.revision`), and so other pod names. A pass creates the new revision's pods and
-deletes the old revision's pods in the same pass; the two never form one chain, since each
-revision's plan addresses only its own pods. A spec change that leaves the plan as it was (the
-gateway's replicas, say) keeps the revision and its pods.
+(:func:`names.revision`), and so other pod names and its own plan ConfigMap; the two never form one
+chain, since each revision's plan addresses only its own pods. A new revision is rolled out with a
+surge (:mod:`.rollout`): its pods start beside the serving revision's, the gateway moves to it when
+its chain is ready, and the old pods go once every gateway pod has moved. A spec change that leaves
+the plan as it was (the gateway's replicas, say) keeps the revision and its pods.
+
+This module is one reconcile pass and its helpers (over 400 lines): the pass reads like a list of
+steps, and each step is a function below it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,8 +31,9 @@ import zmq
 
 from modelfleet.plan import FleetPlan, PlanError
 
-from . import names, objects
-from .placement import Infeasible, MemberAssignment, Placement, place, rejection
+from . import names, objects, rollout
+from .placement import Infeasible, MemberAssignment, Placement, place, rejection, shortfall
+from .rollout import Step
 from .spec import GROUP, KIND, VERSION, ModelFleetSpec, SpecError, parse_spec
 from .status import Condition, Phase, Reason, condition, member_phase, members, scheduled, set_condition
 from .summary import SUMMARY_KEY, ModelSummary, summary_config_map_name
@@ -36,6 +41,7 @@ from .summary import SUMMARY_KEY, ModelSummary, summary_config_map_name
 Obj = dict[str, Any]
 SUMMARY_RETRY_SECONDS = 15.0
 PLAN_RETRY_SECONDS = 60.0
+ROLLOUT_POLL_SECONDS = 5.0  # while a rollout waits on readiness, which wakes no handler
 
 
 class Cluster(Protocol):
@@ -75,21 +81,105 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
     summary = _summary(fleet, spec, cluster, report)
     if summary is None:
         return Outcome(report.status, retry_after_seconds=SUMMARY_RETRY_SECONDS, message=report.last_message)
-    placement = _current_placement(fleet, spec, cluster) or place(
-        spec, summary, cluster.list_nodes(), meta["name"], meta["namespace"]
-    )
-    if isinstance(placement, Infeasible):
-        report.fail(Condition.PLANNED, Reason(placement.reason), placement.message, Phase.PENDING)
-        return Outcome(report.status, retry_after_seconds=PLAN_RETRY_SECONDS, message=placement.message)
-    report.set(Condition.PLANNED, True, Reason.PLANNED, f"{len(placement.members)} members on {_nodes(placement)}")
-    if _replace_failed_stages(fleet, spec, cluster, report):
+    serving = _serving_placement(fleet, cluster)
+    target, no_room = _target(fleet, spec, summary, cluster, serving)
+    if isinstance(target, Infeasible):
+        if serving is None:
+            report.fail(Condition.PLANNED, Reason(target.reason), target.message, Phase.PENDING)
+            return Outcome(report.status, retry_after_seconds=PLAN_RETRY_SECONDS, message=target.message)
+        report.set(Condition.PLANNED, False, Reason(target.reason), target.message)
+        why = f"no new plan fits; revision {serving.revision} keeps serving: {target.message}"
+        report.set(Condition.PROGRESSING, False, Reason.ROLLOUT_FAILED, why)
+        return _rollout(fleet, spec, cluster, report, Step.FAILED, serving, serving, retry=PLAN_RETRY_SECONDS)
+    report.set(Condition.PLANNED, True, Reason.PLANNED, f"{len(target.members)} members on {_nodes(target)}")
+    step = _step(serving, target, no_room, report)
+    if serving is not None and step == Step.REPLACE:
+        report.replacing(serving, target, no_room)
+    return _rollout(fleet, spec, cluster, report, step, target, serving or target)
+
+
+def _rollout(
+    fleet: Mapping[str, Any],
+    spec: ModelFleetSpec,
+    cluster: Cluster,
+    report: _Report,
+    step: Step,
+    target: Placement,
+    serving: Placement,
+    retry: float | None = None,
+) -> Outcome:
+    """One pass of ``step``: replace failed stages, apply the revisions it runs, point the
+    gateway, prune the pods of revisions it no longer keeps, report."""
+    meta = fleet["metadata"]
+    running = {Step.STEADY: [target], Step.SURGE: [serving, target], Step.REPLACE: [target]}.get(step, [serving])
+    crash = _replace_failed_stages(fleet, spec, cluster, report, {p.revision for p in running})
+    if crash is not None and step == Step.SURGE and crash[0] == target.revision:
+        why = f"revision {target.revision} failed ({crash[1]}); revision {serving.revision} keeps serving"
+        report.set(Condition.PROGRESSING, False, Reason.ROLLOUT_FAILED, why)
+        step, running = Step.FAILED, [serving]
+    elif crash is not None:
+        report.fail(Condition.READY, Reason.STAGE_CRASH_LOOPING, crash[1], Phase.FAILED)
         return Outcome(report.status, message=report.last_message, replaced=report.replaced)
+    to = target if step in (Step.STEADY, Step.REPLACE) else serving
+    if step == Step.SURGE:
+        target_members, _ = _members(fleet, target, cluster)
+        report.surging(serving, target, target_members)
+        if all(m["phase"] == "Ready" for m in target_members):
+            to = target  # the new chain is ready: the gateway moves to it
+    gateway = cluster.get("apps/v1", "Deployment", meta["namespace"], names.gateway_name(meta["name"]))
+    keep_others = step == Step.SURGE or (step == Step.STEADY and not rollout.gateway_settled(gateway))
     _ensure_transport_keys(fleet, cluster)
-    desired = objects.fleet_objects(fleet, spec, placement)
+    desired = objects.fleet_objects(fleet, spec, target, running, to)
+    if target is serving and step == Step.FAILED:  # no plan for this generation: keep the record unplanned
+        desired = [o for o in desired if o["metadata"]["name"] != names.plan_config_map(meta["name"])]
     applied = [f"{obj['kind']}/{obj['metadata']['name']}: {apply(cluster, obj)}" for obj in desired]
-    applied += _prune_stage_pods(fleet, cluster, {o["metadata"]["name"] for o in desired if o["kind"] == "Pod"})
-    report.observe(fleet, placement, cluster)
-    return Outcome(report.status, applied=applied, replaced=report.replaced)
+    pruned, leaving = _prune_stage_pods(fleet, cluster, desired, {p.revision for p in running}, keep_others)
+    report.observe(fleet, to, cluster)
+    moving = step == Step.SURGE or bool(leaving)
+    if step == Step.STEADY:
+        report.settled(target, leaving)
+    report.fields["updateRevision"] = None if to is target else target.revision
+    retry = retry if retry is not None else ROLLOUT_POLL_SECONDS if moving else None
+    return Outcome(
+        report.status,
+        retry_after_seconds=retry,
+        message=report.last_message,
+        applied=applied + pruned,
+        replaced=report.replaced,
+    )
+
+
+def _step(serving: Placement | None, target: Placement, no_room: str, report: _Report) -> Step:
+    if serving is None or serving.revision == target.revision:
+        return Step.STEADY
+    if report.rollout_failed(target.revision):
+        return Step.FAILED
+    return Step.REPLACE if no_room else Step.SURGE
+
+
+def _target(
+    fleet: Mapping[str, Any], spec: ModelFleetSpec, summary: ModelSummary, cluster: Cluster, serving: Placement | None
+) -> tuple[Placement | Infeasible, str]:
+    """The plan of this generation: the applied one while it holds, else a new one: planned on the
+    whole nodes when it fits beside the serving revision's members, else planned on what they
+    leave free, else the first with why there was no room for both ("" when there was, or nothing
+    serves)."""
+    if (kept := _current_placement(fleet, spec, cluster)) is not None:
+        return kept, ""
+    meta, nodes = fleet["metadata"], cluster.list_nodes()
+    whole = place(spec, summary, nodes, meta["name"], meta["namespace"])
+    if serving is None or isinstance(whole, Infeasible) or whole.revision == serving.revision:
+        return whole, ""
+    pods = {
+        p["metadata"]["name"]: p for p in cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage"))
+    }
+    free = rollout.free_nodes(nodes, meta["name"], serving, pods, spec)
+    if (why := shortfall(whole, spec, free)) is None:
+        return whole, ""
+    beside = place(spec, summary, free, meta["name"], meta["namespace"])  # other nodes, or other layer ranges
+    if isinstance(beside, Placement):
+        return beside, ""
+    return whole, f"beside revision {serving.revision}'s members: {why}"
 
 
 def _check_name(fleet_name: str) -> None:
@@ -183,21 +273,39 @@ def _current_placement(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: 
     """The applied plan when it was made for this generation and its nodes still match."""
     meta = fleet["metadata"]
     config_map = cluster.get("v1", "ConfigMap", meta["namespace"], names.plan_config_map(meta["name"]))
-    if config_map is None:
+    annotations = ((config_map or {}).get("metadata") or {}).get("annotations") or {}
+    if config_map is None or annotations.get(names.ANNOTATION_GENERATION) != str(meta.get("generation") or 0):
         return None
-    annotations = config_map["metadata"].get("annotations") or {}
-    revision = annotations.get(names.ANNOTATION_REVISION)
-    if annotations.get(names.ANNOTATION_GENERATION) != str(meta.get("generation") or 0) or not revision:
+    placement = _placement_in(config_map)
+    if placement is None:
         return None
+    nodes = {(n.get("metadata") or {}).get("name"): n for n in cluster.list_nodes()}
+    if any(m.node not in nodes or rejection(nodes[m.node], spec) is not None for m in placement.members):
+        return None
+    return placement
+
+
+def _serving_placement(fleet: Mapping[str, Any], cluster: Cluster) -> Placement | None:
+    """The revision the gateway points at, from that revision's plan; None before there is one."""
+    meta = fleet["metadata"]
+    gateway = cluster.get("apps/v1", "Deployment", meta["namespace"], names.gateway_name(meta["name"]))
+    revision = rollout.serving_revision(gateway)
+    if revision is None:
+        return None
+    name = names.revision_plan_config_map(meta["name"], revision)
+    config_map = cluster.get("v1", "ConfigMap", meta["namespace"], name)
+    return _placement_in(config_map) if config_map is not None else None
+
+
+def _placement_in(config_map: Mapping[str, Any]) -> Placement | None:
+    """The plan and members a plan ConfigMap holds; None when another version wrote it or a hand edited it."""
+    revision = (config_map["metadata"].get("annotations") or {}).get(names.ANNOTATION_REVISION)
     try:
         plan = FleetPlan.from_json(config_map["data"][names.PLAN_KEY])
         assigned = tuple(MemberAssignment(**m) for m in json.loads(config_map["data"][names.MEMBERS_KEY]))
     except (KeyError, TypeError, ValueError):
-        return None  # written by another version or edited by hand: plan again
-    nodes = {(n.get("metadata") or {}).get("name"): n for n in cluster.list_nodes()}
-    if any(m.node not in nodes or rejection(nodes[m.node], spec) is not None for m in assigned):
         return None
-    return Placement(plan, assigned, revision)
+    return Placement(plan, assigned, revision) if revision else None
 
 
 def apply(cluster: Cluster, obj: Obj) -> str:
@@ -230,37 +338,53 @@ def _contains(live: Any, desired: Any) -> bool:
     return bool(live == desired)
 
 
-def _prune_stage_pods(fleet: Mapping[str, Any], cluster: Cluster, wanted: set[str]) -> list[str]:
-    """Delete stage pods the plan no longer has: those of an older revision (in the pass that
-    created the new revision's pods, not once they are ready: both revisions would not fit the
-    nodes' accelerators, and an old stage never serves the new chain), or of fewer replicas."""
+def _prune_stage_pods(
+    fleet: Mapping[str, Any], cluster: Cluster, desired: list[Obj], running: set[str], keep_others: bool
+) -> tuple[list[str], set[str]]:
+    """Delete the stage pods of revisions that no longer run (with their plans), and those the plan
+    no longer has (fewer replicas), except, with ``keep_others``, other revisions' pods: the gateway
+    may still use them. Returns what was done and the revisions whose pods were kept so."""
     meta = fleet["metadata"]
-    pruned = []
+    wanted = {o["metadata"]["name"] for o in desired if o["kind"] == "Pod"}
+    pruned, kept, gone = [], set(), set()
     for pod in cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage")):
-        name = pod["metadata"]["name"]
-        if name not in wanted and not pod["metadata"].get("deletionTimestamp"):
-            cluster.delete("v1", "Pod", meta["namespace"], name)
-            pruned.append(f"Pod/{name}: deleted (not in the plan)")
-    return pruned
+        name, revision = pod["metadata"]["name"], (pod["metadata"].get("labels") or {}).get(names.LABEL_REVISION, "")
+        if name in wanted or pod["metadata"].get("deletionTimestamp"):
+            continue
+        if keep_others and revision not in running:
+            kept.add(revision)
+            continue
+        cluster.delete("v1", "Pod", meta["namespace"], name)
+        pruned.append(f"Pod/{name}: deleted (not in the plan)")
+        gone.add(revision)
+    for revision in sorted(gone - running - {""}):
+        cluster.delete("v1", "ConfigMap", meta["namespace"], names.revision_plan_config_map(meta["name"], revision))
+        pruned.append(f"ConfigMap/{names.revision_plan_config_map(meta['name'], revision)}: deleted (revision gone)")
+    return pruned, kept
 
 
-def _replace_failed_stages(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster, report: _Report) -> bool:
-    """Delete failed stage pods (recreated by apply), counting; True once a stage is out of restarts."""
+def _replace_failed_stages(
+    fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster, report: _Report, revisions: set[str]
+) -> tuple[str, str] | None:
+    """Delete the failed stage pods of ``revisions`` (recreated by apply), counting; once a stage is
+    out of restarts, its revision and why."""
     meta = fleet["metadata"]
     labels = objects.selector(meta["name"], "stage")
     for pod in cluster.list_pods(meta["namespace"], labels):
-        name = pod["metadata"]["name"]
-        if member_phase(pod) != "Failed" or pod["metadata"].get("deletionTimestamp"):
+        name, revision = pod["metadata"]["name"], (pod["metadata"].get("labels") or {}).get(names.LABEL_REVISION, "")
+        if revision not in revisions or member_phase(pod) != "Failed" or pod["metadata"].get("deletionTimestamp"):
             continue
         restarts = report.restarts.get(name, 0)
         if restarts >= spec.restart_policy.max_stage_restarts:
-            message = f"stage pod {name} failed after {restarts} replacements (restartPolicy.maxStageRestarts={spec.restart_policy.max_stage_restarts})"
-            report.fail(Condition.READY, Reason.STAGE_CRASH_LOOPING, message, Phase.FAILED)
-            return True
+            limit = spec.restart_policy.max_stage_restarts
+            return (
+                revision,
+                f"stage pod {name} failed after {restarts} replacements (restartPolicy.maxStageRestarts={limit})",
+            )
         cluster.delete("v1", "Pod", meta["namespace"], name)
         report.restarts[name] = restarts + 1
         report.replaced.append(name)
-    return False
+    return None
 
 
 class _Report:
@@ -303,15 +427,41 @@ class _Report:
     def flag(self, kind: Condition, ok: bool, if_true: Reason, if_false: Reason, message: str) -> None:
         self.set(kind, ok, if_true if ok else if_false, message)
 
+    def rollout_failed(self, revision: str) -> bool:
+        """Whether this generation's rollout of ``revision`` failed (it stays stopped until the next)."""
+        progressing = condition(self.conditions, Condition.PROGRESSING) or {}
+        return (
+            progressing.get("reason") == Reason.ROLLOUT_FAILED
+            and progressing.get("observedGeneration") == self.generation
+            and f"revision {revision} " in str(progressing.get("message"))
+        )
+
+    def replacing(self, serving: Placement, target: Placement, no_room: str) -> None:
+        old, new = serving.revision, target.revision
+        message = f"revision {new} replaces revision {old} without a surge, so the fleet does not serve until it loads: no room {no_room}"
+        self.set(Condition.PROGRESSING, True, Reason.ROLLOUT_WITHOUT_SURGE, message)
+
+    def surging(self, serving: Placement, target: Placement, target_members: list[dict[str, Any]]) -> None:
+        ready = sum(m["phase"] == "Ready" for m in target_members)
+        old, new = serving.revision, target.revision
+        message = f"revision {new}: {ready}/{len(target_members)} members ready beside revision {old}, which serves"
+        if ready == len(target_members):
+            message = f"revision {new} is ready: the gateway moves to it from revision {old}"
+        self.set(Condition.PROGRESSING, True, Reason.ROLLING_OUT, message)
+
+    def settled(self, target: Placement, leaving: Collection[str]) -> None:
+        """The gateway points at ``target``: the rollout ends once the old pods are gone."""
+        progressing = condition(self.conditions, Condition.PROGRESSING)
+        if leaving:
+            message = f"the gateway moves to revision {target.revision}; the pods of revision {', '.join(sorted(leaving))} go once every gateway pod runs it"
+            self.set(Condition.PROGRESSING, True, Reason.ROLLING_OUT, message)
+        elif progressing is not None and self.fields.get("phase") == Phase.READY:
+            self.set(Condition.PROGRESSING, True, Reason.ROLLOUT_COMPLETE, f"revision {target.revision} serves")
+
     def observe(self, fleet: Mapping[str, Any], placement: Placement, cluster: Cluster) -> None:
         """Members, readiness conditions and the summary phase from the pods and the gateway."""
         meta = fleet["metadata"]
-        stage_pods = cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage"))
-        pods = {p["metadata"]["name"]: p for p in stage_pods}
-        agents = {
-            name: a for name, pod in pods.items() if _running(pod) and (a := cluster.agent_status(pod)) is not None
-        }
-        listed = members(meta["name"], placement, pods, agents)
+        listed, pods = _members(fleet, placement, cluster)
         total, groups = len(listed), len(placement.plan.groups)
         ready_groups = sum(all(m["phase"] == "Ready" for m in listed if m["group"] == g) for g in range(groups))
         gateway = cluster.get("apps/v1", "Deployment", meta["namespace"], names.gateway_name(meta["name"])) or {}
@@ -335,3 +485,16 @@ class _Report:
             replicas=ready_groups, selector=",".join(f"{k}={v}" for k, v in objects.selector(meta["name"], "stage").items()),
             endpoint=objects.endpoint(fleet), planHash=placement.plan.plan_hash(), revision=placement.revision,
         )  # fmt: skip
+
+
+def _members(
+    fleet: Mapping[str, Any], placement: Placement, cluster: Cluster
+) -> tuple[list[dict[str, Any]], dict[str, Obj]]:
+    """The status members of ``placement`` (phases from the agents' /status where they answer) and its pods by name."""
+    meta = fleet["metadata"]
+    stage_pods = cluster.list_pods(
+        meta["namespace"], {**objects.selector(meta["name"], "stage"), names.LABEL_REVISION: placement.revision}
+    )
+    pods = {p["metadata"]["name"]: p for p in stage_pods}
+    agents = {name: a for name, pod in pods.items() if _running(pod) and (a := cluster.agent_status(pod)) is not None}
+    return members(meta["name"], placement, pods, agents), pods

@@ -43,6 +43,7 @@ class Condition(StrEnum):
     CHAIN_READY = "ChainReady"
     GATEWAY_READY = "GatewayReady"
     READY = "Ready"
+    PROGRESSING = "Progressing"  # a rollout from the serving revision to the generation's (rollout.py)
 
 
 class Reason(StrEnum):
@@ -68,6 +69,10 @@ class Reason(StrEnum):
     FLEET_READY = "FleetReady"
     FLEET_NOT_READY = "FleetNotReady"
     STAGE_CRASH_LOOPING = "StageCrashLooping"
+    ROLLING_OUT = "RollingOut"
+    ROLLOUT_WITHOUT_SURGE = "RolloutWithoutSurge"
+    ROLLOUT_FAILED = "RolloutFailed"
+    ROLLOUT_COMPLETE = "RolloutComplete"
 
 
 Status = dict[str, Any]

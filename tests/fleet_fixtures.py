@@ -85,7 +85,11 @@ class FakeCluster:
         self.log.append(f"create {obj['kind']}/{obj['metadata']['name']}")
 
     def patch(self, obj: dict[str, Any]) -> None:
-        self.objects[self._key(obj)] = merge_patch(self.objects[self._key(obj)], obj)
+        live = self.objects[self._key(obj)]
+        patched = merge_patch(live, obj)
+        if patched.get("spec") != live.get("spec"):  # as the API server does: a new spec, a new generation
+            patched["metadata"]["generation"] = int(live["metadata"].get("generation") or 1) + 1
+        self.objects[self._key(obj)] = patched
         self.log.append(f"patch {obj['kind']}/{obj['metadata']['name']}")
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
@@ -108,17 +112,34 @@ class FakeCluster:
         """Stage and inspection pod names, sorted, without their revision."""
         return sorted(unrevised(name) for name in self.of_kind("Pod"))
 
-    def pod_name(self, short: str) -> str:
-        """The full name of the one pod whose name without its revision is ``short``."""
-        (name,) = [name for name in self.of_kind("Pod") if unrevised(name) == short]
+    def pod_name(self, short: str, revision: str = "") -> str:
+        """The full name of the one pod (of ``revision``, when given) whose name without its revision is ``short``."""
+        (name,) = [
+            name
+            for name in self.of_kind("Pod")
+            if unrevised(name) == short and (not revision or f"-{revision}-g" in name)
+        ]
         return name
+
+    def revisions(self) -> set[str]:
+        """The revisions that have stage pods."""
+        return {p["metadata"]["labels"].get("modelfleet.io/revision", "") for p in self.of_kind("Pod").values()}
+
+    def settle_gateway(self) -> None:
+        """What the Deployment controller reports once every gateway pod runs the current template."""
+        gateway = next(iter(self.of_kind("Deployment").values()))
+        n = gateway["spec"]["replicas"]
+        gateway["status"] = {
+            "observedGeneration": gateway["metadata"].get("generation", 1), "replicas": n, "updatedReplicas": n,
+            "readyReplicas": n, "availableReplicas": n,
+        }  # fmt: skip
 
     def unrevised_log(self) -> list[str]:
         return [unrevised(line) for line in self.log]
 
-    def set_pod(self, name: str, phase: str, ready: bool = False) -> None:
+    def set_pod(self, name: str, phase: str, ready: bool = False, revision: str = "") -> None:
         """Set a pod's phase; ``name`` without the revision."""
-        pod = self.of_kind("Pod")[self.pod_name(name)]
+        pod = self.of_kind("Pod")[self.pod_name(name, revision)]
         conditions = [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(ready)}]
         pod["status"] = {"phase": phase, "conditions": conditions}
 

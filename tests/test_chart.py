@@ -43,7 +43,7 @@ NAMESPACED_RULES = {
     ("modelfleet.io", "modelfleets"): {"get", "list", "watch", "patch"},
     ("modelfleet.io", "modelfleets/status"): {"get", "patch"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
-    ("", "configmaps"): {"get", "create", "patch"},
+    ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch"},
     ("", "secrets"): {"get", "create"},
     ("", "events"): {"create"},

@@ -174,8 +174,12 @@ BAD = {
     "unknown numa policy": _with(placement={"numa": "interleave"}),
     "numa pinning without resources": _with(placement={"numa": "single-numa-node"}, resources={"memory": "8Gi"}),
     "unknown weight format": {"model": {"uri": "hf://a/b", "servedName": "m", "formats": {"experts": "int3"}}},
-    "token secret for a pvc model": {"model": {"uri": "pvc://m/x", "servedName": "m", "tokenSecret": {"name": "hf", "key": "t"}}},
-    "download cache for a host path": {"model": {"uri": "hostpath:///m", "servedName": "m", "cache": {"claimName": "c"}}},
+    "token secret for a pvc model": {
+        "model": {"uri": "pvc://m/x", "servedName": "m", "tokenSecret": {"name": "hf", "key": "t"}}
+    },
+    "download cache for a host path": {
+        "model": {"uri": "hostpath:///m", "servedName": "m", "cache": {"claimName": "c"}}
+    },
     "token secret without a key": {"model": {"uri": "hf://a/b", "servedName": "m", "tokenSecret": {"name": "hf"}}},
     "endpoint not a url": {"model": {"uri": "hf://a/b", "servedName": "m", "endpoint": "mirror.local"}},
 }
@@ -237,6 +241,7 @@ def test_crd_serves_status_scale_and_the_printer_columns():
         "ChainReady",
         "GatewayReady",
         "Ready",
+        "Progressing",
     ]
 
 

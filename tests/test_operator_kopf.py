@@ -333,28 +333,65 @@ def test_a_failed_stage_pod_wakes_the_operator_which_replaces_it_alone(site):
     assert site.api.get("v1", "Pod", ns, healthy)["metadata"]["uid"] == healthy_uid
 
 
-def test_a_spec_change_that_changes_the_plan_rolls_out_a_new_revision_and_removes_the_old(site):
+FLEET_REF = {"apiVersion": "modelfleet.io/v1alpha1", "kind": "ModelFleet"}
+
+
+def gateway_revision(site: Site) -> str:
+    """The revision whose plan the gateway's pods read."""
+    gateway = site.api.get("apps/v1", "Deployment", site.namespace, "qwen-gateway")
+    (volume,) = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "plan"]
+    return str(volume["configMap"]["name"]).removeprefix("qwen-plan-")
+
+
+def kubelet_reports_ready(site: Site, pod: str) -> None:
+    ready = [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}]
+    site.api.patch({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "namespace": site.namespace},
+                    "status": {"phase": "Running", "conditions": ready}})  # fmt: skip
+
+
+def controller_rolls_out_the_gateway(site: Site) -> None:
+    """What the Deployment controller reports once every gateway pod runs the current template."""
+    gateway = site.api.get("apps/v1", "Deployment", site.namespace, "qwen-gateway")
+    n = gateway["spec"]["replicas"]
+    status = {"observedGeneration": gateway["metadata"]["generation"], "replicas": n, "updatedReplicas": n,
+              "readyReplicas": n, "availableReplicas": n}  # fmt: skip
+    site.api.patch({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": gateway["metadata"], "status": status})
+
+
+def test_a_spec_change_rolls_out_a_new_revision_beside_the_old_one_which_goes_once_the_new_one_serves(site):
+    site.needs_emulator("pod readiness and the gateway's rollout are the kubelet's and the controller's to report")
     ns = site.namespace
     with operator(site):
         old = wait_for(lambda: planned(site))["revision"]
-        change = {
-            "apiVersion": "modelfleet.io/v1alpha1",
-            "kind": "ModelFleet",
-            "metadata": {"name": "qwen", "namespace": ns},
-        }
-        site.api.patch({**change, "spec": {"serving": {"maxStreams": 8}}})
-        status = wait_for(lambda: (s := planned(site)) and s["revision"] != old and s)
-        new = status["revision"]
-        pods = wait_for(lambda: (p := stage_pods(site)) and all(n.startswith(f"qwen-{new}-") for n in p) and p)
+        site.api.patch(
+            {**FLEET_REF, "metadata": {"name": "qwen", "namespace": ns}, "spec": {"serving": {"maxStreams": 8}}}
+        )
+        new = wait_for(lambda: (planned(site) or {}).get("updateRevision"))
+        both = wait_for(lambda: (p := stage_pods(site)) and len(p) == 4 and p)
+        assert gateway_revision(site) == old  # the old revision serves while the new one loads
+        for name in both:
+            if name.startswith(f"qwen-{new}-"):
+                kubelet_reports_ready(site, name)
+        wait_for(lambda: gateway_revision(site) == new)
+        assert sorted(stage_pods(site)) == sorted(both)  # the old chain stays while the gateway rolls
+        controller_rolls_out_the_gateway(site)
+        pods = wait_for(lambda: (p := stage_pods(site)) and len(p) == 2 and p)
+        status = wait_for(
+            lambda: (s := planned(site)) and s["revision"] == new and s.get("updateRevision") is None and s
+        )
 
+    assert old != new and sorted(both) == sorted([f"qwen-{r}-g0-s{k}" for r in (old, new) for k in (0, 1)])
     assert sorted(pods) == [f"qwen-{new}-g0-s0", f"qwen-{new}-g0-s1"]
     assert {p["metadata"]["labels"]["modelfleet.io/revision"] for p in pods.values()} == {new}
     env = {e["name"]: e.get("value") for e in pods[f"qwen-{new}-g0-s1"]["spec"]["containers"][0]["env"]}
     assert env["MF_REVISION"] == new
-    plan = json.loads(site.api.get("v1", "ConfigMap", ns, "qwen-plan")["data"]["plan.json"])
+    assert site.api.get("v1", "ConfigMap", ns, f"qwen-plan-{old}") is None
+    plan = json.loads(site.api.get("v1", "ConfigMap", ns, f"qwen-plan-{new}")["data"]["plan.json"])
     assert plan["serving"]["max_streams"] == 8
     assert all(f"qwen-{new}-g0-s" in stage["address"] for stage in plan["groups"][0]["stages"])  # only each other
     assert status["observedGeneration"] == 2 and [m["pod"] for m in status["members"]] == sorted(pods)
+    progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    assert progressing["reason"] in ("RollingOut", "RolloutComplete")  # complete once the fleet is Ready
 
 
 def test_deleting_a_fleet_deletes_every_object_it_owns(site):
@@ -363,7 +400,7 @@ def test_deleting_a_fleet_deletes_every_object_it_owns(site):
         wait_for(lambda: planned(site))
         uid = site.api.get("modelfleet.io/v1alpha1", "ModelFleet", ns, "qwen")["metadata"]["uid"]
         owned = children(site)
-        assert len(owned) == 10  # plan, 2 pods, 2 services, 2 policies, budget, gateway, keys; summary is the test's
+        assert len(owned) == 11  # 2 plans, 2 pods, 2 services, 2 policies, budget, gateway, keys; summary is the test's
         for obj in owned:
             assert [(r["uid"], r.get("controller")) for r in obj["metadata"]["ownerReferences"]] == [(uid, True)]
         site.api.delete("modelfleet.io/v1alpha1", "ModelFleet", ns, "qwen")
@@ -376,8 +413,9 @@ def test_deleting_a_fleet_deletes_every_object_it_owns(site):
 def children(site: Site) -> list[dict[str, Any]]:
     """The fleet's objects that exist now (pods by label, the rest by name)."""
     ns, found = site.namespace, list(stage_pods(site).values())
+    revisions = {p["metadata"]["labels"]["modelfleet.io/revision"] for p in found}
     for api_version, kind, name in [
-        ("v1", "ConfigMap", "qwen-plan"), ("v1", "Service", "qwen-stages"), ("v1", "Service", "qwen-gateway"),
+        ("v1", "ConfigMap", "qwen-plan"), *(("v1", "ConfigMap", f"qwen-plan-{r}") for r in revisions), ("v1", "Service", "qwen-stages"), ("v1", "Service", "qwen-gateway"),
         ("v1", "Secret", "qwen-transport"), ("apps/v1", "Deployment", "qwen-gateway"),
         ("networking.k8s.io/v1", "NetworkPolicy", "qwen-stages"), ("networking.k8s.io/v1", "NetworkPolicy", "qwen-gateway"),
         ("policy/v1", "PodDisruptionBudget", "qwen-stages"),

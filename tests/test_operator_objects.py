@@ -107,7 +107,7 @@ def test_a_pod_is_bound_to_its_planned_node_and_mounts_the_plan_with_probes():
     ]
     assert pod["spec"]["affinity"]["podAntiAffinity"] == {"x": 1}  # the user's affinity is kept
     container = pod["spec"]["containers"][0]
-    assert {"name": "plan", "configMap": {"name": "qwen-plan"}} in pod["spec"]["volumes"]
+    assert {"name": "plan", "configMap": {"name": f"qwen-plan-{placement.revision}"}} in pod["spec"]["volumes"]
     assert {
         "name": "plan",
         "mountPath": "/etc/modelfleet",

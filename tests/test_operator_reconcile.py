@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 import kopf
@@ -227,23 +228,191 @@ def test_a_node_joining_keeps_the_plan_and_a_new_generation_replans():
     assert reconcile(body, cluster).status["planHash"] == first["planHash"]
     cluster.log.clear()
     replanned = reconcile(fleet(generation=2), cluster).status
-    assert replanned["stages"] == 3 and replanned["planHash"] != first["planHash"]
-    assert replanned["revision"] != first["revision"]
-    old, new = first["revision"], replanned["revision"]
-    assert f"create Pod/qwen-{new}-g0-s2" in cluster.log  # a new revision: new pods, then the old go
-    assert cluster.log.index(f"delete Pod/qwen-{old}-g0-s0") > cluster.log.index(f"create Pod/qwen-{new}-g0-s0")
+    new = replanned["updateRevision"]
+    assert new != first["revision"] == replanned["revision"]  # the old revision serves until the new one is ready
+    assert [f"create Pod/qwen-{new}-g0-s{k}" in cluster.log for k in range(3)] == [True] * 3
+    plan_map = cluster.of_kind("ConfigMap")["qwen-plan"]
+    assert plan_map["metadata"]["annotations"]["modelfleet.io/revision"] == new
 
 
 def test_scaling_down_deletes_the_pods_the_plan_no_longer_has():
     body = fleet(parallelism={"pipeline": 1}, replicas=2)
     cluster = cluster_for(body, [node("a"), node("b")])
-    reconcile(body, cluster)
+    old = serving(cluster, body)["revision"]
     assert cluster.pods() == ["qwen-g0-s0", "qwen-g1-s0"]
     scaled = fleet(generation=2, parallelism={"pipeline": 1}, replicas=1)
-    reconcile(scaled, cluster)
-    assert cluster.pods() == ["qwen-g0-s0"]  # of the new revision: its plan changed
+    new = reconcile(scaled, cluster).status["revision"]  # an 8 GiB stage has no room beside another: replaced
+    assert old != new and cluster.revisions() == {new} and cluster.pods() == ["qwen-g0-s0"]
     status = reconcile(scaled, cluster).status
     assert [m["pod"] for m in status["members"]] == [cluster.pod_name("qwen-g0-s0")]
+
+
+# ---- rollouts ---------------------------------------------------------------------------------
+
+
+def serving(cluster: FakeCluster, body: dict[str, Any]) -> dict[str, Any]:
+    """Reconcile ``body`` until it serves: its pods ready, the gateway rolled out and ready."""
+    status = reconcile(body, cluster).status
+    for name in cluster.of_kind("Pod"):
+        cluster.set_pod(unrevised(name), "Running", ready=True, revision=status["revision"])
+    cluster.settle_gateway()
+    status = reconcile(with_status(body, status), cluster).status
+    assert status["phase"] == "Ready"
+    return status
+
+
+def gateway_revision(cluster: FakeCluster) -> str:
+    gateway = cluster.of_kind("Deployment")["qwen-gateway"]
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    revision = gateway["spec"]["template"]["metadata"]["annotations"]["modelfleet.io/revision"]
+    assert volumes["plan"]["configMap"]["name"] == f"qwen-plan-{revision}"  # the plan the gateway reads
+    return str(revision)
+
+
+def progressing(status: dict[str, Any]) -> tuple[str, str, str]:
+    found = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    return found["status"], found["reason"], found["message"]
+
+
+PIPELINE_2 = {"parallelism": {"pipeline": 2}}
+
+
+def test_a_plan_change_starts_the_new_revision_beside_the_old_one_which_keeps_serving():
+    cluster = cluster_for(fleet(**PIPELINE_2))
+    old = serving(cluster, fleet(**PIPELINE_2))["revision"]
+    cluster.log.clear()
+    changed = fleet(generation=2, serving={"maxStreams": 8}, **PIPELINE_2)
+    outcome = reconcile(changed, cluster)
+    new = outcome.status["updateRevision"]
+    assert new != old and cluster.revisions() == {old, new}
+    assert not [line for line in cluster.log if line.startswith("delete")]
+    assert f"create ConfigMap/qwen-plan-{new}" in cluster.log
+    assert gateway_revision(cluster) == old
+    for pod in cluster.of_kind("Pod").values():  # each revision's pods read their own plan
+        revision = pod["metadata"]["labels"]["modelfleet.io/revision"]
+        plan_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "plan")
+        assert plan_volume["configMap"]["name"] == f"qwen-plan-{revision}"
+    status = outcome.status
+    assert (status["phase"], status["revision"], conditions(status)["Ready"]) == ("Ready", old, ("True", "FleetReady"))
+    assert progressing(status) == (
+        "True",
+        "RollingOut",
+        f"revision {new}: 0/2 members ready beside revision {old}, which serves",
+    )
+    assert outcome.retry_after_seconds is not None  # readiness wakes no handler: the pass comes back soon
+
+
+def test_the_old_revision_keeps_the_gateway_while_the_new_one_loads():
+    cluster = cluster_for(fleet(**PIPELINE_2))
+    old = serving(cluster, fleet(**PIPELINE_2))["revision"]
+    changed = fleet(generation=2, serving={"maxStreams": 8}, **PIPELINE_2)
+    status = reconcile(changed, cluster).status
+    new = status["updateRevision"]
+    cluster.set_pod("qwen-g0-s0", "Running", ready=True, revision=new)
+    cluster.set_pod("qwen-g0-s1", "Running", revision=new)
+    cluster.log.clear()
+    status = reconcile(with_status(changed, status), cluster).status
+    assert cluster.log == [] and gateway_revision(cluster) == old and cluster.revisions() == {old, new}
+    assert status["phase"] == "Ready" and [m["pod"] for m in status["members"]] == [
+        cluster.pod_name("qwen-g0-s0", old), cluster.pod_name("qwen-g0-s1", old)
+    ]  # fmt: skip
+    assert progressing(status)[2] == f"revision {new}: 1/2 members ready beside revision {old}, which serves"
+
+
+def test_a_ready_new_revision_takes_the_gateway_and_the_old_pods_go_once_the_gateway_has_rolled():
+    cluster = cluster_for(fleet(**PIPELINE_2))
+    old = serving(cluster, fleet(**PIPELINE_2))["revision"]
+    changed = fleet(generation=2, serving={"maxStreams": 8}, **PIPELINE_2)
+    status = reconcile(changed, cluster).status
+    new = status["updateRevision"]
+    for pod in ("qwen-g0-s0", "qwen-g0-s1"):
+        cluster.set_pod(pod, "Running", ready=True, revision=new)
+    cluster.log.clear()
+    status = reconcile(with_status(changed, status), cluster).status
+    assert cluster.log == ["patch Deployment/qwen-gateway"] and gateway_revision(cluster) == new
+    assert status["revision"] == new and status["updateRevision"] is None
+    # the Deployment rolls its pods; until every one runs the new template, the old chain stays
+    status = reconcile(with_status(changed, status), cluster).status
+    assert cluster.revisions() == {old, new}
+    assert progressing(status) == (
+        "True", "RollingOut",
+        f"the gateway moves to revision {new}; the pods of revision {old} go once every gateway pod runs it",
+    )  # fmt: skip
+    cluster.settle_gateway()
+    cluster.log.clear()
+    status = reconcile(with_status(changed, status), cluster).status
+    assert cluster.revisions() == {new} and f"qwen-plan-{old}" not in cluster.of_kind("ConfigMap")
+    assert sorted(cluster.unrevised_log()) == [
+        f"delete ConfigMap/qwen-plan-{old}", "delete Pod/qwen-g0-s0", "delete Pod/qwen-g0-s1"
+    ]  # fmt: skip
+    assert progressing(status) == ("True", "RolloutComplete", f"revision {new} serves") and status["phase"] == "Ready"
+    plan = json.loads(cluster.of_kind("ConfigMap")[f"qwen-plan-{new}"]["data"]["plan.json"])
+    assert plan["serving"]["max_streams"] == 8
+    cluster.log.clear()
+    assert reconcile(with_status(changed, status), cluster).retry_after_seconds is None and cluster.log == []
+
+
+def test_a_new_revision_failing_past_max_stage_restarts_stops_the_rollout_and_the_old_one_keeps_serving():
+    spec = {**PIPELINE_2, "restartPolicy": {"maxStageRestarts": 1}}
+    cluster = cluster_for(fleet(**spec))
+    old = serving(cluster, fleet(**spec))["revision"]
+    changed = fleet(generation=2, serving={"maxStreams": 8}, **spec)
+    status = reconcile(changed, cluster).status
+    new = status["updateRevision"]
+    for _ in range(2):
+        cluster.set_pod("qwen-g0-s1", "Failed", revision=new)
+        status = reconcile(with_status(changed, status), cluster).status
+    assert cluster.revisions() == {old} and gateway_revision(cluster) == old
+    assert (status["phase"], status["revision"]) == ("Ready", old)
+    state, reason, message = progressing(status)
+    assert (state, reason) == ("False", "RolloutFailed") and f"revision {new} failed" in message
+    assert "after 1 replacements" in message and f"revision {old} keeps serving" in message
+    cluster.log.clear()
+    again = reconcile(with_status(changed, status), cluster)
+    assert cluster.log == [] and progressing(again.status) == progressing(status)  # stopped until the next generation
+
+
+def test_a_new_plan_that_does_not_fit_keeps_the_old_revision_serving():
+    cluster = cluster_for(fleet(**PIPELINE_2))
+    old = serving(cluster, fleet(**PIPELINE_2))["revision"]
+    cluster.log.clear()
+    outcome = reconcile(fleet(generation=2, parallelism={"pipeline": 3}), cluster)
+    status = outcome.status
+    assert conditions(status)["Planned"] == ("False", "InsufficientCapacity")
+    assert (
+        progressing(status)[:2] == ("False", "RolloutFailed")
+        and f"revision {old} keeps serving" in progressing(status)[2]
+    )
+    assert (status["phase"], status["revision"], cluster.revisions()) == ("Ready", old, {old})
+    assert cluster.log == [] and outcome.retry_after_seconds is not None
+
+
+def test_without_room_beside_the_old_members_the_new_revision_surges_onto_spare_nodes():
+    nodes = [node("a", "10Gi"), node("b", "10Gi"), node("c", "10Gi"), node("d", "10Gi")]
+    cluster = cluster_for(fleet(**PIPELINE_2), nodes)
+    old = serving(cluster, fleet(**PIPELINE_2))["revision"]
+    status = reconcile(fleet(generation=2, serving={"maxStreams": 8}, **PIPELINE_2), cluster).status
+    assert cluster.revisions() == {old, status["updateRevision"]} and gateway_revision(cluster) == old
+    new_nodes = {m["node"] for m in json.loads(cluster.of_kind("ConfigMap")["qwen-plan"]["data"]["members.json"])}
+    assert {m["node"] for m in status["members"]} == {"a", "b"} and new_nodes == {"c", "d"}
+    assert progressing(status)[1] == "RollingOut"
+
+
+def test_without_room_for_both_revisions_the_new_one_replaces_the_old():
+    small = [node("a", "10Gi"), node("b", "10Gi")]  # a 4 GiB stage fits a node, two do not
+    cluster = cluster_for(fleet(**PIPELINE_2), small)
+    old = serving(cluster, fleet(**PIPELINE_2))["revision"]
+    cluster.log.clear()
+    status = reconcile(fleet(generation=2, serving={"maxStreams": 8}, **PIPELINE_2), cluster).status
+    new = status["revision"]
+    assert new != old and cluster.revisions() == {new} and gateway_revision(cluster) == new
+    assert cluster.unrevised_log().index("delete Pod/qwen-g0-s0") > cluster.unrevised_log().index(
+        "create Pod/qwen-g0-s0"
+    )
+    state, reason, message = progressing(status)
+    assert (state, reason) == ("True", "RolloutWithoutSurge")
+    assert f"revision {new} replaces revision {old} without a surge" in message
+    assert f"no room beside revision {old}'s members" in message and "short by" in message
 
 
 def test_a_planned_node_that_disappears_triggers_a_new_plan():
@@ -251,7 +420,9 @@ def test_a_planned_node_that_disappears_triggers_a_new_plan():
     cluster = cluster_for(body, [node("a"), node("b"), node("c")])
     first = reconcile(body, cluster).status
     cluster.nodes.pop()
-    assert reconcile(body, cluster).status["members"][-1]["node"] == "b" != first["members"][-1]["node"]
+    status = reconcile(body, cluster).status
+    members = json.loads(cluster.of_kind("ConfigMap")["qwen-plan"]["data"]["members.json"])
+    assert members[-1]["node"] == "b" != first["members"][-1]["node"] and status["updateRevision"] != first["revision"]
 
 
 # ---- the kopf handler -------------------------------------------------------------------------
