@@ -19,7 +19,9 @@ Invariants:
   reduce adds it once;
 - splitting happens before oneDNN packing and kernel preparation (a packed module is refused);
   a quantized weight is cut with :meth:`QuantizedWeight.slice`, which refuses to cut a block;
-- a size-1 group changes nothing. Latent attention (DeepSeek-V3's MLA) is refused for now.
+- latent attention (DeepSeek-V3's MLA) splits its heads (q_up's and kv_up's rows, o_proj's
+  columns); its latent cache is shared by every head, so each rank holds all of it;
+- a size-1 group changes nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .errors import InputError
 from .formats import FormatError, QuantizedWeight
 from .formats.storage import from_storage, storage_tensors
 from .layers import Attention, DecoderLayer, Dense, Experts, GatedMLP, SparseMoE
+from .models.deepseek_v3 import LatentAttention
 from .quantize import QuantizedDense, QuantizedExperts
 from .spec import ModelSpec
 
@@ -106,11 +109,6 @@ def check_tensor_split(spec: ModelSpec, size: int) -> None:
     """Refuse, before any weight is read, a model whose heads do not split over ``size`` ranks."""
     if size == 1:
         return
-    if spec.family == "deepseek_v3":
-        raise InputError(
-            f"tensor parallelism (size {size}) is not supported for latent attention (deepseek_v3's MLA) yet; "
-            "serve this model with tensor size 1 and split it into pipeline stages instead"
-        )
     for field, value in (("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads)):
         per_rank(value, field, size, "config.json")
 
@@ -157,11 +155,11 @@ def _reduce_output(group: TensorGroup) -> Callable[[nn.Module, Any, torch.Tensor
 
 
 def _split_attention(a: nn.Module, group: TensorGroup, path: str) -> None:
+    if isinstance(a, LatentAttention):
+        _split_latent_attention(a, group, path)
+        return
     if not isinstance(a, Attention):
-        raise InputError(
-            f"{path} is {type(a).__name__}: tensor parallelism is not supported for latent attention yet; "
-            "serve this model with tensor size 1"
-        )
+        raise InputError(f"{path} is {type(a).__name__}, which tensor parallelism cannot split")
     hq = per_rank(a.num_heads, "num_attention_heads", group.size, path)
     hkv = per_rank(a.num_kv_heads, "num_key_value_heads", group.size, path)
     d, r = a.head_dim, group.rank
@@ -174,6 +172,18 @@ def _split_attention(a: nn.Module, group: TensorGroup, path: str) -> None:
     if a.sinks is not None:  # [Hq]
         a.sinks = _param(_take(a.sinks, 0, [(r * hq, hq)]))
     a.num_heads, a.num_kv_heads = hq, hkv
+
+
+def _split_latent_attention(a: LatentAttention, group: TensorGroup, path: str) -> None:
+    """Heads h of q_up ([H * (nope + rope), q_rank]), kv_up ([H * (nope + v), kv_rank]) and
+    o_proj's input ([hidden, H * v]); the down projections and their norms are shared by all heads."""
+    heads = per_rank(a.num_heads, "num_attention_heads", group.size, path)
+    start = group.rank * heads
+    q_dim, kv_dim = a.nope_dim + a.rope_dim, a.nope_dim + a.v_dim
+    _keep_rows(a.q_up, [(start * q_dim, heads * q_dim)], f"{path}.q_up")
+    _keep_rows(a.kv_up, [(start * kv_dim, heads * kv_dim)], f"{path}.kv_up")
+    _keep_columns(a.o_proj, start * a.v_dim, heads * a.v_dim, group.rank == 0, f"{path}.o_proj")
+    a.num_heads = heads
 
 
 def _split_feed_forward(m: nn.Module, group: TensorGroup, path: str) -> None:

@@ -28,6 +28,7 @@ from modelfleet.engine.frame import Frame, segments_of
 from modelfleet.engine.generate import LocalModel, generate
 from modelfleet.engine.kvcache import LayerKV
 from modelfleet.engine.layers import FrameContext
+from modelfleet.engine.quantized_checkpoint import save_quantized
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.static_decode import supports_static_decode
@@ -47,6 +48,8 @@ class Case:
     overrides: dict[str, Any]
     formats: FormatPlan | None = None
     shards: int = 1
+    halved: tuple[str, ...] = ("experts", "attention")  # roles each rank holds half of
+    kv_halved: bool = True
 
 
 CASES = {
@@ -54,6 +57,9 @@ CASES = {
     "gpt_oss": Case("gpt_oss", {}),  # biases, sinks, a sliding window of 6, clamped SwiGLU
     "mixtral": Case("mixtral", {}, shards=2),  # two pipeline shards in one process, each split
     "qwen3_moe_int4": Case("qwen3_moe", INT4_WIDTHS, INT4_EXPERTS),
+    # latent attention: heads split, but the down projections and the latent cache are shared by
+    # all heads, so every rank holds them whole; shared experts and a dense first layer split
+    "deepseek_v3": Case("deepseek_v3", {}, halved=("experts",), kv_halved=False),
 }
 
 
@@ -141,7 +147,7 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_the_whole_model(two_rank
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_rank_holds_half_the_split_weights_and_half_the_kv_cache(two_ranks, whole, name: str) -> None:
     ref, ranks = whole[name], [rank[name] for rank in two_ranks]
-    for role in ("experts", "attention"):
+    for role in CASES[name].halved:
         for fmt, nbytes in ref["bytes_by_role"][role].items():
             # biases added after the reduce stay on rank 0 alone: the ranks' shares add up to the
             # whole (in int4 up to padding: a row's packed zero points fill whole bytes)
@@ -152,7 +158,8 @@ def test_each_rank_holds_half_the_split_weights_and_half_the_kv_cache(two_ranks,
     replicated = {role: ref["bytes_by_role"][role] for role in ("embeddings", "head")}
     assert all({role: r["bytes_by_role"][role] for role in replicated} == replicated for r in ranks)
     assert all(r["weights_bytes"] < 0.6 * ref["weights_bytes"] for r in ranks)
-    assert all(2 * r["kv_bytes_per_position"] == ref["kv_bytes_per_position"] for r in ranks)
+    kv_share = ref["kv_bytes_per_position"] // (2 if CASES[name].kv_halved else 1)
+    assert all(r["kv_bytes_per_position"] == kv_share for r in ranks)
 
 
 def attention_output(attention: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -166,6 +173,7 @@ def attention_output(attention: torch.nn.Module, x: torch.Tensor) -> torch.Tenso
     ("family", "overrides", "formats"),
     [
         ("gpt_oss", {}, None),
+        ("deepseek_v3", {}, None),
         ("qwen3_moe", INT4_WIDTHS, FormatPlan(experts="int4", attention="int8")),  # QuantizedWeight.slice
     ],
 )
@@ -180,8 +188,12 @@ def test_the_ranks_partial_block_outputs_sum_to_the_whole_blocks(tmp_path, famil
         attention = attention_output(layer.attention, x)
         assert_close_to(sum(attention_output(s.layers[i].attention, x) for s in ranks), attention, 1e-5)
         assert_close_to(sum(s.layers[i].mlp(x) for s in ranks), layer.mlp(x), 1e-5)
-    assert not supports_static_decode(ranks[:1])  # a split layer's reduces are not graph-captured
-    assert formats is not None or supports_static_decode([whole])
+
+
+def test_a_split_shard_takes_no_static_decode_steps(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("qwen3_moe")
+    assert supports_static_decode([Shard.load(path)])
+    assert not supports_static_decode([Shard.load(path, tensor=LocalGroup(0, 2))])  # reduces are not captured
 
 
 def test_a_head_count_not_divisible_by_the_tensor_size_is_refused_naming_field_value_and_size(tiny_checkpoint):
@@ -202,10 +214,30 @@ def test_an_int4_bank_is_not_cut_through_a_block_and_the_error_names_the_weight(
         split_for_rank(shard, LocalGroup(0, 2))
 
 
-def test_latent_attention_is_refused_for_tensor_parallelism(tiny_checkpoint):
-    path, _ = tiny_checkpoint("deepseek_v3")
-    with pytest.raises(InputError, match="not supported for latent attention"):
-        Shard.load(path, tensor=LocalGroup(0, 2))
+@pytest.mark.parametrize(
+    ("family", "overrides", "plan"),
+    [
+        ("qwen3_moe", INT4_WIDTHS, FormatPlan(experts="int4", attention="int8")),
+        ("gpt_oss", dict(intermediate_size=64), FormatPlan(experts="mxfp4")),
+    ],
+)
+def test_a_quantized_checkpoint_is_split_once_filled_and_its_shares_sum_to_the_whole(
+    tmp_path, family, overrides, plan
+) -> None:
+    source, stored = tmp_path / "source", tmp_path / "stored"
+    save_model(family, source, **overrides)
+    save_quantized(Shard.load(source, formats=plan, pack=False), source, stored, plan, torch.float32)
+    whole = Shard.load(stored)
+    ranks = [Shard.load(stored, tensor=LocalGroup(r, 2)) for r in range(2)]
+    assert all(s.tensor == LocalGroup(r, 2) for r, s in enumerate(ranks))
+    experts = whole.bytes_by_role["experts"][plan.experts]
+    assert all(abs(s.bytes_by_role["experts"][plan.experts] - experts / 2) <= 0.01 * experts for s in ranks)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
+    for i, layer in enumerate(whole.layers):
+        assert_close_to(
+            sum(attention_output(s.layers[i].attention, x) for s in ranks), attention_output(layer.attention, x), 1e-5
+        )
+        assert_close_to(sum(s.layers[i].mlp(x) for s in ranks), layer.mlp(x), 1e-5)
 
 
 def test_a_tensor_group_of_one_changes_nothing(tiny_checkpoint):
