@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ DEFAULT_PATTERNS = (
     "chat_template.jinja", "*.safetensors", INDEX_FILE,
 )  # fmt: skip
 WEIGHT_PATTERNS = ("*.safetensors", INDEX_FILE)
+HEADER_READERS = 8  # concurrent header reads (each two small Range requests)
 _URI = re.compile(r"^hf://([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@([A-Za-z0-9._/-]+))?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
@@ -262,7 +264,10 @@ class RemoteCheckpoint:
         for name in files:
             if name not in self.sizes:
                 raise CheckpointError(f"{self.uri}: {name} is listed in the index but missing from the repository")
-            infos = self._header(name)
+        # a large checkpoint has over a hundred shards: their headers are read HEADER_READERS at a time
+        with ThreadPoolExecutor(HEADER_READERS) as pool:
+            headers = dict(zip(files, pool.map(self._header, files), strict=True))
+        for name, infos in headers.items():
             self._infos.update((f"{name}\0{k}", v) for k, v in infos.items())
             if INDEX_FILE not in self.sizes:
                 mapping.update((k, name) for k in infos)

@@ -148,7 +148,7 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
         "volumes": [_plan_volume(fleet_name, revision), model_volume, _transport_volume(fleet_name), _scratch_volume()],
         "automountServiceAccountToken": False, "securityContext": POD_SECURITY,
     }  # fmt: skip
-    pod_spec = _with_fetch(pod_spec, spec)
+    pod_spec = _with_fetch(pod_spec, spec, resources=_resources(spec, member))
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
@@ -256,9 +256,12 @@ def _model_volume(spec: ModelFleetSpec) -> tuple[Obj, list[Obj]]:
     return volume, [_env("MF_MODEL_PATH", names.model_path(uri))]
 
 
-def _with_fetch(pod_spec: Obj, spec: ModelFleetSpec, weights: bool = True) -> Obj:
+def _with_fetch(pod_spec: Obj, spec: ModelFleetSpec, weights: bool = True, resources: Obj | None = None) -> Obj:
     """For an hf:// model, an init container fetches it into the model volume before the pod's
-    containers start; a complete snapshot already there (a cache claim) costs one listing request."""
+    containers start; a complete snapshot already there (a cache claim) costs one listing request.
+
+    It takes the ``resources`` of the pod's container, less accelerators: a pod is Guaranteed (and
+    NUMA-pinned) only if its init containers are too, and the pod's request stays the container's."""
     if not spec.model.uri.startswith("hf://"):
         return pod_spec
     command = ["modelfleet", "fetch", spec.model.uri, "--out", names.model_path(spec.model.uri)]
@@ -268,6 +271,12 @@ def _with_fetch(pod_spec: Obj, spec: ModelFleetSpec, weights: bool = True) -> Ob
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT_DIR}, _scratch_mount()],
     }  # fmt: skip
+    compute = {
+        kind: {name: value for name, value in quantities.items() if name in ("cpu", "memory")}
+        for kind, quantities in (resources or {}).items()
+    }
+    if compute := {kind: quantities for kind, quantities in compute.items() if quantities}:
+        fetch["resources"] = compute
     return {**pod_spec, "initContainers": [fetch]}
 
 

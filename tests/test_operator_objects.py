@@ -418,3 +418,14 @@ def test_render_of_an_hf_fleet_with_a_local_stand_in_for_inspection(tmp_path, ti
     assert pods and all(p["spec"]["initContainers"][0]["name"] == "fetch" for p in pods)
     plan = FleetPlan.from_json(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["plan.json"])
     assert plan.model.path == "/models/org/tiny@v1"
+
+
+def test_a_numa_pinned_hf_pod_stays_guaranteed_its_fetch_has_the_agents_cpu_and_memory_and_no_gpu():
+    _, objs, _ = build(
+        model=HF_GATED, accelerator={"profile": "nvidia-gpu"}, placement={"numa": "single-numa-node"},
+        resources={"cpu": "2", "memory": "8Gi"},
+    )  # fmt: skip
+    pod = next(iter(by_kind(objs, "Pod").values()))
+    agent, fetch = pod["spec"]["containers"][0], pod["spec"]["initContainers"][0]
+    assert agent["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert fetch["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}

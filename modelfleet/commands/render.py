@@ -130,9 +130,10 @@ def inspect(
                 f"the summary is {len(text)} bytes; a termination message holds {TERMINATION_LOG_BYTES}"
             )
     except (ModelfleetError, OSError) as exc:
+        message = str(exc) if str(exc).startswith(checkpoint) else f"{checkpoint}: {exc}"
         if output is not None:
-            output.write_text(f"{checkpoint}: {exc}")
-        _fail(f"{checkpoint}: {exc}")
+            output.write_text(message)
+        _fail(message)
         return
     if output is None:
         typer.echo(text)
