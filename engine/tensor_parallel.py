@@ -8,6 +8,10 @@ shared experts) are then partial sums; one all-reduce after each (a forward hook
 makes every rank's residual stream whole again. Embeddings, norms, routers and the head stay
 replicated: every rank takes the same frame and returns the same output.
 
+Use: each rank of a stage calls ``group = init_tensor_group(rank, size, address, port, device)``,
+then ``LocalModel.load(..., tensor=group)`` or ``Shard.load(..., tensor=group)``, and runs the
+same frames as every other rank, in the same order (each reduce is a collective).
+
 Invariants:
 
 - rank r keeps contiguous blocks: q heads [r*Hq/s, (r+1)*Hq/s) and the kv heads those read,

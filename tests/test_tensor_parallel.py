@@ -245,3 +245,25 @@ def test_a_tensor_group_of_one_changes_nothing(tiny_checkpoint):
     frame = Frame.of_streams([(0, 0, PROMPT)])
     alone = Shard.load(path, tensor=init_tensor_group(0, 1, "127.0.0.1", 0))
     assert torch.equal(alone(frame), Shard.load(path)(frame))
+
+
+def test_a_rank_that_cannot_reach_its_group_fails_naming_the_address_and_the_wait() -> None:
+    port = free_port()  # nothing listens there
+    with pytest.raises(
+        InputError, match=rf"tensor rank 1 of 2 could not join the group at tcp://127.0.0.1:{port} within 1s"
+    ):
+        init_tensor_group(1, 2, "127.0.0.1", port, timeout_seconds=1)
+    with pytest.raises(InputError, match="tensor rank 2 is outside a group of size 2"):
+        TensorGroup(2, 2)
+
+
+def test_a_split_shard_in_bfloat16_is_packed_for_onednn_after_the_split(tiny_checkpoint) -> None:
+    from modelfleet.engine.kernels import cpu_linear
+
+    if not cpu_linear.available(torch.zeros(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN bfloat16 is not available on this CPU")
+    path, _ = tiny_checkpoint("qwen3_moe")
+    whole = Shard.load(path, dtype="bfloat16")
+    rank = Shard.load(path, dtype="bfloat16", tensor=LocalGroup(1, 2))
+    assert any(getattr(m, "packed", None) is not None for m in rank.modules())
+    assert rank.bytes_by_role["experts"]["bf16"] * 2 == whole.bytes_by_role["experts"]["bf16"]
