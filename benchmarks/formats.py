@@ -157,13 +157,14 @@ class Cycle:
         return self.step(self.items[self.calls % len(self.items)])
 
 
-def timings(steps: list[Callable[[], object]], device: str) -> dict[str, float]:
-    """ms per step, cycling through ``steps``: eager, and on CUDA also replayed from graphs (one
-    per step, captured after a warm-up that lets the autotuners choose)."""
+def timings(steps: list[Callable[[], object]], device: str, capturable: bool = True) -> dict[str, float]:
+    """ms per step, cycling through ``steps``: eager, and on CUDA (when the steps never sync with
+    the host) also replayed from graphs, one per step, captured after a warm-up that lets the
+    autotuners choose."""
     for step in steps:
         step()
     times = {"eager": time_ms(Cycle(lambda step: step(), steps), device)}
-    if device == "cuda":
+    if device == "cuda" and capturable:
         graphs = []
         for step in steps:
             graph = torch.cuda.CUDAGraph()
@@ -185,7 +186,8 @@ def bench_moe(fmt: str, experts: int, rows_list: list[int], device: str) -> list
         used = statistics.mean(index.unique().numel() * per_expert for index, _ in routings)
         steps = [partial(layer, x, index, weight) for index, weight in routings]
         with torch.inference_mode():
-            for mode, ms in timings(steps, device).items():
+            capturable = not isinstance(layer, QuantizedExperts) or layer.gathered_on(torch.device(device))
+            for mode, ms in timings(steps, device, capturable).items():
                 per_param = per_expert * experts / params
                 results.append(Result(device, f"moe-{experts}x{TOP_K}", fmt, rows, mode, per_param, used / 1e6, ms))
     return results
