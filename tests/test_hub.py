@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -165,3 +168,13 @@ def test_inspect_over_hf_equals_inspect_of_the_directory_and_reads_only_the_head
         assert ranges == ["bytes=0-7", f"bytes=8-{8 + header_length - 1}"], shard.name
     whole = [r for r in hub.file_requests() if r.range is None]
     assert {hub_path.path.rpartition("/")[2] for hub_path in whole} == {"config.json", "model.safetensors.index.json"}
+
+
+def test_fetch_runs_as_its_own_process_with_token_and_endpoint_from_the_environment(hub, checkpoint, tmp_path):
+    """As an init container runs it: huggingface_hub imported fresh, HF_* only in the environment."""
+    env = {**os.environ, "HF_TOKEN": "hf_granted", "HF_HUB_OFFLINE": "0", "PYTHONSAFEPATH": "1"}
+    command = [sys.executable, "-m", "modelfleet.cli", "fetch", "hf://org/gated", "--out", str(tmp_path / "out")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert listed(tmp_path / "out") == needed_files(checkpoint) | {".modelfleet-snapshot.json"}
+    assert {r.authorization for r in hub.requests if r.path.startswith("/org/")} == {"Bearer hf_granted"}
