@@ -2,8 +2,8 @@
 the node of every stage member. Pure: plain data in, plain data out, no API calls.
 
 A node matches a fleet when it is Ready and schedulable, carries every ``placement.nodeSelector``
-label, passes ``placement.affinity``'s required node affinity (:mod:`.affinity`; preferred terms are
-not evaluated), tolerates every NoSchedule/NoExecute taint, and offers the accelerator profile
+label, passes ``placement.affinity``'s required node affinity (:mod:`.affinity`), tolerates every
+NoSchedule/NoExecute taint, and offers the accelerator profile
 through its device plugin's allocatable resource (the pods request that resource, so labels alone
 would not do):
 
@@ -20,9 +20,12 @@ some matching node offers ``tensor * count`` devices and ``tensor`` pods' ``reso
 stage's ranks share one such node (nodes offering fewer are rejected with that reason), and the
 stage offers that node's usable memory counting ``tensor * count`` GPUs. Otherwise each rank takes a
 node of its own and a stage offers ``tensor * min(usable of its nodes)`` (weights are split evenly
-across ranks). A node holds at most one stage. Nodes are taken from the matching ones with the
-most usable memory, then ordered by name and dealt group by group, stage by stage (and rank by
-rank when not packed). Layer ranges come from
+across ranks). A node holds at most one stage. Nodes are taken from the matching ones that best
+match ``placement.affinity``'s preferred node affinity (the sum of the weights of the preferences a
+node matches), then with the most usable memory, then ordered by name and dealt group by group,
+stage by stage (and rank by rank when not packed). Required pod anti-affinity (hostname) that
+selects the fleet's members keeps tensor ranks off a shared node; required pod affinity (hostname)
+within the fleet needs the whole fleet on one node (:mod:`.affinity`). Layer ranges come from
 :func:`modelfleet.planner.split_by_memory` (in proportion to usable memory) unless the spec lists
 them.
 """
@@ -36,7 +39,7 @@ from typing import Any, Literal
 from modelfleet.plan import FleetPlan, PlanError, build
 from modelfleet.planner import InfeasiblePlan, node_name, parse_quantity, split_by_memory, usable_memory
 
-from .affinity import affinity_rejection
+from .affinity import HOSTNAME, affinity_rejection, member_labels, pod_terms, preference_score, selects
 from .names import model_path, stage_address
 from .names import revision as revision_of
 from .spec import ModelFleetSpec
@@ -161,7 +164,8 @@ def place(
     if not matching:
         return Infeasible("NoMatchingNodes", _no_match_message(spec, rejected), 0, considered, rejected)
     tp = spec.parallelism.tensor
-    packed = packs_stages(spec, matching)
+    apart = _ranks_apart(spec, summary, fleet, namespace)  # an anti-affinity term forbids packing
+    packed = packs_stages(spec, matching) and apart is None
     if packed:
         rejected.update({node_name(n): why for n in matching if (why := stage_rejection(n, spec)) is not None})
         matching = [n for n in matching if node_name(n) not in rejected]
@@ -174,19 +178,52 @@ def place(
         message = f"the fleet needs {need} matching nodes ({max(stages, 1)} stages x {ranks} x {spec.replicas} groups), {len(matching)} match: {', '.join(sorted(node_name(n) for n in matching))}"
         if rejected:
             message += "; not matching: " + "; ".join(f"{name}: {why}" for name, why in sorted(rejected.items()))
+        if apart is not None and tp > 1:
+            message += f"; {apart} keeps a stage's ranks on nodes of their own"
         return Infeasible("InsufficientCapacity", message, 0, considered, rejected)
     if stages > summary.num_layers:
         return Infeasible(
             "InvalidForModel", f"parallelism.pipeline={stages} exceeds the model's {summary.num_layers} layers"
         )
-    chosen = sorted(matching, key=lambda n: (-usable_memory(n), node_name(n)))[: stages * width]
-    chosen.sort(key=node_name)
+    affinity = spec.placement.affinity
+    chosen = sorted(matching, key=lambda n: (-preference_score(n, affinity), -usable_memory(n), node_name(n)))
+    chosen = sorted(chosen[: stages * width], key=node_name)
     try:
-        return _plan(spec, summary, chosen, stages, per_stage, fleet, namespace)
+        placement = _plan(spec, summary, chosen, stages, per_stage, fleet, namespace)
+        if (why := _together_failure(placement, spec, fleet, namespace)) is not None:
+            return Infeasible("InsufficientCapacity", why, 0, considered, rejected)
+        return placement
     except InfeasiblePlan as exc:
         return Infeasible("InsufficientCapacity", str(exc), exc.missing_bytes, considered, rejected)
     except PlanError as exc:
         return Infeasible("InvalidForModel", str(exc), 0, considered, rejected)
+
+
+def _ranks_apart(spec: ModelFleetSpec, summary: ModelSummary, fleet: str, namespace: str) -> str | None:
+    """The required pod anti-affinity term (hostname) that selects a member of some stage, so that
+    stage's tensor ranks may not share a node; None when ranks may share one."""
+    stages, ranks = spec.pipeline or summary.num_layers, range(spec.parallelism.tensor)
+    for kind, k, selector in pod_terms(spec.placement.affinity, fleet, namespace)[0]:
+        every = ((g, s, r) for g in range(spec.replicas) for s in range(stages) for r in ranks)
+        if kind == "podAntiAffinity" and any(selects(selector, member_labels(fleet, *m)) for m in every):
+            return f"placement.affinity.podAntiAffinity required term {k}"
+    return None
+
+
+def _together_failure(placement: Placement, spec: ModelFleetSpec, fleet: str, namespace: str) -> str | None:
+    """Why a required pod affinity term (hostname, within the fleet) fails the placement: the
+    scheduler places a pod only beside a pod its term selects (the first one anywhere), so every
+    member must be on one node with a member the term selects."""
+    nodes = sorted({m.node for m in placement.members})
+    for kind, k, selector in pod_terms(spec.placement.affinity, fleet, namespace)[0]:
+        term = f"placement.affinity.podAffinity required term {k} ({HOSTNAME})"
+        if kind != "podAffinity":
+            continue
+        if not any(selects(selector, member_labels(fleet, m.group, m.stage, m.tp_rank)) for m in placement.members):
+            return f"{term} selects no member of fleet {fleet}, so no stage pod can be scheduled"
+        if len(nodes) > 1:
+            return f"{term} needs every member on one node, beside a member it selects; the plan puts them on {', '.join(nodes)} (a node holds one stage)"
+    return None
 
 
 def shortfall(placement: Placement, spec: ModelFleetSpec, nodes: Sequence[Node]) -> str | None:

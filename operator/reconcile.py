@@ -30,8 +30,10 @@ from typing import Any, Protocol
 import zmq
 
 from modelfleet.plan import FleetPlan, PlanError
+from modelfleet.planner import node_name
 
 from . import names, objects, rollout
+from .affinity import pod_terms
 from .placement import Infeasible, MemberAssignment, Placement, place, rejection, shortfall
 from .rollout import Step
 from .spec import GROUP, KIND, VERSION, ModelFleetSpec, SpecError, parse_spec
@@ -91,7 +93,11 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
         why = f"no new plan fits; revision {serving.revision} keeps serving: {target.message}"
         report.set(Condition.PROGRESSING, False, Reason.ROLLOUT_FAILED, why)
         return _rollout(fleet, spec, cluster, report, Step.FAILED, serving, serving, retry=PLAN_RETRY_SECONDS)
-    report.set(Condition.PLANNED, True, Reason.PLANNED, f"{len(target.members)} members on {_nodes(target)}")
+    notes = pod_terms(spec.placement.affinity, meta["name"], meta["namespace"])[
+        1
+    ]  # what the planner leaves to the scheduler
+    planned = "; ".join([f"{len(target.members)} members on {_nodes(target)}", *notes])
+    report.set(Condition.PLANNED, True, Reason.PLANNED, planned)
     step = _step(serving, target, no_room, report)
     if serving is not None and step == Step.REPLACE:
         report.replacing(serving, target, no_room)
@@ -173,8 +179,10 @@ def _target(
     pods = {
         p["metadata"]["name"]: p for p in cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage"))
     }
-    free = rollout.free_nodes(nodes, meta["name"], serving, pods, spec)
-    if (why := shortfall(whole, spec, free)) is None:
+    repelled = rollout.repelled_nodes(spec, meta["name"], meta["namespace"], serving, whole)
+    free = [n for n in rollout.free_nodes(nodes, meta["name"], serving, pods, spec) if node_name(n) not in repelled]
+    shared = sorted({m.node for m in whole.members} & repelled.keys())
+    if (why := f"{shared[0]}: {repelled[shared[0]]}" if shared else shortfall(whole, spec, free)) is None:
         return whole, ""
     beside = place(spec, summary, free, meta["name"], meta["namespace"])  # other nodes, or other layer ranges
     if isinstance(beside, Placement):

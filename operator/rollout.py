@@ -28,6 +28,7 @@ from typing import Any
 from modelfleet.planner import RUNTIME_RESERVE_BYTES, node_name, parse_quantity
 
 from . import names
+from .affinity import member_labels, pod_terms, selects
 from .placement import Placement
 from .spec import ModelFleetSpec
 
@@ -112,3 +113,23 @@ def _less(node: Obj, used: Mapping[str, int]) -> dict[str, Any]:
         if key in allocatable:
             allocatable[key] = str(max(0, parse_quantity(allocatable[key]) - amount))
     return {**node, "status": {**(node.get("status") or {}), "allocatable": allocatable}}
+
+
+def repelled_nodes(
+    spec: ModelFleetSpec, fleet: str, namespace: str, serving: Placement, target: Placement
+) -> dict[str, str]:
+    """The nodes of ``serving``'s members that ``target``'s may not share, by why: a required pod
+    anti-affinity term (hostname) selects a member of either (a pod keeps off the pods its terms
+    select, and off those whose terms select it; both revisions carry the same terms)."""
+    new = [member_labels(fleet, m.group, m.stage, m.tp_rank) for m in target.members]
+    repelled = {}
+    for kind, k, selector in pod_terms(spec.placement.affinity, fleet, namespace)[0]:
+        if kind != "podAntiAffinity":
+            continue
+        for m in serving.members:
+            old = member_labels(fleet, m.group, m.stage, m.tp_rank)
+            if m.node not in repelled and (selects(selector, old) or any(selects(selector, n) for n in new)):
+                repelled[m.node] = (
+                    f"placement.affinity.podAntiAffinity required term {k} keeps revision {target.revision}'s members off the nodes of revision {serving.revision}'s"
+                )
+    return repelled

@@ -327,6 +327,29 @@ def test_every_built_object_and_the_crd_pass_strict_kubernetes_schema_validation
         kubernetes_validate.validate(obj, "1.31", strict=True)
 
 
+def test_pods_keep_the_users_pod_affinity_and_preferred_node_affinity_and_pass_strict_validation():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    spread = {
+        "labelSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}},
+        "topologyKey": "kubernetes.io/hostname",
+    }
+    zone = {"labelSelector": {"matchLabels": {"app": "cache"}}, "topologyKey": "topology.kubernetes.io/zone"}
+    preferred = [
+        {"weight": 10, "preference": {"matchExpressions": [{"key": "disk", "operator": "In", "values": ["ssd"]}]}}
+    ]
+    affinity = {
+        "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred},
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [spread]},
+        "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [zone]},
+    }
+    _, objs, placement = build(parallelism={"pipeline": 2}, placement={"affinity": affinity})
+    for pod in by_kind(objs, "Pod").values():
+        kept = pod["spec"]["affinity"]
+        assert kept["podAntiAffinity"] == affinity["podAntiAffinity"] and kept["podAffinity"] == affinity["podAffinity"]
+        assert kept["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == preferred
+        kubernetes_validate.validate(pod, "1.31", strict=True)
+
+
 @pytest.mark.parametrize("args", [[], ["--namespace", "ai", "--all-namespaces"]])
 def test_the_operator_command_needs_namespaces_or_all_of_them(args):
     result = CliRunner().invoke(app, ["operator", *args])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from fleet_fixtures import GiB, node, summary
 
+from modelfleet.operator.affinity import member_labels, pod_terms
 from modelfleet.operator.placement import Infeasible, Placement, place, rejection
 from modelfleet.operator.spec import parse_spec
 
@@ -319,3 +320,158 @@ def test_too_few_nodes_for_packed_stages_names_the_nodes_with_too_few_devices():
         "small": "allocatable nvidia.com/gpu 2 below parallelism.tensor x accelerator.count = 4 (a stage's ranks share one node)"
     }
     assert result.nodes_considered == ("box", "small")
+
+
+# ---- preferred node affinity ------------------------------------------------------------------
+
+
+def preferring(*weighted):
+    """placement.affinity with preferred node-affinity terms: (weight, [requirements]) each."""
+    terms = [{"weight": w, "preference": {"matchExpressions": list(r)}} for w, r in weighted]
+    return {"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": terms}}}
+
+
+ZONES = [node("a", labels={"zone": "z1"}), node("b", labels={"zone": "z2", "disk": "ssd"}), node("c", labels={"zone": "z3", "disk": "ssd"})]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "preferences, nodes, chosen",
+    [
+        ((), ZONES, ["a", "b"]),  # no preference: the most memory, then the name, as before
+        (((10, [expr("zone", "In", "z3")]),), ZONES, ["a", "c"]),  # c first, then the tie by name
+        (((5, [expr("disk", "In", "ssd")]), (5, [expr("zone", "In", "z2")])), ZONES, ["b", "c"]),  # weights add
+        (((5, [expr("disk", "In", "ssd")]), (20, [expr("zone", "In", "z1")])), ZONES, ["a", "b"]),  # a: 20, b and c: 5
+        (((10, [expr("zone", "In", "z3")]),), [node("a", "30Gi"), node("b", "30Gi"), node("c", "18Gi", labels={"zone": "z3"})], ["a", "c"]),  # over memory
+        (((10, []),), ZONES, ["a", "b"]),  # an empty preference is a no-op
+        (((10, [expr("zone", "In", "z9")]),), ZONES, ["a", "b"]),  # matching no node changes nothing
+    ],
+)  # fmt: skip
+def test_preferred_node_affinity_orders_the_candidate_nodes_by_the_weights_they_match(preferences, nodes, chosen):
+    fields = {"parallelism": {"pipeline": 2}, "placement": preferring(*preferences)}
+    result = place(spec(**fields), summary(8), nodes, "qwen", "ai")
+    assert [m.node for m in result.members] == chosen  # dealt by name, as before
+
+
+def test_preferred_node_affinity_never_admits_a_node_the_required_terms_reject():
+    affinity = {
+        **preferring((100, [expr("zone", "In", "z1")]))["affinity"],
+        **required({"matchExpressions": [expr("disk", "Exists")]})["placement"]["affinity"],
+    }
+    result = place(spec(parallelism={"pipeline": 1}, placement={"affinity": affinity}), summary(8), ZONES, "qwen", "ai")
+    assert [m.node for m in result.members] == ["b"]
+
+
+# ---- pod affinity among the fleet's members ---------------------------------------------------
+
+
+def pod_term(selector, topology="kubernetes.io/hostname", **extra):
+    return {"labelSelector": selector, "topologyKey": topology, **extra}
+
+
+def pods(kind, *terms, preferred=()):
+    section = {"requiredDuringSchedulingIgnoredDuringExecution": list(terms)}
+    if preferred:
+        section["preferredDuringSchedulingIgnoredDuringExecution"] = list(preferred)
+    return {"affinity": {kind: section}}
+
+
+SAME_FLEET = {"matchLabels": {"modelfleet.io/fleet": "qwen"}}
+TP2 = {"accelerator": {"profile": "nvidia-gpu"}, "parallelism": {"tensor": 2, "pipeline": 1}}
+TWO_BOXES = [gpu_node("a", 2), gpu_node("b", 2)]
+
+
+@pytest.mark.parametrize(
+    "placement, members",
+    [
+        ({}, [(0, 0, 0, "a"), (0, 0, 1, "a")]),  # packed, as before
+        (pods("podAntiAffinity", pod_term(SAME_FLEET)), [(0, 0, 0, "a"), (0, 0, 1, "b")]),  # one member per node
+        (pods("podAntiAffinity", pod_term({"matchExpressions": [expr("modelfleet.io/fleet", "In", "qwen")]})), [(0, 0, 0, "a"), (0, 0, 1, "b")]),
+        (pods("podAntiAffinity", pod_term({"matchLabels": {"modelfleet.io/component": "stage"}})), [(0, 0, 0, "a"), (0, 0, 1, "b")]),  # also other fleets'
+        (pods("podAntiAffinity", pod_term({"matchLabels": {"modelfleet.io/tp-rank": "1"}})), [(0, 0, 0, "a"), (0, 0, 1, "b")]),  # rank 1 repels rank 0
+        (pods("podAntiAffinity", pod_term({"matchLabels": {"modelfleet.io/fleet": "other"}})), [(0, 0, 0, "a"), (0, 0, 1, "a")]),  # selects no member
+        (pods("podAntiAffinity", pod_term(SAME_FLEET, "topology.kubernetes.io/zone")), [(0, 0, 0, "a"), (0, 0, 1, "a")]),  # left to the scheduler
+        (pods("podAntiAffinity", {"topologyKey": "kubernetes.io/hostname"}), [(0, 0, 0, "a"), (0, 0, 1, "a")]),  # a null selector selects nothing
+    ],
+)  # fmt: skip
+def test_required_pod_anti_affinity_on_the_hostname_keeps_the_members_it_selects_on_nodes_of_their_own(
+    placement, members
+):
+    result = place(spec(**TP2, placement=placement), summary(8), TWO_BOXES, "qwen", "ai")
+    assert isinstance(result, Placement), getattr(result, "message", result)
+    assert nodes_of(result) == members
+
+
+def test_anti_affinity_without_a_node_per_rank_is_insufficient_capacity_naming_the_term():
+    placement = pods("podAntiAffinity", pod_term(SAME_FLEET))
+    result = place(spec(**TP2, placement=placement), summary(8), [gpu_node("a", 2)], "qwen", "ai")
+    assert isinstance(result, Infeasible) and result.reason == "InsufficientCapacity"
+    assert (
+        "placement.affinity.podAntiAffinity required term 0 keeps a stage's ranks on nodes of their own"
+        in result.message
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, nodes, why",
+    [
+        ({"parallelism": {"pipeline": 1}}, [node("a")], None),  # the whole fleet on one node
+        ({"parallelism": {"pipeline": 2}}, [node("a"), node("b")], "needs every member on one node, beside a member it selects; the plan puts them on a, b"),
+        ({"parallelism": {"pipeline": 1}, "replicas": 2}, [node("a"), node("b")], "the plan puts them on a, b"),
+    ],
+)  # fmt: skip
+def test_required_pod_affinity_within_the_fleet_needs_the_whole_fleet_on_one_node(fields, nodes, why):
+    result = place(spec(**fields, placement=pods("podAffinity", pod_term(SAME_FLEET))), summary(8), nodes, "qwen", "ai")
+    if why is None:
+        assert isinstance(result, Placement), getattr(result, "message", result)
+    else:
+        assert isinstance(result, Infeasible) and result.reason == "InsufficientCapacity"
+        assert result.message.startswith("placement.affinity.podAffinity required term 0 (kubernetes.io/hostname)")
+        assert why in result.message
+
+
+def test_pod_affinity_within_the_fleet_that_selects_no_member_can_schedule_no_pod():
+    selector = {"matchLabels": {"modelfleet.io/fleet": "qwen", "modelfleet.io/component": "gateway"}}
+    result = place(spec(placement=pods("podAffinity", pod_term(selector))), summary(8), [node("a")], "qwen", "ai")
+    assert isinstance(result, Infeasible) and "selects no member of fleet qwen" in result.message
+
+
+@pytest.mark.parametrize(
+    "placement, notes",
+    [
+        ({}, []),
+        (pods("podAntiAffinity", pod_term(SAME_FLEET)), []),
+        (pods("podAntiAffinity", pod_term(SAME_FLEET, namespaces=["ai"])), []),
+        (pods("podAntiAffinity", pod_term(SAME_FLEET, "topology.kubernetes.io/zone")),
+         ["placement.affinity.podAntiAffinity required term 0 (topologyKey topology.kubernetes.io/zone) is left to the scheduler: the planner evaluates kubernetes.io/hostname only"]),
+        (pods("podAntiAffinity", pod_term({"matchLabels": {"app": "db"}})),
+         ["placement.affinity.podAntiAffinity required term 0 is evaluated among fleet qwen's members; the scheduler checks the other pods it selects"]),
+        (pods("podAntiAffinity", pod_term(SAME_FLEET, namespaceSelector={})),
+         ["placement.affinity.podAntiAffinity required term 0 is evaluated among fleet qwen's members; the scheduler checks the other pods it selects"]),
+        (pods("podAffinity", pod_term({"matchLabels": {"app": "cache"}})),
+         ["placement.affinity.podAffinity required term 0 selects pods outside fleet qwen: the scheduler checks it on each planned node"]),
+        (pods("podAffinity", preferred=[{"weight": 1, "podAffinityTerm": pod_term(SAME_FLEET)}]),
+         ["placement.affinity.podAffinity preferred terms are left to the scheduler (each stage pod is bound to its planned node)"]),
+    ],
+)  # fmt: skip
+def test_the_planner_names_each_pod_affinity_term_it_leaves_to_the_scheduler(placement, notes):
+    assert pod_terms(placement.get("affinity"), "qwen", "ai")[1] == notes
+
+
+def test_pod_affinity_to_pods_outside_the_fleet_does_not_constrain_the_plan():
+    placement = pods("podAffinity", pod_term({"matchLabels": {"app": "cache"}}))
+    result = place(
+        spec(parallelism={"pipeline": 2}, placement=placement), summary(8), [node("a"), node("b")], "qwen", "ai"
+    )
+    assert [m.node for m in result.members] == ["a", "b"]
+
+
+def test_the_selector_labels_are_the_stage_pods_own():
+    from modelfleet.operator import objects
+
+    the_spec = spec(**TP2)
+    result = place(the_spec, summary(8), TWO_BOXES, "qwen", "ai")
+    body = {"metadata": {"name": "qwen", "namespace": "ai", "uid": "u"}}
+    for member in result.members:
+        pod = objects.stage_pod(body, the_spec, result, member)
+        labels = member_labels("qwen", member.group, member.stage, member.tp_rank)
+        assert labels.items() <= pod["metadata"]["labels"].items()

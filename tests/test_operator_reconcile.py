@@ -398,6 +398,47 @@ def test_without_room_beside_the_old_members_the_new_revision_surges_onto_spare_
     assert progressing(status)[1] == "RollingOut"
 
 
+SPREAD = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+    {"labelSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}}, "topologyKey": "kubernetes.io/hostname"}
+]}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "nodes, reason, new_nodes",
+    [
+        (["a", "b", "c", "d"], "RollingOut", {"c", "d"}),  # room on nodes the old members leave alone
+        (["a", "b"], "RolloutWithoutSurge", {"a", "b"}),  # none: replaced
+    ],
+)
+def test_pod_anti_affinity_keeps_a_new_revision_off_the_nodes_of_the_old_one(nodes, reason, new_nodes):
+    body = fleet(placement={"affinity": SPREAD}, **PIPELINE_2)
+    cluster = cluster_for(body, [node(n) for n in nodes])  # 18 GiB: memory alone would fit both
+    serving(cluster, body)
+    status = reconcile(
+        fleet(generation=2, serving={"maxStreams": 8}, placement={"affinity": SPREAD}, **PIPELINE_2), cluster
+    ).status
+    members = json.loads(cluster.of_kind("ConfigMap")["qwen-plan"]["data"]["members.json"])
+    assert {m["node"] for m in members} == new_nodes and progressing(status)[1] == reason
+    if reason == "RolloutWithoutSurge":
+        assert "placement.affinity.podAntiAffinity required term 0 keeps revision" in progressing(status)[2]
+
+
+def test_the_planned_condition_names_the_affinity_the_planner_leaves_to_the_scheduler():
+    zone = {
+        "labelSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}},
+        "topologyKey": "topology.kubernetes.io/zone",
+    }
+    body = fleet(
+        placement={"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [zone]}}}
+    )
+    status = reconcile(body, cluster_for(body)).status
+    planned = next(c["message"] for c in status["conditions"] if c["type"] == "Planned")
+    assert planned == (
+        "2 members on a, b; placement.affinity.podAntiAffinity required term 0 (topologyKey topology.kubernetes.io/zone)"
+        " is left to the scheduler: the planner evaluates kubernetes.io/hostname only"
+    )
+
+
 def test_without_room_for_both_revisions_the_new_one_replaces_the_old():
     small = [node("a", "10Gi"), node("b", "10Gi")]  # a 4 GiB stage fits a node, two do not
     cluster = cluster_for(fleet(**PIPELINE_2), small)
