@@ -44,7 +44,7 @@ HEADER_READERS = 8  # concurrent header reads (each two small Range requests)
 _URI = re.compile(r"^hf://([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@([A-Za-z0-9._/-]+))?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
-Progress = Callable[[str, int], None]  # (file name, bytes) once the file is in place
+Progress = Callable[[str, int], None]  # (file name, bytes more of it in place), as they arrive
 
 
 class HubError(ModelfleetError):
@@ -102,7 +102,8 @@ def fetch(
 ) -> FetchResult:
     """Download the files a load needs from ``uri`` into ``out_dir``, unless they are there already.
 
-    ``on_start`` gets the bytes about to be transferred, ``progress`` each file once it is in place."""
+    ``on_start`` gets the bytes of the wanted files, ``progress`` each chunk as it is written (and
+    a file already present at once), so the advances add up to that total."""
     from huggingface_hub import hf_hub_download
 
     ref, out = parse_uri(uri), Path(out_dir)
@@ -124,8 +125,18 @@ def fetch(
     if on_start is not None:
         on_start(sum(sizes[name] for name in files))
     for name in files:
+        streamed = [0]
+
+        def arrived(count: int, name: str = name, streamed: list[int] = streamed) -> None:
+            streamed[0] += count
+            if progress is not None:
+                progress(name, count)
+
         try:
-            hf_hub_download(ref.repo_id, name, revision=commit, local_dir=out, token=_token(), endpoint=_endpoint())
+            hf_hub_download(
+                ref.repo_id, name, revision=commit, local_dir=out, token=_token(), endpoint=_endpoint(),
+                tqdm_class=_bar_class(arrived),
+            )  # fmt: skip
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise HubError(
@@ -134,12 +145,29 @@ def fetch(
             raise _explain(uri, exc) from exc
         except Exception as exc:
             raise _explain(uri, exc) from exc
-        if progress is not None:
-            progress(name, sizes[name])
+        if progress is not None and streamed[0] != sizes[name]:
+            progress(name, sizes[name] - streamed[0])  # already in place, or sent in a way no bar saw
     marker = {"uri": uri, "commit": commit, "listing": sizes, "files": files}
     (out / f"{MARKER}.tmp").write_text(json.dumps(marker, indent=1, sort_keys=True))
     (out / f"{MARKER}.tmp").replace(out / MARKER)
-    return FetchResult(commit, tuple(files), tuple(files))
+    return FetchResult(commit, tuple(files), tuple(name for name in files if name in missing))
+
+
+def _bar_class(arrived: Callable[[int], None]) -> type:
+    """A progress bar class for huggingface_hub that prints nothing and reports each update
+    (bytes written) to ``arrived``; the command line draws its own (rich) bar."""
+    from huggingface_hub.utils import tqdm
+
+    class Bar(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            arrived(int(n or 0))
+            return super().update(n)  # type: ignore[no-any-return]
+
+    return Bar
 
 
 def _complete(

@@ -178,3 +178,23 @@ def test_fetch_runs_as_its_own_process_with_token_and_endpoint_from_the_environm
     assert done.returncode == 0, done.stderr
     assert listed(tmp_path / "out") == needed_files(checkpoint) | {".modelfleet-snapshot.json"}
     assert {r.authorization for r in hub.requests if r.path.startswith("/org/")} == {"Bearer hf_granted"}
+
+
+def test_fetch_reports_bytes_as_they_arrive_adding_up_to_the_snapshot(hub, checkpoint, tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    from modelfleet.engine.hub import fetch as fetch_snapshot
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 4096)  # several chunks per tiny shard
+    totals: list[int] = []
+    seen: list[tuple[str, int]] = []
+    out = tmp_path / "out"
+    result = fetch_snapshot("hf://org/tiny", out, progress=lambda n, c: seen.append((n, c)), on_start=totals.append)
+    sizes = {name: (checkpoint / name).stat().st_size for name in needed_files(checkpoint)}
+    assert totals == [sum(sizes.values())] and sum(count for _, count in seen) == totals[0]
+    shard = max(sizes, key=sizes.__getitem__)
+    assert len([c for n, c in seen if n == shard]) >= sizes[shard] // 4096  # streamed, not reported at the end
+    assert set(result.downloaded) == set(sizes)
+    (out / shard).unlink()
+    again = fetch_snapshot("hf://org/tiny", out)
+    assert again.downloaded == (shard,)

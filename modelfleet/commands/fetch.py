@@ -39,12 +39,12 @@ def fetch(
     ) as progress:  # fmt: skip
         task = progress.add_task(f"fetching {uri}", total=None)
 
-        def done(name: str, size: int) -> None:
+        def arrived(name: str, size: int) -> None:
             progress.update(task, advance=size, description=f"{uri}: {name}")
 
         try:
             result = fetch_snapshot(
-                uri, out, include, weights, progress=done, on_start=lambda total: progress.update(task, total=total)
+                uri, out, include, weights, progress=arrived, on_start=lambda total: progress.update(task, total=total)
             )
         except (ModelfleetError, OSError) as exc:
             err.print(f"[bold red]error:[/] {exc}")
