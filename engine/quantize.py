@@ -107,6 +107,26 @@ class QuantizedExperts(nn.Module):
         return {"gate_up": self.gate_up, "down": self.down}
 
 
+class QuantizedEmbedding(nn.Module):
+    """The token embedding table, weight (vocab, hidden), in a weight format: a lookup decodes
+    only the rows of the ids asked for. It keeps its storage layout resident (row lookups read
+    it) even when a tied head's matmul builds a kernel layout of the same weight."""
+
+    def __init__(self, weight: QuantizedWeight):
+        super().__init__()
+        if len(weight.shape) != 2:
+            raise FormatError(f"an embedding table is 2-D (vocab, hidden), got {weight.format} {weight.shape}")
+        weight.keep_storage_layout()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids: int [R] -> [R, hidden] in ``dtype``."""
+        return self.weight.rows(ids, dtype)
+
+    def quantized_weights(self) -> dict[str, QuantizedWeight]:
+        return {"weight": self.weight}
+
+
 def is_quantized(module: nn.Module) -> bool:
     return isinstance(module, QuantizedDense | QuantizedExperts)
 
@@ -174,11 +194,24 @@ def apply_formats(root: nn.Module, plan: FormatPlan, prefix: str = "") -> None:
     replace_modules(root, prefix, make)
 
 
-def apply_embedding_format(embed: nn.Parameter | None, plan: FormatPlan) -> nn.Parameter | None:
-    """The embedding table cast to the plan's (plain) embeddings format."""
-    if embed is None or plan.embeddings is None:
-        return embed
-    return nn.Parameter(embed.data.to(PLAIN_DTYPES[plan.embeddings]), requires_grad=False)
+def apply_embedding_format(root: nn.Module, plan: FormatPlan, tied: bool) -> None:
+    """Hold ``root.embed`` (vocab, hidden) in the plan's embeddings format, in place. A plain
+    format casts the table; a packed one makes it a :class:`QuantizedEmbedding`, and a plain
+    ``root.head`` ``tied`` to it becomes that very weight (one copy; a last shard without the table
+    quantizes its own copy of the same tensor the same way, so every cut gives the same logits)."""
+    name, embed, head = plan.embeddings, getattr(root, "embed", None), getattr(root, "head", None)
+    if name is None:
+        return
+    if not plan.packed_embeddings:
+        if embed is not None:
+            root.embed = nn.Parameter(embed.data.to(PLAIN_DTYPES[name]), requires_grad=False)
+        return
+    table = None if embed is None else _quantize(embed.data, name, "embed")
+    if table is not None:
+        del root.embed  # a registered parameter until now: torch refuses to assign a module over it
+        root.embed = QuantizedEmbedding(table)
+    if tied and isinstance(head, Dense):
+        root.head = QuantizedDense(table if table is not None else _quantize(head.weight.data, name, "head.weight"))
 
 
 def prepare_kernels(root: nn.Module, dtype: torch.dtype) -> None:
@@ -193,11 +226,16 @@ def prepare_kernels(root: nn.Module, dtype: torch.dtype) -> None:
 def resident_tensors(root: nn.Module) -> Iterator[tuple[str, str, int]]:
     """(path, format, bytes) of every weight held resident; shared storage counted once."""
     seen: set[tuple[int, int]] = set()
-    for path, module in root.named_modules():
+    seen_weights: set[int] = set()
+    # embeddings first: a head tied to them holds the same weight, counted once, as the embeddings
+    modules = sorted(root.named_modules(), key=lambda item: role_of(item[0]) != "embeddings")
+    for path, module in modules:
         dot = f"{path}." if path else ""
-        if is_quantized(module):
+        if is_quantized(module) or isinstance(module, QuantizedEmbedding):
             for name, weight in module.quantized_weights().items():  # type: ignore[operator]
-                yield f"{dot}{name}", weight.format, weight.nbytes
+                if id(weight) not in seen_weights:
+                    seen_weights.add(id(weight))
+                    yield f"{dot}{name}", weight.format, weight.nbytes
         packed = getattr(module, "packed_nbytes", 0)
         if packed:  # a oneDNN layout replaced the bf16 weight(s)
             yield f"{dot}{'weight' if isinstance(module, Dense) else 'gate_up'}", "bf16", packed
@@ -223,6 +261,7 @@ def bytes_by_role(root: nn.Module) -> dict[str, dict[str, int]]:
 
 __all__ = [
     "QuantizedDense",
+    "QuantizedEmbedding",
     "QuantizedExperts",
     "apply_embedding_format",
     "apply_formats",

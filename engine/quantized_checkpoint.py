@@ -12,8 +12,9 @@ On disk (``modelfleet quantize`` writes it; ``Shard.load`` recognises it by conf
   ``layers.3.input_norm.weight``, ``layers.3.attention.qkv.bias``); a quantized projection is
   ``{module path}.weight.{storage}`` and a quantized bank ``{module path}.gate_up.{storage}``
   and ``.down.{storage}``, with the storage names of :mod:`engine.formats.storage`
-  (``layers.3.mlp.experts.gate_up.codes``, ``.scales``, ``.zeros``). A head tied to the
-  embeddings and left plain is not written (it is tied again at load).
+  (``layers.3.mlp.experts.gate_up.codes``, ``.scales``, ``.zeros``); packed embeddings are
+  ``embed.weight.{storage}``. A head tied to the embeddings (left plain, or sharing packed
+  embeddings' weight) is not written: it is tied again at load.
 - ``source_tensors.json``: ``{"tensors": {source name: {"dtype", "shape"}}}``, the source
   checkpoint's names and shapes, from which the family builders make a skeleton on the meta
   device (no memory) that the stored tensors then fill: the same module tree as quantizing at
@@ -38,7 +39,7 @@ from .formats import FormatError
 from .formats.plan import FormatPlan
 from .formats.storage import STORAGE, from_storage, storage_tensors
 from .layers import Dense, Experts
-from .quantize import QuantizedDense, QuantizedExperts, replace_modules, target_format
+from .quantize import QuantizedDense, QuantizedEmbedding, QuantizedExperts, replace_modules, target_format
 
 QUANT_METHOD = "modelfleet"
 VERSION = 1
@@ -136,8 +137,27 @@ def fill_quantized(root: nn.Module, ckpt: QuantizedCheckpoint, layer_start: int,
             module.activation,  # type: ignore[arg-type]
         )
 
+    _fill_packed_embeddings(root, ckpt, device)
     replace_modules(root, "", make)
     _fill_tensors(root, ckpt, layer_start, device)
+
+
+def _fill_packed_embeddings(root: nn.Module, ckpt: QuantizedCheckpoint, device: torch.device) -> None:
+    """Packed embeddings from ``embed.weight.*``, and a head tied to them (no ``head.weight``
+    of its own stored) as that same weight, or, on a last shard without the table, a copy of it."""
+    fmt = ckpt.plan.embeddings
+    if fmt is None or not ckpt.plan.packed_embeddings or f"embed.weight.{STORAGE[fmt][0]}" not in ckpt:
+        return  # a plain table (or none at all) is filled like every other tensor
+    head_stored = "head.weight" in ckpt or any(f"head.weight.{t}" in ckpt for s in STORAGE.values() for t in s)
+    tied_head = isinstance(getattr(root, "head", None), Dense) and not head_stored
+    if getattr(root, "embed", None) is None and not tied_head:
+        return
+    table = _read_weight(ckpt, "embed.weight", fmt, device)
+    if getattr(root, "embed", None) is not None:
+        del root.embed  # the skeleton's meta parameter: torch refuses to assign a module over it
+        root.embed = QuantizedEmbedding(table)
+    if tied_head:
+        root.head = QuantizedDense(table)
 
 
 def _bias(param: torch.Tensor | None) -> torch.Tensor | None:
@@ -176,10 +196,13 @@ def shard_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor a whole-model shard holds, by the names documented above (storage layouts)."""
     out: dict[str, torch.Tensor] = {}
     embed = getattr(root, "embed", None)
+    table = embed.weight if isinstance(embed, QuantizedEmbedding) else None
     for path, module in root.named_modules():
         dot = f"{path}." if path else ""
-        if isinstance(module, QuantizedDense | QuantizedExperts):
+        if isinstance(module, QuantizedDense | QuantizedExperts | QuantizedEmbedding):
             for attr, weight in module.quantized_weights().items():
+                if path == "head" and weight is table:
+                    continue  # tied to the packed embeddings: stored once, as them
                 for storage, tensor in storage_tensors(weight).items():
                     out[f"{dot}{attr}.{storage}"] = tensor.cpu()
         if getattr(module, "packed_nbytes", 0):
@@ -187,7 +210,8 @@ def shard_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
         for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             if tensor is None:
                 continue
-            if embed is not None and f"{dot}{name}" == "head.weight" and tensor.data_ptr() == embed.data_ptr():
+            tied = isinstance(embed, torch.Tensor) and tensor.data_ptr() == embed.data_ptr()
+            if f"{dot}{name}" == "head.weight" and tied:
                 continue  # tied: stored once
             out[f"{dot}{name}"] = tensor.detach().contiguous().cpu()
     return out

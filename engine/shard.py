@@ -21,7 +21,7 @@ from .frame import Frame, Segment, segments_of
 from .kvcache import LayerKV, SlotTable
 from .layers import Dense, Experts, FrameContext, RMSNorm
 from .models import family as family_module
-from .quantize import apply_embedding_format, apply_formats, bytes_by_role, prepare_kernels
+from .quantize import QuantizedEmbedding, apply_embedding_format, apply_formats, bytes_by_role, prepare_kernels
 from .quantized_checkpoint import QuantizedCheckpoint, fill_quantized, open_checkpoint
 from .spec import ModelSpec, load_spec
 from .tensor_parallel import TensorGroup, check_tensor_split, split_for_rank
@@ -54,7 +54,9 @@ class Shard(nn.Module):
         super().__init__()
         self.spec, self.layer_start, self.layer_end = spec, layer_start, layer_end
         self.layers = nn.ModuleList(layers)
-        self.embed = None if embed is None else nn.Parameter(embed, requires_grad=False)
+        self.embed: nn.Parameter | QuantizedEmbedding | None = (
+            None if embed is None else nn.Parameter(embed, requires_grad=False)
+        )
         self.norm, self.head = norm, head
         self.device, self.dtype = device, dtype
         self.slots: SlotTable | None = None
@@ -185,8 +187,9 @@ class Shard(nn.Module):
         shard = cls(spec, layer_start, end, layers, embed, norm, head, torch_device, torch_dtype)
         shard.tensor = tensor
         if formats is not None:
+            tied = head is not None and head_name == "model.embed_tokens.weight"
+            apply_embedding_format(shard, formats, tied)
             apply_formats(shard, formats)  # the head: every layer is done already
-            shard.embed = apply_embedding_format(shard.embed, formats)
         return shard._prepare(pack)
 
     @classmethod
@@ -336,6 +339,8 @@ class Shard(nn.Module):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """[R] token ids on the device -> [R, hidden] in the compute dtype (the table may be stored narrower)."""
         assert self.embed is not None
+        if isinstance(self.embed, QuantizedEmbedding):
+            return self.embed(ids, self.dtype)
         return self.embed[ids].to(self.dtype)
 
 

@@ -69,7 +69,9 @@ def generate(
     experts: str | None = typer.Option(None, "--experts", help=f"Experts' format (implies --quantize); {ROLE_HELP}"),
     attention: str | None = typer.Option(None, "--attention", help=f"Attention's format; {ROLE_HELP}"),
     head: str | None = typer.Option(None, "--head", help=f"The output head's format; {ROLE_HELP}"),
-    embeddings: str | None = typer.Option(None, "--embeddings", help="The embeddings' format: bf16, fp16, fp32, none."),
+    embeddings: str | None = typer.Option(
+        None, "--embeddings", help=f"The embedding table's format (a tied head shares a packed one); {ROLE_HELP}"
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (tokens, text, timings) last."),
 ) -> None:
     """Generate a continuation with the single-process engine, streaming text as it comes."""

@@ -38,8 +38,10 @@ PORT_STRIDE = 10  # a stage uses its port (frames), +1 (HTTP health/metrics) and
 REWIND_SLACK_POSITIONS = 64
 
 EMBED_NAME, NORM_NAME, HEAD_NAME = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
-# a checkpoint written by `modelfleet quantize` names tensors by shard path: embed, layers.N..., norm.weight, head.weight
+# a checkpoint written by `modelfleet quantize` names tensors by shard path: embed, layers.N..., norm.weight, head.weight,
+# and a packed weight by its storage tensors: embed.weight.codes, head.weight.scales, ...
 _QUANTIZED_NAMES = {"embed": EMBED_NAME, "norm.weight": NORM_NAME, "head.weight": HEAD_NAME}
+_PACKED_NAME = re.compile(r"^(embed|head)\.weight\.[a-z]+$")
 _LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -113,11 +115,19 @@ def layer_bytes_of(spec: ModelSpec, checkpoint: TensorIndex, dtype: str | None =
         match = _LAYER_NAME.match(name)
         if match and int(match.group(1)) < spec.num_layers:
             per_layer[int(match.group(1))] += size
-        elif (canonical := _QUANTIZED_NAMES.get(name, name)) in (EMBED_NAME, NORM_NAME, HEAD_NAME):
-            named[canonical] = size
+        elif (canonical := _source_name(name)) in (EMBED_NAME, NORM_NAME, HEAD_NAME):
+            named[canonical] = named.get(canonical, 0) + size  # a packed weight: its storage tensors summed
     tied = spec.tie_word_embeddings or HEAD_NAME not in named
     head = named.get(EMBED_NAME, 0) if tied else named[HEAD_NAME]
     return LayerBytes(tuple(per_layer), named.get(EMBED_NAME, 0), named.get(NORM_NAME, 0), head, tied)
+
+
+def _source_name(name: str) -> str:
+    """The source checkpoint's name of a quantized checkpoint's tensor (others unchanged)."""
+    packed = _PACKED_NAME.match(name)
+    if packed:
+        return EMBED_NAME if packed.group(1) == "embed" else HEAD_NAME
+    return _QUANTIZED_NAMES.get(name, name)
 
 
 def _itemsize(dtype: str | None) -> int | None:

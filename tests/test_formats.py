@@ -13,6 +13,8 @@ import os
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from modelfleet.engine.formats import (
     FormatError,
@@ -22,6 +24,7 @@ from modelfleet.engine.formats import (
     MXFP4Weight,
     QuantizedWeight,
     format_names,
+    int4_cpu,
     quantize,
     slice_weight,
 )
@@ -247,6 +250,84 @@ def test_activations_keep_their_leading_shape_even_when_empty(name):
     assert weight(torch.randn(0, 64).to(torch.bfloat16)).shape == (0, 32)
 
 
+# --- row lookups (embedding tables) ------------------------------------------------------------
+
+VOCAB = 1009  # prime: no multiple of a block, a group or a kernel tile
+IDS = [1008, 5, 5, 0, 731, 5, 1008, 17, 64, 63]  # unsorted, repeated, both ends of the table
+
+
+def embedding_table(name: str, vocab: int = VOCAB, hidden: int = 96) -> QuantizedWeight:
+    generator = torch.Generator().manual_seed(3)
+    row_scale = torch.rand(vocab, 1, generator=generator) * 4  # rows of very different magnitudes
+    return quantize(torch.randn(vocab, hidden, generator=generator) * row_scale, name)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements any torch op produced while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel, *sizes])
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", format_names())
+def test_row_lookup_is_bit_identical_to_indexing_the_exact_decode_of_the_table(name, dtype):
+    table = embedding_table(name)
+    ids = torch.tensor(IDS + torch.randint(0, VOCAB, (50,), generator=torch.Generator().manual_seed(1)).tolist())
+    rows = table.rows(ids, dtype)
+    assert rows.dtype == dtype
+    assert_bit_identical(rows, table.dequantize()[ids].to(dtype))
+    assert table.rows(torch.tensor([], dtype=torch.int64), dtype).shape == (0, 96)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_row_lookup_decodes_only_the_rows_asked_for(name):
+    table = embedding_table(name, vocab=4099, hidden=256)
+    ids = torch.tensor([4098, 7, 7, 300])
+    table.rows(ids)  # builds mxfp4's byte tables, once per process
+    with LargestTensor() as largest:
+        table.rows(ids)
+    assert largest.numel <= 4 * 256 * 2  # the decoded rows (mxfp4: as byte pairs, then values)
+
+
+def test_an_int4_table_tied_to_a_head_keeps_its_codes_for_lookups_beside_the_kernel_layout(monkeypatch):
+    table = embedding_table("int4", vocab=96, hidden=256)  # 96 rows: torch's int4 CPU kernel applies
+    codes = table.codes.clone()
+    table.keep_storage_layout()
+    table.matmul(torch.randn(2, 256).to(torch.bfloat16))  # the tied head's first matmul
+    assert {"codes", "kernel_codes"} <= set(table.tensors())
+    assert table.nbytes == 96 * 256 // 2 * 2 + sum(
+        t.numel() * t.element_size() for n, t in table.tensors().items() if n not in ("codes", "kernel_codes")
+    )
+
+    def no_recovery(*args: object) -> None:
+        raise AssertionError("a row lookup must not recover codes from the kernel layout")
+
+    monkeypatch.setattr(int4_cpu, "from_kernel_codes", no_recovery)
+    assert torch.equal(table.codes, codes)
+    ids = torch.tensor([95, 0, 3, 3])
+    assert_bit_identical(table.rows(ids), table.dequantize()[ids])
+
+
+def test_row_lookups_refuse_banks_bad_indices_and_ids_outside_the_table():
+    table = embedding_table("int8", vocab=10, hidden=32)
+    with pytest.raises(FormatError, match=r"row 10 is outside int8 weight of shape \(10, 32\)"):
+        table.rows(torch.tensor([3, 10]))
+    with pytest.raises(FormatError, match=r"row -1 is outside"):
+        table.rows(torch.tensor([-1]))
+    with pytest.raises(FormatError, match=r"row index must be int64/int32 \[n\].*shape \(2, 2\)"):
+        table.rows(torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(FormatError, match=r"rows needs a 2-D weight; this int4 bank has shape \(2, 8, 32\)"):
+        weight_for("int4", (2, 8, 32)).rows(torch.tensor([0]))
+
+
 # --- slicing ------------------------------------------------------------------------------------
 
 
@@ -399,6 +480,17 @@ def test_cuda_expert_bank_matches_the_cpu_decode(name):
     for e in range(3):
         y = on_gpu.expert_matmul(e, x.cuda()).cpu()
         assert_matmul_close(y, x, bank.dequantize()[e], TOLERANCE[torch.bfloat16])
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", format_names())
+def test_cuda_row_lookup_is_bit_identical_to_the_cpu_decode(name):
+    table = embedding_table(name)
+    ids = torch.tensor(IDS)
+    rows = table.to("cuda").rows(ids.cuda(), torch.bfloat16)
+    assert rows.device.type == "cuda"
+    assert_bit_identical(rows.cpu(), table.dequantize()[ids].to(torch.bfloat16))
 
 
 NIBBLE_BANKS = ("int4", "int4_sym", "mxfp4")  # the formats with a gathered expert kernel

@@ -27,11 +27,12 @@ from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel, generate, generate_batch
 from modelfleet.engine.kernels import cpu_linear
 from modelfleet.engine.layers import Dense
-from modelfleet.engine.quantize import QuantizedDense, QuantizedExperts
+from modelfleet.engine.quantize import QuantizedDense, QuantizedEmbedding, QuantizedExperts
 from modelfleet.engine.quantized_checkpoint import save_quantized
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import load_spec
+from modelfleet.planner import layer_bytes
 
 INT4_EXPERTS_INT8_ATTENTION = FormatPlan(experts="int4", attention="int8")
 PROMPT = [5, 17, 3, 99, 42, 8]
@@ -285,6 +286,22 @@ def test_cuda_graphs_over_packed_experts_give_the_tokens_of_eager_decoding(tiny_
     assert graphed._decoders and all(d.graph is not None for d in graphed._decoders.values())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("embeddings", ["int8", "int4_sym", "mxfp4"])
+def test_cuda_graphs_over_packed_embeddings_give_the_tokens_of_eager_decoding(tiny_checkpoint, embeddings):
+    path, _ = tiny_checkpoint("qwen3_moe")
+    prompts = [PROMPT_IDS[:3], PROMPT_IDS[2:12], PROMPT_IDS[7:8]]
+    params = SamplingParams(max_tokens=16, stop_token_ids=())
+    plan = FormatPlan.default(embeddings=embeddings)
+    eager = LocalModel.load(path, device="cuda", dtype="bfloat16", max_slots=3, static_decode=False, formats=plan)
+    graphed = LocalModel.load(path, device="cuda", dtype="bfloat16", max_slots=3, static_decode=True, formats=plan)
+    assert graphed.static_decode and isinstance(graphed.shards[0].embed, QuantizedEmbedding)
+    expected = [r.token_ids for r in generate_batch(eager, prompts, params)]
+    assert [r.token_ids for r in generate_batch(graphed, prompts, params)] == expected
+    assert graphed._decoders and all(d.graph is not None for d in graphed._decoders.values())
+
+
 def test_int8_experts_on_cuda_have_no_gathered_kernel_so_static_decode_stays_off(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3_moe")
     shard = Shard.load(path, formats=FormatPlan(experts="int8"))
@@ -300,6 +317,101 @@ def test_embeddings_in_bf16_feed_the_layers_in_the_compute_dtype(tiny_checkpoint
     plain = Shard.load(source)(Frame.of_streams([(0, 0, PROMPT)]))
     ours = shard(Frame.of_streams([(0, 0, PROMPT)]))
     assert ours.dtype == torch.float32 and float((ours - plain).abs().max() / plain.abs().max()) < 1e-2
+
+
+# ---- packed embeddings ---------------------------------------------------------------------------
+
+
+def embedding_bytes(source: Path, embeddings: str) -> dict[str, int]:
+    ask = ["generate", "--model", str(source), "--prompt-ids", "5,6", "--max-tokens", "1", "--json"]
+    result = CliRunner().invoke(app, [*ask, "--embeddings", embeddings])
+    assert result.exit_code == 0, result.output
+    return json_line(result.stdout)["bytes_by_role"]["embeddings"]
+
+
+def test_int8_embeddings_keep_a_trained_models_logits_and_load_offline_to_the_same_tokens(
+    trained, tmp_path, monkeypatch
+):
+    path, _, successor = trained("qwen3_moe")
+    plan = FormatPlan(embeddings="int8")
+    ids = successor_chains(successor, 1, 64, torch.Generator().manual_seed(9))[0].tolist()
+    frame = Frame.of_streams([(0, 0, ids)])
+    reference, at_load = Shard.load(path)(frame), Shard.load(path, formats=plan, pack=False)
+    assert isinstance(at_load.embed, QuantizedEmbedding) and isinstance(at_load.embed.weight, Int8Weight)
+    logits = at_load(frame)
+    # int8 rows sit within half a step (absmax / 254) of the float table; a position whose top-k
+    # routing flips moves further, so the typical position and the mean are what hold tightly
+    error = (logits - reference).abs().amax(-1) / reference.abs().amax(-1)
+    cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
+    assert float(error.median()) <= 1e-2 and float(cosine.mean()) >= 0.99 and float(cosine.min()) >= 0.9
+    assert float((logits.argmax(-1) == reference.argmax(-1)).float().mean()) >= 0.95
+    save_quantized(at_load, path, tmp_path, plan, torch.float32)
+    assert {"embed.weight.codes", "embed.weight.scales"} <= set(load_file(next(tmp_path.glob("model-*.safetensors"))))
+    quantizing_at_load = LocalModel.load(path, formats=plan, max_slots=1)
+
+    def no_quantizing(*args: object) -> None:
+        raise AssertionError("a quantized checkpoint must load without quantizing again")
+
+    monkeypatch.setattr(quantize_module, "quantize", no_quantizing)
+    offline = LocalModel.load(tmp_path, max_slots=1)
+    prompt, params = ids[:6], SamplingParams(max_tokens=16)
+    tokens = generate(offline, prompt, params).token_ids
+    assert tokens == generate(quantizing_at_load, prompt, params).token_ids
+    assert tokens == generate(LocalModel.load(path, max_slots=1), prompt, params).token_ids  # float's, too
+    assert offline.bytes_by_role["embeddings"] == {"int8": 128 * 64 + 128 * 4}
+    sizes = layer_bytes(tmp_path)  # the planner counts the packed table as stored, the plain head apart
+    assert (sizes.embed_bytes, sizes.head_matrix_bytes, sizes.tied) == (128 * 64 + 128 * 4, 128 * 64 * 4, False)
+
+
+@pytest.mark.parametrize("embeddings", ["int8", "int4"])
+def test_a_head_tied_to_packed_embeddings_is_their_weight_held_once_in_every_cut_and_on_disk(tmp_path, embeddings):
+    save_model("qwen3_moe", tmp_path / "src", tie_word_embeddings=True)
+    plan = FormatPlan.default(embeddings=embeddings)  # the head's own int8 is unused: it is the table
+    shard = Shard.load(tmp_path / "src", formats=plan, pack=False)
+    assert isinstance(shard.embed, QuantizedEmbedding) and shard.head is not None
+    assert shard.head.weight is shard.embed.weight and shard.embed.weight.format == embeddings
+    assert "head" not in shard.bytes_by_role
+    assert shard.bytes_by_role["embeddings"] == {embeddings: shard.embed.weight.nbytes}
+    frame = Frame.of_streams([(0, 0, PROMPT)])
+    whole = shard(frame)
+    cut = LocalModel.load(tmp_path / "src", 2, formats=plan, max_slots=1)  # the last shard quantizes its copy
+    assert torch.equal(cut.forward(frame), whole)
+    save_quantized(shard, tmp_path / "src", tmp_path / "q", plan, torch.float32)
+    names = set(json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"])
+    assert not any(name.startswith("head.") for name in names) and "embed.weight.codes" in names
+    loaded = Shard.load(tmp_path / "q")
+    assert isinstance(loaded.embed, QuantizedEmbedding) and loaded.head is not None
+    assert loaded.head.weight is loaded.embed.weight and loaded.bytes_by_role == shard.bytes_by_role
+    sizes = layer_bytes(tmp_path / "q")  # the planner counts the stored table once (kernel layouts aside)
+    stored = {"int8": 128 * 64 + 128 * 4, "int4": 128 * 64 // 2 + 128 * 2 * 2 + 128}[embeddings]
+    assert sizes.tied and sizes.embed_bytes == sizes.head_matrix_bytes == stored
+    assert torch.equal(loaded(frame), whole)
+    assert torch.equal(LocalModel.load(tmp_path / "q", 2, max_slots=1).forward(frame), whole)
+
+
+def test_generate_json_reports_packed_embeddings_at_half_or_under_a_third_of_bf16(tiny_checkpoint):
+    source, _ = tiny_checkpoint("qwen3_moe")  # a 128 x 64 table
+    bf16 = embedding_bytes(source, "bf16")["bf16"]
+    assert bf16 == 128 * 64 * 2
+    assert embedding_bytes(source, "int8") == {"int8": 128 * 64 + 128 * 4}  # codes, float32 row scales
+    int4 = embedding_bytes(source, "int4")["int4"]  # codes, fp16 scales, packed zeros: 4.625 bits a value
+    assert int4 == 128 * 64 // 2 + 128 * 2 * 2 + 128
+    assert 0.5 <= (128 * 64 + 128 * 4) / bf16 <= 0.55 and 0.25 <= int4 / bf16 <= 0.3
+
+
+def test_quantize_command_with_int8_embeddings_matches_generate_quantizing_at_load(tiny_checkpoint, tmp_path):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    runner = CliRunner()
+    written = runner.invoke(app, ["quantize", "--model", str(source), "--out", str(tmp_path), "--embeddings", "int8"])
+    assert written.exit_code == 0, written.output
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config["formats"]["embeddings"] == "int8"
+    ask = ["generate", "--prompt-ids", "5,17,3,99", "--max-tokens", "10", "--json"]
+    offline = runner.invoke(app, [*ask, "--model", str(tmp_path)])
+    at_load = runner.invoke(app, [*ask, "--model", str(source), "--quantize", "--embeddings", "int8"])
+    assert offline.exit_code == 0 and at_load.exit_code == 0, offline.output + at_load.output
+    assert json_line(offline.stdout)["token_ids"] == json_line(at_load.stdout)["token_ids"]
+    assert json_line(offline.stdout)["bytes_by_role"] == json_line(at_load.stdout)["bytes_by_role"]
 
 
 @pytest.mark.parametrize(
@@ -330,8 +442,10 @@ def test_an_unknown_format_name_lists_the_known_formats():
 
 
 def test_a_role_that_cannot_hold_a_format_says_what_it_supports():
-    with pytest.raises(FormatError, match=r"'int4' is not supported for embeddings; embeddings supports bf16"):
-        FormatPlan(embeddings="int4")
+    with pytest.raises(
+        FormatError, match=r"'mxfp4' is not supported for head; head supports int4, int4_sym, int8, bf16"
+    ):
+        FormatPlan(head="mxfp4")
     with pytest.raises(FormatError, match=r"'mxfp4' is not supported for attention"):
         plan_from_options(False, attention="mxfp4")
 
@@ -347,6 +461,24 @@ def test_generate_rejects_an_unknown_format_with_a_clear_message(tiny_checkpoint
     ask = ["generate", "--model", str(source), "--prompt-ids", "5", "--max-tokens", "1", "--experts", "int3"]
     result = CliRunner().invoke(app, ask)
     assert result.exit_code == 2 and "unknown weight format 'int3'" in result.output
+
+
+@pytest.mark.parametrize("command", ["generate", "quantize"])
+def test_an_unknown_embeddings_format_is_refused_by_generate_and_quantize(tiny_checkpoint, tmp_path, command):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    ask = {
+        "generate": ["generate", "--model", str(source), "--prompt-ids", "5", "--max-tokens", "1"],
+        "quantize": ["quantize", "--model", str(source), "--out", str(tmp_path / "q")],
+    }[command]
+    result = CliRunner().invoke(app, [*ask, "--embeddings", "int3"])
+    assert result.exit_code == 2 and "unknown weight format 'int3'" in result.output
+    assert not (tmp_path / "q").exists()
+
+
+def test_int4_embeddings_with_a_hidden_size_off_the_group_of_32_name_the_table_and_its_shape(tmp_path):
+    save_model("qwen3_moe", tmp_path, hidden_size=48)
+    with pytest.raises(FormatError, match=r"embed \(embeddings\) in int4: .*\(128, 48\).*group size 32"):
+        Shard.load(tmp_path, formats=FormatPlan(embeddings="int4"))
 
 
 def test_a_corrupt_scales_tensor_in_a_quantized_checkpoint_is_named_at_load(tiny_checkpoint, tmp_path):

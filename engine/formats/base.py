@@ -7,6 +7,8 @@ stacked bank of experts ``(E, out, in)``, held in its own storage layout. Invari
   rounding other than what float32 itself forces (documented per format).
 - ``matmul(x)`` computes ``x @ W.T`` with the fastest kernel for ``x``'s device and dtype; it
   agrees with ``x @ dequantize().T`` within the tolerance its format documents.
+- ``rows(index)`` (an embedding lookup) decodes only the rows asked for, bit for bit as
+  ``dequantize()[index]``.
 - Slices are copies (``clone``), never views of the parent's storage, and never cut a block
   or scale group; ``nbytes`` counts every byte the object keeps resident, kernel layouts included.
 
@@ -191,6 +193,33 @@ class QuantizedWeight(ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``index`` (int [n], any order, repeats allowed) of a 2-D weight decoded to [n, in]
+        in ``dtype``: bit for bit ``dequantize()[index].to(dtype)``, reading only those rows'
+        codes and scales (an embedding lookup never decodes the table)."""
+        if len(self.shape) != 2:
+            raise FormatError(f"rows needs a 2-D weight; this {self.format} bank has shape {shape_str(self.shape)}")
+        if index.dim() != 1 or index.dtype not in (torch.int64, torch.int32) or index.device != self.device:
+            raise FormatError(
+                f"row index must be int64/int32 [n] on {self.device}, got {index.dtype} of shape "
+                f"{shape_str(index.shape)} on {index.device}"
+            )
+        if index.device.type == "cpu" and index.numel():  # elsewhere the check would sync with the host
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= self.out_features:
+                bad = low if low < 0 else high
+                raise FormatError(f"row {bad} is outside {self.format} weight of shape {shape_str(self.shape)}")
+        return self._rows(index, dtype)
+
+    @abstractmethod
+    def _rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """index: int [n] within range -> the decode of those rows, [n, in] in ``dtype``."""
+
+    def keep_storage_layout(self) -> None:
+        """Keep the storage layout resident even once a kernel layout is built (:meth:`rows`
+        reads it: an embedding table is looked up, and matmul'd too when the head is tied to it)."""
+        return None  # formats whose kernels read the stored layout never drop it
 
     def prepare_for(self, x: torch.Tensor) -> None:
         """Build, once, whatever kernel layout activations like ``x`` need (a bank: for all experts)."""

@@ -16,7 +16,9 @@ q - 8 in [-7, 7]; code 0 (-8) is accepted on load but never produced.
 
 Kernels: CPU uses torch's int4 kernel (see :mod:`.int4_cpu`; exact in float32, bf16 scale/bias
 in bf16). The first CPU matmul (or :meth:`Int4Weight.prepare`) converts codes into the kernel's
-layout and frees ours; :attr:`codes` recovers them on demand (slow; for slicing and moving).
+layout and frees ours; :attr:`codes` recovers them on demand (slow; for slicing and moving). A
+weight told to :meth:`~Int4Weight.keep_storage_layout` (an embedding table, whose row lookups read
+our codes, also matmul'd as a tied head) holds both layouts.
 CUDA uses the Triton kernel when triton is importable; elsewhere, the decode-in-tiles matmul.
 """
 
@@ -63,6 +65,7 @@ class Int4Weight(QuantizedWeight):
         self._kernel_codes: torch.Tensor | None = None  # torch CPU kernel layout, [..., out, in/2]
         self._scale_bias: dict[torch.dtype, torch.Tensor] = {}  # [..., G, out, 2] per activation dtype
         self._zero_bytes: torch.Tensor | None = None  # CUDA kernels read z unpacked, uint8 [..., out, G]
+        self._keep_codes = False  # an embedding table: row lookups read our codes, so they stay
 
     def _check_layout(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> None:
         name = self.format
@@ -105,6 +108,7 @@ class Int4Weight(QuantizedWeight):
         weight._codes, weight.scales, weight.zeros, weight._shape = codes, scales, zeros, shape
         weight._kernel_codes, weight._scale_bias = kernel_codes, dict(scale_bias or {})
         weight._zero_bytes = zero_bytes
+        weight._keep_codes = False
         return weight
 
     @property
@@ -152,6 +156,16 @@ class Int4Weight(QuantizedWeight):
         z = self.zero_points().to(torch.float32)[..., None]
         return ((q - z) * self.scales.to(torch.float32)[..., None]).flatten(-2)
 
+    def _rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        q = unpack_nibbles(self.codes[index]).to(torch.float32).unflatten(-1, (self.groups, BLOCK))  # [n, G, 32]
+        z: torch.Tensor | float = float(SYMMETRIC_ZERO)  # a Python float: no host copy (graph capture)
+        if self.zeros is not None:
+            z = unpack_nibbles(self.zeros[index])[:, : self.groups].to(torch.float32)[..., None]
+        return ((q - z) * self.scales[index].to(torch.float32)[..., None]).flatten(-2).to(dtype)
+
+    def keep_storage_layout(self) -> None:
+        self._keep_codes = True
+
     def decode_columns(self, k_start: int, k_end: int, dtype: torch.dtype) -> torch.Tensor:
         """Input columns [k_start, k_end) (block-aligned) of a 2-D weight, decoded: [out, k_end - k_start]."""
         g_start, g_end = k_start // BLOCK, k_end // BLOCK
@@ -173,7 +187,7 @@ class Int4Weight(QuantizedWeight):
             codes = self.codes
             flat = codes.reshape(-1, *codes.shape[-2:])
             self._kernel_codes = torch.stack([int4_cpu.to_kernel_codes(c) for c in flat]).reshape(codes.shape)
-            self._codes = None
+            self._codes = codes if self._keep_codes else None
         kernel_dtype = _kernel_dtype(dtype)
         if kernel_dtype not in self._scale_bias:
             scales = self.scales.reshape(-1, *self.scales.shape[-2:])

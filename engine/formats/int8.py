@@ -66,6 +66,9 @@ class Int8Weight(QuantizedWeight):
     def dequantize(self) -> torch.Tensor:
         return self.codes.to(torch.float32) * self.scales[..., None]
 
+    def _rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (self.codes[index].to(torch.float32) * self.scales[index][:, None]).to(dtype)
+
     def decode_columns(self, k_start: int, k_end: int, dtype: torch.dtype) -> torch.Tensor:
         return (self.codes[:, k_start:k_end].to(torch.float32) * self.scales[:, None]).to(dtype)
 

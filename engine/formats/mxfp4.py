@@ -126,6 +126,9 @@ class MXFP4Weight(QuantizedWeight):
     def dequantize(self) -> torch.Tensor:
         return decode(self.blocks, self.scales)
 
+    def _rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return decode(self.blocks[index], self.scales[index], dtype)
+
     def decode_columns(self, k_start: int, k_end: int, dtype: torch.dtype) -> torch.Tensor:
         b_start, b_end = k_start // BLOCK, k_end // BLOCK
         return decode(self.blocks[:, b_start:b_end], self.scales[:, b_start:b_end], dtype)

@@ -40,6 +40,9 @@ class PlainWeight(QuantizedWeight):
     def dequantize(self) -> torch.Tensor:
         return self.weight.to(torch.float32)
 
+    def _rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight[index].to(dtype)
+
     def _matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 

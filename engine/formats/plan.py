@@ -6,7 +6,10 @@ Roles (a weight's role follows from where it sits in a shard, see :func:`role_of
 - ``attention``: the attention projections (q, k, v, o and MLA's down/up projections, except
   the ones a layer reads directly, such as DeepSeek's ``kv_b_proj``, which stay plain).
 - ``head``: the output projection to the vocabulary.
-- ``embeddings``: the token embedding table (a lookup, so plain dtypes only).
+- ``embeddings``: the token embedding table [vocab, hidden]. A lookup decodes only the rows of
+  the ids asked for (:meth:`~engine.formats.QuantizedWeight.rows`), so it takes every format the
+  experts take. A head tied to embeddings in a packed format (``tie_word_embeddings``) is that
+  same weight: held once, in the embeddings' format (the ``head`` format is then unused).
 
 Everything else (norms, routers, biases, attention sinks) is ``other`` and stays in the compute
 dtype. A role's format ``None`` means "as stored": the compute dtype, or a checkpoint's own
@@ -24,12 +27,13 @@ ROLES = ("experts", "attention", "head", "embeddings")
 OTHER = "other"  # norms, routers, biases, sinks: never quantized
 
 PLAIN = ("bf16", "fp16", "fp32")
+PACKED = ("int4", "int4_sym", "int8", "mxfp4")
 MATMUL = ("int4", "int4_sym", "int8", *PLAIN)
 SUPPORTED: dict[str, tuple[str, ...]] = {
-    "experts": ("int4", "int4_sym", "int8", "mxfp4", *PLAIN),
+    "experts": (*PACKED, *PLAIN),
     "attention": MATMUL,
     "head": MATMUL,
-    "embeddings": PLAIN,  # a row lookup, not a matmul: no packed format serves it
+    "embeddings": (*PACKED, *PLAIN),  # a row lookup decodes only the rows asked for
 }
 
 
@@ -64,6 +68,11 @@ class FormatPlan:
 
     def format_for(self, role: str) -> str | None:
         return getattr(self, role) if role in ROLES else None
+
+    @property
+    def packed_embeddings(self) -> bool:
+        """Whether the embedding table is held in a packed format (and a tied head with it)."""
+        return self.embeddings in PACKED
 
     def to_json(self) -> dict[str, str | None]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -41,7 +41,9 @@ def quantize(
     experts: str = typer.Option("int4", "--experts", help=f"Feed-forward weights: {FORMATS_HELP}."),
     attention: str = typer.Option("int8", "--attention", help=f"Attention projections: {FORMATS_HELP}."),
     head: str = typer.Option("int8", "--head", help=f"Output head: {FORMATS_HELP}."),
-    embeddings: str = typer.Option("none", "--embeddings", help="Embedding table: bf16, fp16, fp32 or none."),
+    embeddings: str = typer.Option(
+        "none", "--embeddings", help=f"Embedding table (a tied head shares a packed one): {FORMATS_HELP}."
+    ),
     dtype: str | None = typer.Option(
         None, "--dtype", help="Dtype weights are read in before quantizing (default: the checkpoint's own)."
     ),
