@@ -28,6 +28,9 @@ from .spec import GROUP, KIND, VERSION, ModelFleetSpec
 
 Obj = dict[str, Any]
 DEFAULT_IMAGE = f"ghcr.io/modelfleet/modelfleet:{__version__}"
+HF_ENDPOINT_ENV = (
+    "MF_HF_ENDPOINT"  # the operator's HF_ENDPOINT for hf:// fleets without model.endpoint (chart: hub.endpoint)
+)
 AGENT_IMAGE_ENV = "MF_AGENT_IMAGE_"  # + the profile: MF_AGENT_IMAGE_CPU, _NVIDIA_GPU, _INTEL_IGPU (set by the chart)
 MODEL_MOUNT_DIR = names.MODEL_MOUNT_DIR
 SCRATCH_DIR = "/tmp"
@@ -281,13 +284,13 @@ def _with_fetch(pod_spec: Obj, spec: ModelFleetSpec, weights: bool = True, resou
 
 
 def _hub_env(spec: ModelFleetSpec) -> list[Obj]:
-    """HF_TOKEN from ``model.tokenSecret``, HF_ENDPOINT from ``model.endpoint``, the Hub client's
-    own files on the scratch volume (the root filesystem is read-only)."""
+    """HF_TOKEN from ``model.tokenSecret``, HF_ENDPOINT from ``model.endpoint`` (else the operator's
+    :data:`HF_ENDPOINT_ENV`), the Hub client's own files on the scratch volume (read-only root)."""
     env = [_env("HF_HOME", f"{SCRATCH_DIR}/huggingface")]
     if secret := spec.model.token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
-    if spec.model.endpoint:
-        env.append(_env("HF_ENDPOINT", spec.model.endpoint))
+    if endpoint := spec.model.endpoint or os.environ.get(HF_ENDPOINT_ENV):
+        env.append(_env("HF_ENDPOINT", endpoint))
     return env
 
 

@@ -236,6 +236,7 @@ BAD_VALUES = [
     (["--set", "operator.metricsPort=70000"], "/operator/metricsPort", "maximum"),
     (["--set", "metrics.podMonitor.interval=often"], "/metrics/podMonitor/interval", "does not match pattern"),
     (["--set", "serviceAccount.create=false"], "/serviceAccount/name", "minLength"),
+    (["--set", "hub.endpoint=mirror.local"], "/hub/endpoint", "does not match pattern"),
 ]  # fmt: skip
 
 
@@ -272,3 +273,22 @@ def test_containerfile_runs_as_non_root_with_oci_labels_and_checks_the_cli(conta
     assert "USER 10001:10001" in text and "modelfleet --help" in text and "--no-index" in text
     for label in ("title", "description", "version", "source", "licenses"):
         assert f"org.opencontainers.image.{label}=" in text
+
+
+@needs_helm
+def test_the_hub_endpoint_value_reaches_the_operator_and_the_hf_pods_of_fleets_without_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert "MF_HF_ENDPOINT" not in str(of_kind(render(), "Deployment"))  # unset: huggingface.co
+    (deployment,) = of_kind(render("--set", "hub.endpoint=https://hf-mirror.internal"), "Deployment")
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[objects.HF_ENDPOINT_ENV] == "https://hf-mirror.internal"
+    monkeypatch.setenv(objects.HF_ENDPOINT_ENV, env[objects.HF_ENDPOINT_ENV])
+    fleet = {"metadata": {"name": "m", "namespace": "ai"}}
+    for model, expected in (
+        ({"uri": "hf://org/m", "servedName": "m"}, "https://hf-mirror.internal"),
+        ({"uri": "hf://org/m", "servedName": "m", "endpoint": "https://own.mirror"}, "https://own.mirror"),
+    ):
+        job = objects.inspection_job(fleet, parse_spec({"model": model}))
+        job_env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert job_env["HF_ENDPOINT"] == expected
