@@ -128,7 +128,8 @@ class Placement(_Spec):
     node_selector: dict[str, str] = {}
     tolerations: tuple[Toleration, ...] = ()
     affinity: dict[str, Any] | None = Field(
-        default=None, description="its required nodeAffinity filters nodes; copied into pods"
+        default=None,
+        description="its required nodeAffinity filters nodes, its preferred one orders them, required pod (anti-)affinity on the hostname is evaluated among members; copied into pods",
     )
     numa: Literal["none", "single-numa-node"] = "none"
 
