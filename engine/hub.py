@@ -104,8 +104,6 @@ def fetch(
 
     ``on_start`` gets the bytes of the wanted files, ``progress`` each chunk as it is written (and
     a file already present at once), so the advances add up to that total."""
-    from huggingface_hub import hf_hub_download
-
     ref, out = parse_uri(uri), Path(out_dir)
     include = tuple(include)
     if ref.revision and _COMMIT.match(ref.revision) and (done := _complete(out, ref.revision, include, weights)):
@@ -125,32 +123,39 @@ def fetch(
     if on_start is not None:
         on_start(sum(sizes[name] for name in files))
     for name in files:
-        streamed = [0]
-
-        def arrived(count: int, name: str = name, streamed: list[int] = streamed) -> None:
-            streamed[0] += count
-            if progress is not None:
-                progress(name, count)
-
-        try:
-            hf_hub_download(
-                ref.repo_id, name, revision=commit, local_dir=out, token=_token(), endpoint=_endpoint(),
-                tqdm_class=_bar_class(arrived),
-            )  # fmt: skip
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise HubError(
-                    f"{uri}: {out} is full while writing {name}; free space or give a larger volume"
-                ) from exc
-            raise _explain(uri, exc) from exc
-        except Exception as exc:
-            raise _explain(uri, exc) from exc
-        if progress is not None and streamed[0] != sizes[name]:
-            progress(name, sizes[name] - streamed[0])  # already in place, or sent in a way no bar saw
+        _download(uri, ref.repo_id, commit, name, sizes[name], out, progress)
     marker = {"uri": uri, "commit": commit, "listing": sizes, "files": files}
     (out / f"{MARKER}.tmp").write_text(json.dumps(marker, indent=1, sort_keys=True))
     (out / f"{MARKER}.tmp").replace(out / MARKER)
     return FetchResult(commit, tuple(files), tuple(name for name in files if name in missing))
+
+
+def _download(uri: str, repo_id: str, commit: str, name: str, size: int, out: Path, progress: Progress | None) -> None:
+    """``name`` at ``commit`` into ``out``: progress as its bytes are written, then whatever of
+    ``size`` no bar reported (a file already in place is reported whole)."""
+    from huggingface_hub import hf_hub_download
+
+    streamed = 0
+
+    def arrived(count: int) -> None:
+        nonlocal streamed
+        streamed += count
+        if progress is not None:
+            progress(name, count)
+
+    try:
+        hf_hub_download(
+            repo_id, name, revision=commit, local_dir=out, token=_token(), endpoint=_endpoint(),
+            tqdm_class=_bar_class(arrived),
+        )  # fmt: skip
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise HubError(f"{uri}: {out} is full while writing {name}; free space or give a larger volume") from exc
+        raise _explain(uri, exc) from exc
+    except Exception as exc:
+        raise _explain(uri, exc) from exc
+    if progress is not None and streamed != size:
+        progress(name, size - streamed)
 
 
 def _bar_class(arrived: Callable[[int], None]) -> type:
