@@ -369,6 +369,9 @@ def test_a_spec_change_rolls_out_a_new_revision_beside_the_old_one_which_goes_on
         new = wait_for(lambda: (planned(site) or {}).get("updateRevision"))
         both = wait_for(lambda: (p := stage_pods(site)) and len(p) == 4 and p)
         assert gateway_revision(site) == old  # the old revision serves while the new one loads
+        rolling = next(c for c in planned(site)["conditions"] if c["type"] == "Progressing")
+        assert rolling["reason"] == "RollingOut" and f"revision {new}" in rolling["message"]
+        assert f"revision {old}, which serves" in rolling["message"]
         for name in both:
             if name.startswith(f"qwen-{new}-"):
                 kubelet_reports_ready(site, name)
