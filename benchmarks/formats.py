@@ -42,6 +42,7 @@ from modelfleet.engine.formats import (
     QuantizedWeight,
     quantize,
 )
+from modelfleet.engine.kernels.expert_gemv import expert_gemv
 from modelfleet.engine.layers import Experts
 from modelfleet.engine.quantize import QuantizedExperts, prepare_kernels
 
@@ -193,6 +194,37 @@ def bench_moe(fmt: str, experts: int, rows_list: list[int], device: str) -> list
     return results
 
 
+def gathered_pair(layer: torch.nn.Module, x: torch.Tensor, a: torch.Tensor, flat: torch.Tensor) -> object:
+    """The gathered gate_up and down matmuls of one step, for the pairs ``flat``."""
+    if isinstance(layer, QuantizedExperts):
+        return layer.gate_up.gathered_matmul(x, flat, TOP_K), layer.down.gathered_matmul(a, flat, 1)
+    return expert_gemv(x, layer.gate_up, flat, TOP_K), expert_gemv(a, layer.down, flat, 1)
+
+
+def bench_expert_kernels(fmt: str, experts: int, rows_list: list[int]) -> list[Result]:
+    """CUDA only: the two gathered expert matmuls of an MoE step alone (gate_up over the rows'
+    pairs, down over an activation of the pairs), without routing, activation and sum: what the
+    kernels themselves reach against the bandwidth bound."""
+    layer, per_expert = expert_layer(fmt, experts, "cuda")
+    params = (2 * EXPERT_WIDTH * HIDDEN + HIDDEN * EXPERT_WIDTH) * experts
+    results = []
+    for rows in rows_list:
+        generator = torch.Generator().manual_seed(rows)
+        flats = [route(rows, experts, generator, "cuda")[0].reshape(-1) for _ in range(ROUTINGS)]
+        x = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
+        a = torch.randn(rows * TOP_K, EXPERT_WIDTH, device="cuda").to(torch.bfloat16)
+        if isinstance(layer, QuantizedExperts) and not layer.gathered_on(torch.device("cuda")):
+            continue
+        steps = [partial(gathered_pair, layer, x, a, flat) for flat in flats]
+        used = statistics.mean(flat.unique().numel() * per_expert for flat in flats)
+        with torch.inference_mode():
+            for mode, ms in timings(steps, "cuda").items():
+                per_param = per_expert * experts / params
+                workload = f"expert-kernels-{experts}x{TOP_K}"
+                results.append(Result("cuda", workload, fmt, rows, mode, per_param, used / 1e6, ms))
+    return results
+
+
 def bench_dense(fmt: str, shape: tuple[int, int], rows_list: list[int], device: str) -> list[Result]:
     one = quantize(torch.randn(1, *shape) * 0.02, fmt)
     copies = max(2, -(-DENSE_RING_BYTES // one.nbytes))
@@ -262,6 +294,8 @@ def main() -> None:
         device_results: list[Result] = []
         for fmt in args.formats:
             device_results += bench_moe(fmt, args.experts, args.rows, device)
+            if device == "cuda":
+                device_results += bench_expert_kernels(fmt, args.experts, args.rows)
             for shape in DENSE_SHAPES:
                 device_results += bench_dense(fmt, shape, args.rows, device)
         annotate(device_results, bandwidth)

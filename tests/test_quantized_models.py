@@ -302,11 +302,12 @@ def test_cuda_graphs_over_packed_embeddings_give_the_tokens_of_eager_decoding(ti
     assert graphed._decoders and all(d.graph is not None for d in graphed._decoders.values())
 
 
-def test_int8_experts_on_cuda_have_no_gathered_kernel_so_static_decode_stays_off(tiny_checkpoint):
+def test_every_expert_format_has_a_gathered_kernel_on_cuda_so_graphs_can_hold_it(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3_moe")
-    shard = Shard.load(path, formats=FormatPlan(experts="int8"))
-    bank = shard.layers[-1].mlp.experts
-    assert isinstance(bank, QuantizedExperts) and not bank.gathered_on(torch.device("cuda"))
+    for name in ("int4", "int4_sym", "int8", "mxfp4"):
+        bank = Shard.load(path, formats=FormatPlan(experts=name)).layers[-1].mlp.experts
+        assert isinstance(bank, QuantizedExperts) and not bank.gathered_on(torch.device("cpu"))
+        assert bank.gathered_on(torch.device("cuda")) == torch.cuda.is_available()
 
 
 def test_embeddings_in_bf16_feed_the_layers_in_the_compute_dtype(tiny_checkpoint):

@@ -91,8 +91,20 @@ class Int8Weight(QuantizedWeight):
         if self.device.type == "cuda" and triton_available():
             from . import triton_kernels
 
+            if x.shape[0] <= triton_kernels.GEMV_MAX_ROWS:
+                return triton_kernels.int8_gemv(x, self.codes, self.scales, None, 1)
             return triton_kernels.int8_matmul(x, self.codes, self.scales)
         return tiled_matmul(x, self.decode_columns, self.out_features)
+
+    def has_gathered_kernel(self, device: torch.device) -> bool:
+        return self.num_experts is not None and device.type == "cuda" and triton_available()
+
+    def gathered_matmul(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
+        if not (self.has_gathered_kernel(x.device) and self.device == x.device):
+            return super().gathered_matmul(x, index, row_div)
+        from . import triton_kernels
+
+        return triton_kernels.int8_gemv(x, self.codes, self.scales, index, row_div)
 
     def expert(self, e: int) -> Int8Weight:
         self.check_expert_index(e)

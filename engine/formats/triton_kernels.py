@@ -28,6 +28,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 BLOCK_M = 16  # tl.dot's minimum; rows beyond M are masked
 BLOCK_N = 64
@@ -90,15 +91,16 @@ def _nibble_gemm_kernel(
     tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-# Small-M path: one program per (pair, BLOCK_N outputs); no tl.dot, which would waste 15 of its
-# 16 rows at M = 1. Each step covers GROUPS groups of 32 inputs as a [BLOCK_N, GROUPS, 16] byte
-# tile, sums code x input per group, then applies the group's zero point and scale once per group.
+# Small-M path: one program per (pair, BLOCK_N outputs, K slice); no tl.dot, which would waste 15
+# of its 16 rows at M = 1. Each step covers GROUPS groups of 32 inputs as a [BLOCK_N, GROUPS, 16]
+# byte tile (int8: [BLOCK_N, GROUPS * 32]), sums code x input per group, then applies the group's
+# zero point and scale once. SPLIT programs share a row's K (enough of them to fill the GPU when
+# pairs x N / BLOCK_N is small) and meet in a float32 buffer through atomic adds.
 _GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "GROUPS": g}, num_warps=nw)
-    for bn in (16, 32, 64, 128)
-    for g in (2, 4, 8)
-    for nw in (2, 4, 8)
-    if bn * g * 16 <= 8192
+    triton.Config({"BLOCK_N": bn, "GROUPS": g, "SPLIT": split}, num_warps=4)
+    for bn in (16, 32, 64)
+    for g in (4, 8)
+    for split in (1, 2, 4, 8)
 ]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter cannot time configurations
 
@@ -109,9 +111,9 @@ def _nibble_gemv_kernel(
     N, K, NUM_GROUPS,
     stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_om,
     ROW_DIV: tl.constexpr, GATHER: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    pair, block_n = tl.program_id(0), tl.program_id(1)
+    pair, block_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(index_ptr + pair).to(tl.int64) if GATHER else 0
     row = pair // ROW_DIV
     rn = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,7 +125,9 @@ def _nibble_gemv_kernel(
     zeros_row = zeros_ptr + expert * stride_ze + rn[:, None] * stride_zn
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, GROUPS * 32):
+    k_per_split = tl.cdiv(K, SPLIT * GROUPS * 32) * (GROUPS * 32)
+    k_begin = split * k_per_split
+    for k0 in range(k_begin, k_begin + k_per_split, GROUPS * 32):
         g = k0 // 32 + rg
         g_mask = g < NUM_GROUPS
         byte_index = g[:, None] * 16 + rj[None, :]  # [GROUPS, 16]; byte j holds inputs 2j, 2j + 1
@@ -148,14 +152,59 @@ def _nibble_gemv_kernel(
             part -= z * tl.sum(x_even + x_odd, axis=1)[None, :]  # sum (q - z) x = sum q x - z sum x
             scale = tl.load(scales_row + g[None, :], mask=group_mask, other=0.0).to(tl.float32)
         acc += tl.sum(part * scale, axis=1)
-    tl.store(out_ptr + pair * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    tl.atomic_add(out_ptr + pair * stride_om + rn, acc, mask=n_mask)
 
 
-_GEMV_KEY = ["N", "K", "ROW_DIV", "MXFP4", "HAS_ZEROS", "GATHER"]
-_nibble_gemv = (
-    _nibble_gemv_kernel if INTERPRETED else triton.autotune(_GEMV_CONFIGS, key=_GEMV_KEY)(_nibble_gemv_kernel)
-)
-_GEMV_FIXED = {"BLOCK_N": 16, "GROUPS": 2} if INTERPRETED else {}
+@triton.jit
+def _int8_gemv_kernel(
+    x_ptr, codes_ptr, scales_ptr, index_ptr, out_ptr,
+    N, K,
+    stride_xm, stride_ce, stride_cn, stride_se, stride_om,
+    ROW_DIV: tl.constexpr, GATHER: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    pair, block_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    expert = tl.load(index_ptr + pair).to(tl.int64) if GATHER else 0
+    row = pair // ROW_DIV
+    rn = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rk = tl.arange(0, GROUPS * 32)
+    codes_row = codes_ptr + expert * stride_ce + rn[:, None] * stride_cn
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    k_per_split = tl.cdiv(K, SPLIT * GROUPS * 32) * (GROUPS * 32)
+    k_begin = split * k_per_split
+    for k0 in range(k_begin, k_begin + k_per_split, GROUPS * 32):
+        k = k0 + rk
+        k_mask = k < K
+        x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+        q = tl.load(codes_row + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
+        acc += tl.sum(q.to(tl.float32) * x[None, :], axis=1)
+    scale = tl.load(scales_ptr + expert * stride_se + rn, mask=n_mask, other=0.0)
+    tl.atomic_add(out_ptr + pair * stride_om + rn, acc * scale, mask=n_mask)
+
+
+def _quick_bench(fn, quantiles):  # type: ignore[no-untyped-def]
+    """The autotuners' timer: a few ms per configuration rather than triton's default 125 ms."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _tuned(kernel, key: list[str]):  # type: ignore[no-untyped-def]
+    if INTERPRETED:
+        return kernel
+    return triton.autotune(_GEMV_CONFIGS, key=key, reset_to_zero=["out_ptr"], do_bench=_quick_bench)(kernel)
+
+
+_nibble_gemv = _tuned(_nibble_gemv_kernel, ["N", "K", "ROW_DIV", "MXFP4", "HAS_ZEROS", "GATHER"])
+_int8_gemv = _tuned(_int8_gemv_kernel, ["N", "K", "ROW_DIV", "GATHER"])
+_GEMV_FIXED = {"BLOCK_N": 16, "GROUPS": 2, "SPLIT": 2} if INTERPRETED else {}
+
+
+def _gemv_grid(pairs: int, n: int):  # type: ignore[no-untyped-def]
+    def grid(meta: dict) -> tuple[int, int, int]:
+        return (pairs, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])
+
+    return grid
 
 
 @triton.jit
@@ -252,21 +301,39 @@ def nibble_gemv(
     pairs = xc.shape[0] if index is None else index.numel()
     codes, scales = codes.contiguous(), scales.contiguous()
     zeros = scales if zeros is None else zeros.contiguous()  # placeholder pointer when HAS_ZEROS is off
-    out = torch.empty((pairs, n), dtype=xc.dtype, device=x.device)
+    out = torch.zeros((pairs, n), dtype=torch.float32, device=x.device)
     bank = codes.dim() == 3
 
-    def stride(t: torch.Tensor, dim: int) -> int:
-        return t.stride(dim) if bank else 0
+    def stride(t: torch.Tensor) -> int:
+        return t.stride(0) if bank else 0
 
-    def grid(meta: dict) -> tuple[int, int]:
-        return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
-
-    _nibble_gemv[grid](
+    _nibble_gemv[_gemv_grid(pairs, n)](
         xc, codes, scales, zeros, codes if index is None else index, out,
         n, k, k // 32,
-        xc.stride(0), stride(codes, 0), codes.stride(-2), stride(scales, 0), scales.stride(-2),
-        stride(zeros, 0), zeros.stride(-2), out.stride(0),
+        xc.stride(0), stride(codes), codes.stride(-2), stride(scales), scales.stride(-2),
+        stride(zeros), zeros.stride(-2), out.stride(0),
         ROW_DIV=row_div, GATHER=index is not None, MXFP4=mxfp4, HAS_ZEROS=zeros is not scales,
+        **_GEMV_FIXED,
+    )  # fmt: skip
+    return out.to(x.dtype)
+
+
+def int8_gemv(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor | None, row_div: int
+) -> torch.Tensor:
+    """:func:`nibble_gemv` for int8: codes int8 [E, N, K] (or [N, K]), float32 scales [E, N]."""
+    xc = _prepare_x(x)
+    n, k = codes.shape[-2], codes.shape[-1]
+    pairs = xc.shape[0] if index is None else index.numel()
+    codes, scales = codes.contiguous(), scales.contiguous()
+    out = torch.zeros((pairs, n), dtype=torch.float32, device=x.device)
+    bank = codes.dim() == 3
+    _int8_gemv[_gemv_grid(pairs, n)](
+        xc, codes, scales, codes if index is None else index, out,
+        n, k,
+        xc.stride(0), codes.stride(0) if bank else 0, codes.stride(-2), scales.stride(0) if bank else 0,
+        out.stride(0),
+        ROW_DIV=row_div, GATHER=index is not None,
         **_GEMV_FIXED,
     )  # fmt: skip
     return out.to(x.dtype)
