@@ -463,7 +463,9 @@ class _Report:
         if leaving:
             message = f"the gateway moves to revision {target.revision}; the pods of revision {', '.join(sorted(leaving))} go once every gateway pod runs it"
             self.set(Condition.PROGRESSING, True, Reason.ROLLING_OUT, message)
-        elif progressing is not None and self.fields.get("phase") == Phase.READY:
+        elif progressing is not None and (
+            progressing.get("reason") == Reason.ROLLING_OUT or self.fields.get("phase") == Phase.READY
+        ):  # a surge ends when the old pods are gone; a replacement or a failure, once the fleet serves
             self.set(Condition.PROGRESSING, True, Reason.ROLLOUT_COMPLETE, f"revision {target.revision} serves")
 
     def observe(self, fleet: Mapping[str, Any], placement: Placement, cluster: Cluster) -> None:

@@ -454,6 +454,14 @@ def test_without_room_for_both_revisions_the_new_one_replaces_the_old():
     assert (state, reason) == ("True", "RolloutWithoutSurge")
     assert f"revision {new} replaces revision {old} without a surge" in message
     assert f"no room beside revision {old}'s members" in message and "short by" in message
+    changed = fleet(generation=2, serving={"maxStreams": 8}, **PIPELINE_2)
+    status = reconcile(with_status(changed, status), cluster).status
+    assert progressing(status)[1] == "RolloutWithoutSurge"  # until the new revision serves
+    for pod in ("qwen-g0-s0", "qwen-g0-s1"):
+        cluster.set_pod(pod, "Running", ready=True)
+    cluster.settle_gateway()
+    status = reconcile(with_status(changed, status), cluster).status
+    assert progressing(status) == ("True", "RolloutComplete", f"revision {new} serves")
 
 
 def test_a_planned_node_that_disappears_triggers_a_new_plan():
