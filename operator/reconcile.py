@@ -93,9 +93,7 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
         why = f"no new plan fits; revision {serving.revision} keeps serving: {target.message}"
         report.set(Condition.PROGRESSING, False, Reason.ROLLOUT_FAILED, why)
         return _rollout(fleet, spec, cluster, report, Step.FAILED, serving, serving, retry=PLAN_RETRY_SECONDS)
-    notes = pod_terms(spec.placement.affinity, meta["name"], meta["namespace"])[
-        1
-    ]  # what the planner leaves to the scheduler
+    _, notes = pod_terms(spec.placement.affinity, meta["name"], meta["namespace"])  # left to the scheduler
     planned = "; ".join([f"{len(target.members)} members on {_nodes(target)}", *notes])
     report.set(Condition.PLANNED, True, Reason.PLANNED, planned)
     step = _step(serving, target, no_room, report)
