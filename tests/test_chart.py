@@ -292,3 +292,12 @@ def test_the_hub_endpoint_value_reaches_the_operator_and_the_hf_pods_of_fleets_w
         job = objects.inspection_job(fleet, parse_spec({"model": model}))
         job_env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert job_env["HF_ENDPOINT"] == expected
+
+
+@pytest.mark.parametrize("script", ["build.sh", "smoke.sh"])
+def test_image_scripts_parse_and_name_every_image(script: str) -> None:
+    path = IMAGES / script
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    text = path.read_text()
+    assert [p.parent.name for p in CONTAINERFILES if p.parent.name not in text] == []
