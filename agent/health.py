@@ -36,6 +36,9 @@ class AgentStatus:
     slots_in_use: int = 0
     kv_bytes: int = 0
     weights_bytes: int = 0
+    bytes_by_role: dict[str, dict[str, int]] = field(default_factory=dict)  # {role: {format: bytes}}
+    tensor_rank: int = 0  # this process's rank in its stage's tensor group, of tensor_size
+    tensor_size: int = 1
     reason: str = ""
     peers: dict[str, str] = field(default_factory=dict)
     head: dict[str, Any] = field(default_factory=dict)  # head only: chain readiness, streams, queue

@@ -1,7 +1,7 @@
 """A local fleet: every stage of a plan as a child process of this one.
 
 Children are started with the same Python (``-P``: the repository's operator/ folder must not
-shadow the standard library), their output is prefixed with their stage, and they die with
+shadow the standard library), their output is prefixed with their stage (and tensor rank), and they die with
 their parent: on Linux each child asks the kernel for SIGTERM when the launcher exits, and the
 launcher itself stops them all (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or SIGTERM.
 """
@@ -26,9 +26,21 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..engine.errors import ModelfleetError
-from ..plan import FleetPlan
+from ..plan import FleetPlan, StagePlan
 
 PR_SET_PDEATHSIG = 1
+
+
+def rank_http_port(stage: StagePlan, tp_rank: int) -> int:
+    """Where a rank serves HTTP on this machine: rank 0 on port + 1 (as in the plan); ranks r > 0
+    share rank 0's host here, so they take port + 3 + r (port + 3 is the group's rendezvous)."""
+    return stage.port + 1 if tp_rank == 0 else stage.port + 3 + tp_rank
+
+
+def stage_ports(stage: StagePlan) -> list[int]:
+    """Frames, HTTP, clients, and with tp_size > 1 the rendezvous and every other rank's HTTP."""
+    tensor = [stage.port + 3, *(rank_http_port(stage, r) for r in range(1, stage.tp_size))] if stage.tp_size > 1 else []
+    return [stage.port, stage.port + 1, stage.port + 2, *tensor]
 
 
 class LaunchError(ModelfleetError):
@@ -54,7 +66,7 @@ def check_ports(plan: FleetPlan, extra: Sequence[int] = ()) -> None:
     """Every port a local fleet needs must be free; the error names the first busy one."""
     for group in plan.groups:
         for stage in group.stages:
-            for port in (stage.port, stage.port + 1, stage.port + 2):
+            for port in stage_ports(stage):
                 if not port_free(stage.host, port):
                     raise LaunchError(
                         f"port {port} on {stage.host} (stage {stage.stage_index}) is in use; stop what holds it "
@@ -79,18 +91,27 @@ class LocalFleet:
         self.children: list[Child] = []
         self._lock = threading.Lock()
 
-    def stage_command(self, stage_index: int, group_index: int = 0) -> list[str]:
+    def stage_command(self, stage_index: int, group_index: int = 0, tp_rank: int = 0) -> list[str]:
         agent = ["agent", "--plan", str(self.plan_path), "--stage", str(stage_index), "--group", str(group_index)]
+        if tp_rank:
+            stage = self.plan.stage(group_index, stage_index)
+            agent += ["--tp-rank", str(tp_rank), "--http-port", str(rank_http_port(stage, tp_rank))]
         return [sys.executable, "-P", "-m", "modelfleet.cli", *agent]
 
     def start(self) -> None:
-        """Every stage of every pipeline group, named ``stage S`` (``gG stage S`` with several groups)."""
+        """Every rank of every stage of every pipeline group, named ``stage S`` (``gG stage S`` with
+        several groups, ``stage S rank R`` for ranks R > 0)."""
         env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+        processes = sum(s.tp_size for g in self.plan.groups for s in g.stages)
+        if processes > sum(len(g.stages) for g in self.plan.groups):  # tensor ranks: share the cores out
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
         for group in self.plan.groups:
             prefix = f"g{group.group_index} " if len(self.plan.groups) > 1 else ""
             for stage in group.stages:
-                self.spawn(f"{prefix}stage {stage.stage_index}", self.stage_command(stage.stage_index, group.group_index),
-                           env, f"http://{stage.host}:{stage.port + 1}/status")  # fmt: skip
+                for rank in range(stage.tp_size):
+                    name = f"{prefix}stage {stage.stage_index}" + (f" rank {rank}" if rank else "")
+                    command = self.stage_command(stage.stage_index, group.group_index, rank)
+                    self.spawn(name, command, env, f"http://{stage.host}:{rank_http_port(stage, rank)}/status")
 
     def spawn(self, name: str, command: list[str], env: dict[str, str], status_url: str | None = None) -> Child:
         process = subprocess.Popen(
@@ -126,7 +147,7 @@ class LocalFleet:
             statuses = self.statuses()
             if on_progress is not None:
                 on_progress(statuses)
-            heads = [status for status in statuses if status is not None and status.get("stage_index") == 0]
+            heads = [s for s in statuses if s is not None and s.get("stage_index") == 0 and not s.get("tensor_rank")]
             if len(heads) == len(self.plan.groups) and all(head.get("ready") for head in heads):
                 return
             time.sleep(0.2)

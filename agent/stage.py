@@ -27,9 +27,11 @@ from ..engine.errors import ModelfleetError
 from ..engine.frame import Frame
 from ..engine.sampling import StreamSampler, sample_rows
 from ..engine.shard import Shard
+from ..engine.tensor_parallel import init_tensor_group
 from ..plan import FleetPlan
 from . import transport as wire
 from .health import AgentStatus, Phase, StageMetrics, serve_http
+from .tensor_group import DistChannel, TensorGroupLost, TensorStage
 
 log = logging.getLogger("modelfleet.agent")
 SEND_HWM = 10_000
@@ -44,6 +46,10 @@ class AgentConfig:
     keys: wire.KeyPair | None = None  # the fleet's CURVE key pair; None: plain TCP
     probe_interval_seconds: float = 1.0
     unready_after_seconds: float = 3.0  # the head turns unready when the chain is silent this long
+    tp_rank: int = 0  # this process's rank in its stage's tensor group (the plan gives the size)
+    http_port: int | None = None  # default: the stage's port + 1 (ranks r > 0: on their own host)
+    tensor_timeout_seconds: float = 120.0  # a collective (or the rendezvous) waiting longer fails
+    tensor_lost_exit_seconds: float = 10.0  # a leader whose group is lost reports Failed, then exits
 
 
 class StageAgent:
@@ -65,11 +71,11 @@ class StageAgent:
         )
         self.status = AgentStatus(
             config.group_index, config.stage_index, self.stage.layer_start, self.stage.layer_end, role,
-            layers_total=self.stage.num_layers,
+            layers_total=self.stage.num_layers, tensor_rank=config.tp_rank, tensor_size=self.stage.tp_size,
         )  # fmt: skip
         self.metrics = StageMetrics(config.group_index, config.stage_index)
         self.stopping = threading.Event()
-        self.shard: Shard | None = None
+        self.shard: Shard | TensorStage | None = None
         self.samplers: dict[int, StreamSampler] = {}  # tail: per-slot sampling state
         self.context = zmq.Context()
         self.inbox: zmq.Socket[Any] | None = None
@@ -81,7 +87,8 @@ class StageAgent:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> None:
-        http = serve_http(self.config.http_host or self.stage.host, self.stage.port + 1, self.status, self.metrics)
+        http_port = self.config.http_port or self.stage.port + 1
+        http = serve_http(self.config.http_host or self.stage.host, http_port, self.status, self.metrics)
         try:
             self.load()
             self.open_sockets()
@@ -111,15 +118,23 @@ class StageAgent:
         self.stopping.set()
 
     def load(self) -> None:
-        model = self.plan.model
-        self.shard = Shard.load(
-            model.path, self.stage.layer_start, self.stage.layer_end, device=self.stage.device, dtype=model.dtype,
-            on_layer=self._loaded,
+        """This rank's share of the stage's layers (all of them when tp_size is 1), then its KV cache."""
+        model, stage = self.plan.model, self.stage
+        tensor = None
+        if stage.tp_size > 1:  # rank 0 of the group: see tensor_group
+            timeout = self.config.tensor_timeout_seconds
+            tensor = init_tensor_group(0, stage.tp_size, stage.host, stage.port + 3, stage.device, timeout)
+        shard = Shard.load(
+            model.path, stage.layer_start, stage.layer_end, device=stage.device, dtype=model.dtype,
+            on_layer=self._loaded, tensor=tensor,
         )  # fmt: skip
+        name = f"stage {stage.stage_index}"
+        self.shard = shard if tensor is None else TensorStage(shard, DistChannel(tensor), name)
         serving = self.plan.serving
-        budget = self.stage.kv_budget_bytes or None
+        budget = stage.kv_budget_bytes or None
         self.shard.allocate_cache(self.plan.streams_per_group, serving.context_length, budget)
         self.status.weights_bytes, self.status.kv_bytes = self.shard.weights_bytes, self.shard.kv_bytes
+        self.status.bytes_by_role = self.shard.bytes_by_role
 
     def _loaded(self, done: int, total: int) -> None:
         self.status.layers_loaded = done
@@ -146,6 +161,8 @@ class StageAgent:
         self.status.peers = {"next": target.address}
 
     def close(self) -> None:
+        if isinstance(self.shard, TensorStage):
+            self.shard.close()
         for sock in (self.inbox, self.outbox, getattr(self.head, "clients", None)):
             if sock is not None:
                 sock.close(linger=0)
@@ -176,6 +193,18 @@ class StageAgent:
                     self.head.drain_clients()
                 self.head.tick()
             self._update_gauges()
+            if isinstance(self.shard, TensorStage):
+                self._tend_tensor_group(self.shard)
+
+    def _tend_tensor_group(self, tensor: TensorStage) -> None:
+        """Heartbeats while idle; once a rank is lost, report Failed (the head turns unready), and
+        exit after ``tensor_lost_exit_seconds`` so that every rank of the stage is restarted."""
+        tensor.heartbeat()
+        if tensor.lost is None:
+            return
+        self.status.phase, self.status.reason = Phase.FAILED, tensor.lost
+        if time.monotonic() - tensor.lost_at > self.config.tensor_lost_exit_seconds:
+            raise TensorGroupLost(tensor.lost)
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         while True:

@@ -77,7 +77,11 @@ class ModelRef(_Frozen):
 class StagePlan(_Frozen):
     """One stage: its layers and where it listens. ``address`` is host:port of its frame socket;
     the stage serves HTTP (/healthz, /readyz, /status, /metrics) on port + 1 and, at stage 0,
-    the client protocol on port + 2."""
+    the client protocol on port + 2. With ``tp_size`` > 1 the stage is that many processes:
+    rank 0 at ``address`` serves all of the above and hosts the tensor group's rendezvous
+    (torch.distributed, tcp://host:port + 3); every rank r > 0 serves only its own HTTP, on
+    port + 1 of its own host (its pod), or on port + 3 + r when ranks share one machine
+    (``modelfleet up --tensor``)."""
 
     stage_index: NonNegativeInt
     layer_start: NonNegativeInt

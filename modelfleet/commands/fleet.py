@@ -32,12 +32,12 @@ def plan_table(plan: Any) -> Table:
     table = Table(
         title=f"fleet plan for {plan.model.served_name} ({plan.model.family}, {plan.model.num_layers} layers)"
     )
-    for col in ("group", "stage", "layers", "weights", "KV budget", "device", "address"):
-        table.add_column(col, justify="right" if col in ("weights", "KV budget") else "left")
+    for col in ("group", "stage", "layers", "tensor ranks", "weights", "KV budget", "device", "address"):
+        table.add_column(col, justify="right" if col in ("tensor ranks", "weights", "KV budget") else "left")
     for group in plan.groups:
         for s in group.stages:
             table.add_row(
-                str(group.group_index), str(s.stage_index), f"[{s.layer_start}, {s.layer_end})",
+                str(group.group_index), str(s.stage_index), f"[{s.layer_start}, {s.layer_end})", str(s.tp_size),
                 _gib(s.weights_bytes), _gib(s.kv_budget_bytes), s.device, s.address,
             )  # fmt: skip
     return table
@@ -62,13 +62,15 @@ def _load_nodes(path: Path) -> list[dict[str, Any]]:
 def make_plan(
     model: Path, stages: int, *, nodes: Path | None = None, max_streams: int = 16, context_length: int = 2048,
     window_rows: int = 8, stream_groups: int | None = None, max_queue: int = 64, dtype: str = "float32",
-    device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1,
+    device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
 ) -> Any:  # fmt: skip
-    """A plan of ``groups`` pipeline replicas of ``stages`` stages each; stage ports run from
-    ``base_port``, PORT_STRIDE apart, group after group."""
+    """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
+    ``tensor`` ranks; stage ports run from ``base_port``, PORT_STRIDE apart (a multiple of it
+    when a stage's ranks need more ports on one machine: 3 + ``tensor``), group after group."""
     from modelfleet.plan import ServingLimits
     from modelfleet.planner import PORT_STRIDE, build_plan
 
+    stride = PORT_STRIDE * -(-(3 + tensor) // PORT_STRIDE)
     serving = ServingLimits(
         max_streams=max_streams, context_length=context_length, window_rows=window_rows,
         stream_groups=stream_groups, max_queue=max_queue,
@@ -76,14 +78,23 @@ def make_plan(
     plan = build_plan(
         model, stages, _load_nodes(nodes) if nodes else None, groups=groups, dtype=dtype, serving=serving,
         served_name=served_name or model.resolve().name, model_path=str(model.resolve()),
-        address_of=lambda g, s: f"127.0.0.1:{base_port + PORT_STRIDE * (g * stages + s)}",
+        address_of=lambda g, s: f"127.0.0.1:{base_port + stride * (g * stages + s)}",
     )  # fmt: skip
+    if tensor > 1:
+        plan = _with_stages(plan, tp_size=tensor)
     if device != "cpu" and nodes is None:
-        plan = plan.model_copy(update={"groups": tuple(
-            g.model_copy(update={"stages": tuple(s.model_copy(update={"device": device}) for s in g.stages)})
-            for g in plan.groups
-        )})  # fmt: skip
+        plan = _with_stages(plan, device=device)
     return plan
+
+
+def _with_stages(plan: Any, **fields: Any) -> Any:
+    """The plan with ``fields`` set on every stage, validated again."""
+    from modelfleet.plan import FleetPlan
+
+    groups = [
+        g.model_copy(update={"stages": tuple(s.model_copy(update=fields) for s in g.stages)}) for g in plan.groups
+    ]
+    return FleetPlan.model_validate(plan.model_copy(update={"groups": tuple(groups)}).model_dump())
 
 
 def plan(
@@ -95,13 +106,14 @@ def plan(
     context_length: int = typer.Option(2048, "--context-length", min=1),
     window_rows: int = typer.Option(8, "--window-rows", min=1, help="Rows of one stream's prefill window per frame."),
     dtype: str = typer.Option("float32", "--dtype"),
+    tensor: int = typer.Option(1, "--tensor", min=1, help="Tensor-parallel ranks per stage (tp_size)."),
 ) -> None:
     """Plan a fleet: contiguous layer ranges per stage, printed as a table and written as JSON."""
     from modelfleet.engine.errors import ModelfleetError
 
     try:
         fleet_plan = make_plan(model, stages, nodes=nodes, max_streams=max_streams, context_length=context_length,
-                               window_rows=window_rows, dtype=dtype)  # fmt: skip
+                               window_rows=window_rows, dtype=dtype, tensor=tensor)  # fmt: skip
     except ModelfleetError as exc:
         fail(str(exc))
     out.print(plan_table(fleet_plan))
@@ -117,12 +129,19 @@ def agent(
         None, "--keys-dir", envvar="MF_KEYS_DIR", help="Folder with fleet.key and fleet.key_secret (CURVE)."
     ),
     http_host: str | None = typer.Option(None, "--http-host", envvar="MF_HTTP_HOST", help="Bind /healthz etc. here."),
+    http_port: int | None = typer.Option(
+        None, "--http-port", envvar="MF_HTTP_PORT", min=1, max=65535, help="HTTP port (default: the stage's port + 1)."
+    ),
+    tp_rank: int = typer.Option(
+        0, "--tp-rank", envvar="MF_TP_RANK", min=0, help="Tensor rank in the stage; rank 0 serves it, others follow."
+    ),
     log_level: str = typer.Option("INFO", "--log-level", envvar="MF_LOG_LEVEL"),
 ) -> None:
     """Run one stage of a fleet: load its layers, serve frames (stage 0 also schedules streams)."""
     import logging
 
     from modelfleet.agent import transport
+    from modelfleet.agent.follower import FollowerAgent
     from modelfleet.agent.stage import AgentConfig, StageAgent
     from modelfleet.engine.errors import ModelfleetError
     from modelfleet.plan import load
@@ -132,8 +151,15 @@ def agent(
         fleet_plan = load(plan_path)
         if group >= len(fleet_plan.groups) or stage >= len(fleet_plan.groups[group].stages):
             fail(f"the plan has no stage {stage} in group {group}")
+        tp_size = fleet_plan.stage(group, stage).tp_size
+        if tp_rank >= tp_size:
+            fail(
+                f"--tp-rank {tp_rank} is outside stage {stage}'s tensor group (tp_size={tp_size}, ranks 0..{tp_size - 1})"
+            )
         keys = transport.load_keypair(keys_dir, "fleet") if keys_dir else None
-        runner = StageAgent(AgentConfig(fleet_plan, stage, group, http_host=http_host, keys=keys))
+        config = AgentConfig(fleet_plan, stage, group, http_host=http_host, keys=keys, tp_rank=tp_rank,
+                             http_port=http_port)  # fmt: skip
+        runner: StageAgent | FollowerAgent = StageAgent(config) if tp_rank == 0 else FollowerAgent(config)
     except ModelfleetError as exc:
         fail(str(exc))
     runner.install_signal_handlers()
@@ -168,7 +194,12 @@ def up(
     context_length: int = typer.Option(2048, "--context-length", min=2),
     dtype: str = typer.Option("float32", "--dtype"),
     device: str = typer.Option("cpu", "--device"),
-    base_port: int = typer.Option(5555, "--base-port", help="First stage port; each stage takes 3 ports, 10 apart."),
+    tensor: int = typer.Option(
+        1, "--tensor", min=1, help="Tensor-parallel ranks (processes) per stage; each gets its share of the cores."
+    ),
+    base_port: int = typer.Option(
+        5555, "--base-port", help="First stage port; each stage takes 3 ports (3 + --tensor with ranks), 10 apart."
+    ),
     ready_timeout: float = typer.Option(600.0, "--ready-timeout", help="Seconds to wait for the fleet."),
     host: str = typer.Option("127.0.0.1", "--host", help="Where the gateway (OpenAI-compatible API) listens."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="The gateway's port."),
@@ -191,7 +222,7 @@ def up(
     try:
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, stream_groups=groups, max_queue=max_queue, dtype=dtype,
-                               device=device, base_port=base_port, groups=replicas)  # fmt: skip
+                               device=device, base_port=base_port, groups=replicas, tensor=tensor)  # fmt: skip
         check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
         fail(str(exc))
@@ -205,12 +236,9 @@ def up(
         fleet.start()
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
                       console=err, transient=True) as progress:  # fmt: skip
-            many = len(fleet_plan.groups) > 1
-            tasks = [
-                progress.add_task(f"{f'g{g.group_index} ' if many else ''}stage {s.stage_index}", total=s.num_layers)
-                for g in fleet_plan.groups
-                for s in g.stages
-            ]
+            # one bar per child, in the order LocalFleet.start spawned them (every rank of every stage)
+            layers = [s.num_layers for g in fleet_plan.groups for s in g.stages for _ in range(s.tp_size)]
+            tasks = [progress.add_task(c.name, total=n) for c, n in zip(fleet.children, layers, strict=True)]
 
             def show(statuses: list[dict[str, Any] | None]) -> None:
                 for task, status in zip(tasks, statuses, strict=False):
