@@ -107,24 +107,20 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter canno
 
 @triton.jit
 def _nibble_gemv_kernel(
-    x_ptr, words_ptr, scales_ptr, zeros_ptr, index_ptr, out_ptr,
+    x_ptr, codes_ptr, scales_ptr, zeros_ptr, index_ptr, out_ptr,
     N, K, NUM_GROUPS,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_om,
+    stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_om,
     ROW_DIV: tl.constexpr, GATHER: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    # codes are read as int32 words, 4 per group of 32: nibble i of word w is input 8w + i (low
-    # nibble first within each byte, bytes little-endian). Decoding stays in integer and
-    # full-rate float ops: q | 0x4B000000 is the float 2^23 + q, so subtracting 2^23 gives q
-    # exactly without an int-to-float conversion.
     pair, block_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(index_ptr + pair).to(tl.int64) if GATHER else 0
     row = pair // ROW_DIV
     rn = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rg = tl.arange(0, GROUPS)
-    rw = tl.arange(0, 4)
-    words_row = words_ptr + expert * stride_we + rn[:, None, None] * stride_wn
+    rj = tl.arange(0, 16)
+    codes_row = codes_ptr + expert * stride_ce + rn[:, None, None] * stride_cn
     scales_row = scales_ptr + expert * stride_se + rn[:, None] * stride_sn
     zeros_row = zeros_ptr + expert * stride_ze + rn[:, None] * stride_zn
     x_row = x_ptr + row * stride_xm
@@ -134,35 +130,28 @@ def _nibble_gemv_kernel(
     for k0 in range(k_begin, k_begin + k_per_split, GROUPS * 32):
         g = k0 // 32 + rg
         g_mask = g < NUM_GROUPS
-        word_index = g[:, None] * 4 + rw[None, :]  # [GROUPS, 4]
+        byte_index = g[:, None] * 16 + rj[None, :]  # [GROUPS, 16]; byte j holds inputs 2j, 2j + 1
+        x_even = tl.load(x_row + 2 * byte_index, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + 2 * byte_index + 1, mask=g_mask[:, None], other=0.0).to(tl.float32)
         tile_mask = n_mask[:, None, None] & g_mask[None, :, None]
-        words = tl.load(words_row + word_index[None, :, :], mask=tile_mask, other=0)
-        part = tl.zeros((BLOCK_N, GROUPS, 4), dtype=tl.float32)
-        x_sum = tl.zeros((GROUPS, 4), dtype=tl.float32)
-        for i in tl.static_range(8):
-            x = tl.load(x_row + 8 * word_index + i, mask=g_mask[:, None], other=0.0).to(tl.float32)
-            q = (words >> (4 * i)) & 0xF
-            if MXFP4:
-                # |E2M1| = 2^(e-1) (1 + m/2) for e > 0, m/2 for e = 0: from 2^e (1 + m/2), the
-                # float with bits 0x3F800000 + ((q & 7) << 22) (an add: 127 already sets the low exponent bits)
-                v = (((q & 7) << 22) + 0x3F800000).to(tl.float32, bitcast=True)
-                magnitude = tl.where((q & 6) == 0, v - 1.0, v * 0.5)
-                w = tl.where((q & 8) != 0, -magnitude, magnitude)
-            else:
-                w = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                x_sum += x
-            part += w * x[None, :, :]
-        part_g = tl.sum(part, axis=2)  # [BLOCK_N, GROUPS]
+        byte = tl.load(codes_row + byte_index[None, :, :], mask=tile_mask, other=0).to(tl.int32)
+        low, high = byte & 0xF, byte >> 4
         group_mask = n_mask[:, None] & g_mask[None, :]
         if MXFP4:
+            # E2M1 as fp16 bits: sign to bit 15, the 3 magnitude bits to bits 11..9; that fp16 is
+            # the E2M1 value x 2^-14 exactly (code 1 lands on fp16's subnormal 2^-15)
+            w_low = (((low & 8) << 12) | ((low & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+            w_high = (((high & 8) << 12) | ((high & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+            part = tl.sum(w_low.to(tl.float32) * x_even[None] + w_high.to(tl.float32) * x_odd[None], axis=2)
             e = tl.load(scales_row + g[None, :], mask=group_mask, other=127).to(tl.int32)
             bits = tl.where(e == 0, 0x00400000, e << 23)  # 2^(e-127) as float32 bits; e = 0 is subnormal
-            scale = bits.to(tl.float32, bitcast=True)
+            scale = bits.to(tl.float32, bitcast=True) * 16384.0
         else:
+            part = tl.sum(low.to(tl.float32) * x_even[None] + high.to(tl.float32) * x_odd[None], axis=2)
             z = tl.load(zeros_row + g[None, :], mask=group_mask, other=8).to(tl.float32) if HAS_ZEROS else 8.0
-            part_g -= z * tl.sum(x_sum, axis=1)[None, :]  # sum (q - z) x = sum q x - z sum x
+            part -= z * tl.sum(x_even + x_odd, axis=1)[None, :]  # sum (q - z) x = sum q x - z sum x
             scale = tl.load(scales_row + g[None, :], mask=group_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(part_g * scale, axis=1)
+        acc += tl.sum(part * scale, axis=1)
     tl.atomic_add(out_ptr + pair * stride_om + rn, acc, mask=n_mask)
 
 
@@ -310,8 +299,7 @@ def nibble_gemv(
     xc = _prepare_x(x)
     n, k = codes.shape[-2], codes.shape[-1] * 2
     pairs = xc.shape[0] if index is None else index.numel()
-    words = codes.contiguous().view(torch.int32)  # 8 codes per word; K/2 bytes is a multiple of 16
-    scales = scales.contiguous()
+    codes, scales = codes.contiguous(), scales.contiguous()
     zeros = scales if zeros is None else zeros.contiguous()  # placeholder pointer when HAS_ZEROS is off
     out = torch.zeros((pairs, n), dtype=torch.float32, device=x.device)
     bank = codes.dim() == 3
@@ -320,9 +308,9 @@ def nibble_gemv(
         return t.stride(0) if bank else 0
 
     _nibble_gemv[_gemv_grid(pairs, n)](
-        xc, words, scales, zeros, words if index is None else index, out,
+        xc, codes, scales, zeros, codes if index is None else index, out,
         n, k, k // 32,
-        xc.stride(0), stride(words), words.stride(-2), stride(scales), scales.stride(-2),
+        xc.stride(0), stride(codes), codes.stride(-2), stride(scales), scales.stride(-2),
         stride(zeros), zeros.stride(-2), out.stride(0),
         ROW_DIV=row_div, GATHER=index is not None, MXFP4=mxfp4, HAS_ZEROS=zeros is not scales,
         **_GEMV_FIXED,
