@@ -36,8 +36,14 @@ class FollowerAgent:
         self.metrics = StageMetrics(config.group_index, config.stage_index)
         self.stopping = threading.Event()
         self.shard: Shard | None = None
+        self.handle_signals = False
 
     def install_signal_handlers(self) -> None:
+        """Until it serves, SIGTERM ends the process at once (it may wait in the rendezvous, where
+        Python handlers do not run); serve() then takes SIGTERM as "stop after this command"."""
+        self.handle_signals = True
+
+    def _stop_after_command(self) -> None:
         # the handler runs once a broadcast returns: at the latest after rank 0's next heartbeat
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
@@ -58,6 +64,8 @@ class FollowerAgent:
             self.status.weights_bytes, self.status.bytes_by_role = shard.weights_bytes, shard.bytes_by_role
             self.status.phase = Phase.READY
             log.info("stage %d tensor rank %d of %d ready", stage.stage_index, rank, stage.tp_size)
+            if self.handle_signals:
+                self._stop_after_command()
             follower.serve(self.stopping.is_set)
         except Exception as exc:
             self.status.phase, self.status.reason = Phase.FAILED, f"{type(exc).__name__}: {exc}"

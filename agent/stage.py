@@ -48,7 +48,7 @@ class AgentConfig:
     unready_after_seconds: float = 3.0  # the head turns unready when the chain is silent this long
     tp_rank: int = 0  # this process's rank in its stage's tensor group (the plan gives the size)
     http_port: int | None = None  # default: the stage's port + 1 (ranks r > 0: on their own host)
-    tensor_timeout_seconds: float = 120.0  # a collective (or the rendezvous) waiting longer fails
+    tensor_timeout_seconds: float = 300.0  # the rendezvous, or a collective, waiting longer fails
     tensor_lost_exit_seconds: float = 10.0  # a leader whose group is lost reports Failed, then exits
 
 

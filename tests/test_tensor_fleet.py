@@ -1,7 +1,8 @@
 """Stages split over tensor ranks: a local fleet of two stages of two ranks each (four processes,
 gloo) gives the greedy tokens of the single-process engine, each follower rank holds its share
 of the experts and answers /status, and a killed follower fails its stage's streams with a
-clear error. The commands rank 0 broadcasts to its followers round-trip as int64 tensors."""
+clear error. The commands rank 0 broadcasts to its followers round-trip as int64 tensors, a
+lost group refuses frames by name, and plans leave each stage room for its ranks' ports."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from modelfleet.agent.tensor_group import (
     Command,
     CommandError,
     Op,
+    TensorGroupLost,
+    TensorStage,
     receive_command,
     send_command,
 )
@@ -204,3 +207,32 @@ def test_killing_a_follower_fails_its_stages_streams_clearly_and_killing_a_leade
     follower = tensor_fleet.child("stage 0 rank 1").process
     wait_until(lambda: follower.poll() is not None, 5, "the follower of the killed rank 0 exits")
     assert follower.returncode != 0
+
+
+class Broken:
+    """A channel whose peer is gone: every broadcast fails as gloo's do."""
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_a_lost_group_refuses_frames_by_name_and_still_releases_slots_locally(tiny_checkpoint) -> None:
+    shard = Shard.load(tiny_checkpoint("qwen3_moe")[0], 0, 2)
+    stage = TensorStage(shard, Recorder(), "stage 0")
+    stage.allocate_cache(2, 32)
+    stage(Frame(torch.tensor([1, 1]), torch.tensor([0, 1]), token_ids=torch.tensor([5, 6])))
+    assert shard.slots is not None and shard.slots.in_use() == 1
+    stage.channel = Broken()
+    stage.release(1)  # the head's bookkeeping stays whole though the followers cannot hear it
+    assert shard.slots.in_use() == 0 and stage.lost is not None and "stage 0 stopped answering" in stage.lost
+    with pytest.raises(TensorGroupLost, match="a tensor rank of stage 0 stopped answering"):
+        stage(Frame(torch.tensor([0]), torch.tensor([0]), token_ids=torch.tensor([5])))
+
+
+def test_plan_with_tensor_ranks_sets_tp_size_and_leaves_each_stage_room_for_its_rank_ports(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("qwen3_moe")
+    for tensor, stride in ((2, 10), (7, 10), (8, 20)):
+        plan = make_plan(path, 2, base_port=30000, tensor=tensor)
+        first, second = plan.groups[0].stages
+        assert (first.tp_size, second.tp_size, second.port - first.port) == (tensor, tensor, stride)
+        assert max(stage_ports(first)) < second.port

@@ -32,8 +32,8 @@ def plan_table(plan: Any) -> Table:
     table = Table(
         title=f"fleet plan for {plan.model.served_name} ({plan.model.family}, {plan.model.num_layers} layers)"
     )
-    for col in ("group", "stage", "layers", "tensor ranks", "weights", "KV budget", "device", "address"):
-        table.add_column(col, justify="right" if col in ("tensor ranks", "weights", "KV budget") else "left")
+    for col in ("group", "stage", "layers", "tp", "weights", "KV budget", "device", "address"):
+        table.add_column(col, justify="right" if col in ("tp", "weights", "KV budget") else "left")
     for group in plan.groups:
         for s in group.stages:
             table.add_row(
