@@ -25,6 +25,7 @@ ANNOTATION_STAGE_FAILED = "modelfleet.io/stage-failed"  # on a fleet: <pod>/<uid
 
 AGENT_PORT = 5555
 AGENT_HTTP_PORT = AGENT_PORT + 1  # the agent serves /healthz, /readyz, /status, /metrics on its port + 1
+TENSOR_PORT = AGENT_PORT + 3  # rank 0 of a stage with tp_size > 1 hosts its tensor group's rendezvous here
 GATEWAY_PORT = 8000
 PLAN_MOUNT_DIR = "/etc/modelfleet"
 MODEL_MOUNT_DIR = "/models"

@@ -145,6 +145,8 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [_plan_mount(), _model_mount(spec), _transport_mount(), _scratch_mount()],
     }  # fmt: skip
+    if stage.tp_size > 1 and member.tp_rank == 0:  # the other ranks dial it; gloo's own links use ephemeral ports
+        container["ports"].append({"name": "tensor", "containerPort": names.TENSOR_PORT})
     pod_spec = {
         "hostname": name, "subdomain": names.stage_service(fleet_name), "restartPolicy": "Never",
         "affinity": _affinity(spec, member.node), "containers": [container],

@@ -60,7 +60,18 @@ def test_one_pod_per_stage_member_named_and_labelled_with_the_revision_and_mf_en
 def test_tensor_parallel_members_get_a_rank_suffix():
     _, objs, placement = build(parallelism={"pipeline": 2, "tensor": 2})
     rev = placement.revision
-    assert sorted(by_kind(objs, "Pod")) == [f"qwen-{rev}-g0-s{s}-r{r}" for s in (0, 1) for r in (0, 1)]
+    pods = by_kind(objs, "Pod")
+    assert sorted(pods) == [f"qwen-{rev}-g0-s{s}-r{r}" for s in (0, 1) for r in (0, 1)]
+    for r in (0, 1):  # every rank answers its probes on its own pod's HTTP port
+        pod_spec = pods[f"qwen-{rev}-g0-s1-r{r}"]["spec"]
+        container = pod_spec["containers"][0]
+        assert (env_of(pod_spec)["MF_TP_RANK"], container["readinessProbe"]["httpGet"]["port"]) == (str(r), 5556)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == ({"agent": 5555, "http": 5556, "tensor": 5558} if r == 0 else {"agent": 5555, "http": 5556})
+    # ranks reach rank 0's rendezvous (port + 3) and each other's gloo links: any port within the fleet
+    assert by_kind(objs, "NetworkPolicy")["qwen-stages"]["spec"]["ingress"][0] == {
+        "from": [{"podSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}}}]
+    }
 
 
 def test_pods_run_unprivileged_on_a_read_only_root_with_a_scratch_directory():
