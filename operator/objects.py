@@ -133,10 +133,7 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
     container = {
         "name": "agent", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
         "command": ["modelfleet", "agent"], "env": env, "resources": _resources(spec, member),
-        "ports": [
-            {"name": "agent", "containerPort": names.AGENT_PORT},
-            {"name": "http", "containerPort": names.AGENT_HTTP_PORT},
-        ],
+        "ports": _stage_ports(stage.tp_size > 1 and member.tp_rank == 0),
         # the agent answers /healthz from the start of loading and /readyz once its layers are in;
         # the startup budget covers the start of the process and loading the stage's weights
         "startupProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=_startup_failures(stage.weights_bytes)),
@@ -145,8 +142,6 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [_plan_mount(), _model_mount(spec), _transport_mount(), _scratch_mount()],
     }  # fmt: skip
-    if stage.tp_size > 1 and member.tp_rank == 0:  # the other ranks dial it; gloo's own links use ephemeral ports
-        container["ports"].append({"name": "tensor", "containerPort": names.TENSOR_PORT})
     pod_spec = {
         "hostname": name, "subdomain": names.stage_service(fleet_name), "restartPolicy": "Never",
         "affinity": _affinity(spec, member.node), "containers": [container],
@@ -157,6 +152,16 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _stage_ports(rendezvous: bool) -> list[Obj]:
+    """Frames and HTTP; rank 0 of a tensor group also hosts its rendezvous (gloo's and NCCL's own
+    links between the ranks use ephemeral ports, which the stages' NetworkPolicy allows)."""
+    ports = [
+        {"name": "agent", "containerPort": names.AGENT_PORT},
+        {"name": "http", "containerPort": names.AGENT_HTTP_PORT},
+    ]
+    return ports + ([{"name": "tensor", "containerPort": names.TENSOR_PORT}] if rendezvous else [])
 
 
 def _startup_failures(weights_bytes: int) -> int:
