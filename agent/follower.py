@@ -60,7 +60,7 @@ class FollowerAgent:
                 self.config.plan.model.path, stage.layer_start, stage.layer_end, device=stage.device,
                 dtype=self.config.plan.model.dtype, on_layer=self._loaded, tensor=group,
             )  # fmt: skip
-            follower = RankFollower(shard, DistChannel(group), rank, on_command=self._applied)
+            follower = RankFollower(shard, DistChannel(group, shard.device), rank, on_command=self._applied)
             self.status.weights_bytes, self.status.bytes_by_role = shard.weights_bytes, shard.bytes_by_role
             self.status.phase = Phase.READY
             log.info("stage %d tensor rank %d of %d ready", stage.stage_index, rank, stage.tp_size)

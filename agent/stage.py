@@ -8,6 +8,9 @@ and pushes token ids straight back to the head. Stage 0 (the head) also runs the
 Control messages (release, rewind, probe) travel the same path as frames, so each stage sees
 them in the order the head sent them. Nothing from the wire is trusted: a malformed message is
 counted and dropped; a frame the engine refuses becomes an error message for the head.
+
+A stage with ``tp_size`` > 1 runs here as its rank 0: its model is a :class:`TensorStage`, which
+sends every engine call to the stage's other ranks (:mod:`.follower`) before running it.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ class StageAgent:
             on_layer=self._loaded, tensor=tensor,
         )  # fmt: skip
         name = f"stage {stage.stage_index}"
-        self.shard = shard if tensor is None else TensorStage(shard, DistChannel(tensor), name)
+        self.shard = shard if tensor is None else TensorStage(shard, DistChannel(tensor, shard.device), name)
         serving = self.plan.serving
         budget = stage.kv_budget_bytes or None
         self.shard.allocate_cache(self.plan.streams_per_group, serving.context_length, budget)

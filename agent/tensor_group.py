@@ -90,10 +90,19 @@ class Channel(Protocol):
 
 @dataclass(frozen=True)
 class DistChannel:
+    """Broadcasts over the group's torch.distributed group. Commands are CPU tensors; NCCL (a
+    group on CUDA) carries only device tensors, so there each one travels through a device copy."""
+
     group: TensorGroup
+    device: torch.device = torch.device("cpu")
 
     def broadcast(self, t: torch.Tensor) -> None:
-        dist.broadcast(t, src=0, group=self.group.process_group)
+        if self.device.type != "cuda":
+            dist.broadcast(t, src=0, group=self.group.process_group)
+            return
+        staged = t.to(self.device)
+        dist.broadcast(staged, src=0, group=self.group.process_group)
+        t.copy_(staged)
 
 
 # ---- the wire format ------------------------------------------------------------------------
