@@ -282,7 +282,8 @@ class StageAgent:
         except ModelfleetError as exc:
             self.metrics.errors.inc()
             log.warning("refused frame %d of group %d: %s", msg.step, msg.group, exc)
-            self.send(wire.ErrorMsg(code="capacity", message=str(exc)[:4000], group=msg.group, step=msg.step))
+            code = "unavailable" if isinstance(exc, TensorGroupLost) else "capacity"
+            self.send(wire.ErrorMsg(code=code, message=str(exc)[:4000], group=msg.group, step=msg.step))
             return
         if self.is_tail:
             self.send(self.sample(msg, out))
