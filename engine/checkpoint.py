@@ -59,7 +59,9 @@ def header_length(path: Path, prefix: bytes, size: int) -> int:
         raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
     (header_len,) = struct.unpack("<Q", prefix)
     if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-        raise CheckpointError(f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {size})")
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {size})"
+        )
     return int(header_len)
 
 
