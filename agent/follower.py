@@ -16,7 +16,7 @@ import threading
 from ..engine.shard import Shard
 from ..engine.tensor_parallel import close_tensor_group, init_tensor_group
 from .health import AgentStatus, Phase, StageMetrics, serve_http
-from .stage import AgentConfig
+from .stage import AgentConfig, format_plan
 from .tensor_group import Command, DistChannel, RankFollower
 
 log = logging.getLogger("modelfleet.agent")
@@ -59,6 +59,7 @@ class FollowerAgent:
             self.shard = shard = Shard.load(
                 self.config.plan.model.path, stage.layer_start, stage.layer_end, device=stage.device,
                 dtype=self.config.plan.model.dtype, on_layer=self._loaded, tensor=group,
+                formats=format_plan(self.config.plan.model.formats),
             )  # fmt: skip
             follower = RankFollower(shard, DistChannel(group, shard.device), rank, on_command=self._applied)
             self.status.weights_bytes, self.status.bytes_by_role = shard.weights_bytes, shard.bytes_by_role

@@ -27,17 +27,27 @@ import torch
 import zmq
 
 from ..engine.errors import ModelfleetError
+from ..engine.formats.plain import PLAIN_DTYPES
+from ..engine.formats.plan import FormatPlan
 from ..engine.frame import Frame
 from ..engine.sampling import StreamSampler, sample_rows
 from ..engine.shard import Shard
 from ..engine.tensor_parallel import init_tensor_group
-from ..plan import FleetPlan
+from ..plan import FleetPlan, Formats
 from . import transport as wire
 from .health import AgentStatus, Phase, StageMetrics, serve_http
 from .tensor_group import DistChannel, TensorGroupLost, TensorStage
 
 log = logging.getLogger("modelfleet.agent")
 SEND_HWM = 10_000
+
+
+def format_plan(formats: Formats) -> FormatPlan | None:
+    """The engine's formats for a plan's ``model.formats``: a quantized format is applied to its
+    role at load; a plain one (bf16, fp16, fp32) leaves the role as the checkpoint stores it, in
+    the compute dtype (so a checkpoint shipped in a format keeps it). None: nothing to apply."""
+    chosen = {role: name for role, name in formats.model_dump().items() if name not in PLAIN_DTYPES}
+    return FormatPlan(**chosen) if chosen else None
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,7 @@ class StageAgent:
             tensor = init_tensor_group(0, stage.tp_size, stage.host, stage.port + 3, stage.device, timeout)
         shard = Shard.load(
             model.path, stage.layer_start, stage.layer_end, device=stage.device, dtype=model.dtype,
-            on_layer=self._loaded, tensor=tensor,
+            on_layer=self._loaded, tensor=tensor, formats=format_plan(model.formats),
         )  # fmt: skip
         name = f"stage {stage.stage_index}"
         self.shard = shard if tensor is None else TensorStage(shard, DistChannel(tensor, shard.device), name)

@@ -1,0 +1,52 @@
+"""A plan's ``model.formats`` reach the stage agents: a fleet serves in the formats it was planned in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from test_pipeline import prompts_and_params
+from test_tensor_fleet import free_base_port
+
+from modelfleet.agent.client import FleetClient
+from modelfleet.agent.launcher import LocalFleet, fetch_json
+from modelfleet.agent.stage import format_plan
+from modelfleet.commands.fleet import make_plan
+from modelfleet.engine.formats.plan import FormatPlan
+from modelfleet.engine.generate import LocalModel, generate_batch
+from modelfleet.plan import FleetPlan, Formats
+
+
+def test_plain_plan_formats_keep_roles_as_stored_and_quantized_ones_are_applied() -> None:
+    assert format_plan(Formats()) is None
+    assert format_plan(Formats(experts="int4", attention="bf16", head="int8")) == FormatPlan(
+        experts="int4", head="int8"
+    )
+    assert format_plan(Formats(experts="mxfp4", attention="fp32")) == FormatPlan(experts="mxfp4")
+
+
+def test_a_fleet_planned_with_int4_experts_and_int8_attention_serves_in_them(tiny_checkpoint, tmp_path: Path) -> None:
+    path, _ = tiny_checkpoint("qwen3_moe")
+    plan = make_plan(path, 1, max_streams=4, context_length=256, window_rows=4, base_port=free_base_port())
+    document = json.loads(plan.to_json())
+    document["model"]["formats"] = {"experts": "int4", "attention": "int8", "head": "bf16"}
+    plan = FleetPlan.from_json(json.dumps(document))
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json())
+    stage = plan.groups[0].stages[0]
+    prompts, params = prompts_and_params(4)
+    with (tmp_path / "fleet.log").open("w") as log:
+        fleet = LocalFleet(plan, plan_path, out=log)
+        fleet.start()
+        try:
+            fleet.wait_ready(120)
+            status = fetch_json(f"http://{stage.host}:{stage.port + 1}/status")
+            with FleetClient(stage.address, timeout_seconds=60) as client:
+                results = client.wait([client.submit(p, s) for p, s in zip(prompts, params, strict=True)])
+        finally:
+            fleet.stop()
+    assert status is not None
+    assert set(status["bytes_by_role"]["experts"]) == {"int4"}
+    assert set(status["bytes_by_role"]["attention"]) == {"int8"}
+    expected = LocalModel.load(path, max_slots=4, max_context=256, formats=FormatPlan(experts="int4", attention="int8"))
+    assert [r.token_ids for r in results] == [r.token_ids for r in generate_batch(expected, prompts, params)]
