@@ -26,11 +26,10 @@ import argparse
 import csv
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -146,25 +145,20 @@ class Result:
         self.gb_per_s = self.weights_mb / self.time_ms
 
 
-class Cycle:
-    """Calls ``step(items[i])`` with i = 0, 1, 2, ... modulo len(items): each timed call touches
-    weights the previous one did not, so a last-level cache (32 MiB here) cannot hold them."""
-
-    def __init__(self, step: Callable[[Any], object], items: Sequence[Any]):
-        self.step, self.items, self.calls = step, items, 0
-
-    def __call__(self) -> object:
-        self.calls += 1
-        return self.step(self.items[self.calls % len(self.items)])
-
-
 def timings(steps: list[Callable[[], object]], device: str, capturable: bool = True) -> dict[str, float]:
-    """ms per step, cycling through ``steps``: eager, and on CUDA (when the steps never sync with
-    the host) also replayed from graphs, one per step, captured after a warm-up that lets the
-    autotuners choose."""
+    """ms per step: the steps run back to back (each touching weights the previous one did not, so
+    a last-level cache cannot hold them) and one synchronisation ends the pass, so the host's sync
+    cost is shared by all of them. ``eager`` launches every kernel from Python; on CUDA, when the
+    steps never sync with the host, ``graph`` replays one CUDA graph per step, captured after a
+    warm-up that lets the autotuners choose."""
     for step in steps:
         step()
-    times = {"eager": time_ms(Cycle(lambda step: step(), steps), device)}
+
+    def run_steps() -> None:
+        for step in steps:
+            step()
+
+    times = {"eager": time_ms(run_steps, device) / len(steps)}
     if device == "cuda" and capturable:
         graphs = []
         for step in steps:
@@ -172,7 +166,12 @@ def timings(steps: list[Callable[[], object]], device: str, capturable: bool = T
             with torch.cuda.graph(graph):
                 step()
             graphs.append(graph)
-        times["graph"] = time_ms(Cycle(lambda graph: graph.replay(), graphs), device)
+
+        def replay() -> None:
+            for graph in graphs:
+                graph.replay()
+
+        times["graph"] = time_ms(replay, device) / len(graphs)
     return times
 
 
