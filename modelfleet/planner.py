@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -66,15 +66,61 @@ class TensorIndex(Protocol):
     def info(self, name: str) -> TensorInfo: ...
 
 
+QUANTIZED_FORMATS = ("int4", "int4_sym", "int8", "mxfp4")
+
+
+def format_bytes(shape: Sequence[int], fmt: str) -> int:
+    """Resident bytes of a float matrix (or bank) of ``shape`` held in weight format ``fmt``, its
+    kernel layouts included (the larger of the CPU's and the GPU's; see engine/formats): int4
+    stores 32 codes in 16 bytes, an fp16 scale and a 4-bit zero point per group, and on the CPU
+    torch's kernel adds a scale/bias pair (2 x bf16) per group; int4_sym has no zero points;
+    int8 one byte per value plus a float32 scale and the CPU kernel's bf16 copy per row; mxfp4
+    16 bytes and one E8M0 byte per 32 values."""
+    rows, width = math.prod(shape[:-1]), shape[-1]
+    groups = -(-width // 32)
+    per_row = {
+        "int4": width // 2 + 2 * groups + (groups + 1) // 2 + 4 * groups,
+        "int4_sym": width // 2 + 2 * groups + 4 * groups,
+        "int8": width + 4 + 2,
+        "mxfp4": width // 2 + groups,
+    }
+    return rows * per_row[fmt]
+
+
 @dataclass(frozen=True)
 class LayerBytes:
-    """Weight bytes of a checkpoint, per decoder layer and for the parts around them."""
+    """Weight bytes of a checkpoint, per decoder layer and for the parts around them.
+
+    ``role_bytes`` holds, per layer, the bytes of the plain float matrices a weight format would
+    hold, by ``"role/format"`` (``experts/plain``, ``experts/int4``, ``attention/int8``, ...);
+    ``head_role_bytes`` the same for an untied output head. :meth:`in_formats` uses them to
+    count a checkpoint quantized at load.
+    """
 
     per_layer: tuple[int, ...]
     embed_bytes: int
     norm_bytes: int  # the final norm
     head_matrix_bytes: int  # lm_head, or the embedding again when tied
     tied: bool
+    role_bytes: tuple[Mapping[str, int], ...] = ()
+    head_role_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    def in_formats(self, formats: Formats | None) -> LayerBytes:
+        """The bytes once each role in a (non-plain) weight format is held in it at load."""
+        if formats is None or not self.role_bytes:
+            return self
+
+        def delta(table: Mapping[str, int], role: str, fmt: str) -> int:
+            if fmt not in QUANTIZED_FORMATS:
+                return 0
+            return table.get(f"{role}/{fmt}", 0) - table.get(f"{role}/plain", 0)
+
+        per_layer = tuple(
+            size + delta(table, "experts", formats.experts) + delta(table, "attention", formats.attention)
+            for size, table in zip(self.per_layer, self.role_bytes, strict=True)
+        )
+        head = self.head_matrix_bytes + delta(self.head_role_bytes, "head", formats.head)
+        return LayerBytes(per_layer, self.embed_bytes, self.norm_bytes, head, self.tied)
 
     @property
     def head_bytes(self) -> int:
@@ -108,18 +154,56 @@ def layer_bytes_of(spec: ModelSpec, checkpoint: TensorIndex, dtype: str | None =
     # a quantized checkpoint is loaded as stored: its bytes are the resident bytes
     itemsize = None if spec.raw.get("quantization_config") else _itemsize(dtype)
     per_layer = [0] * spec.num_layers
+    role_bytes: list[dict[str, int]] = [{} for _ in range(spec.num_layers)]
     named: dict[str, int] = {}
+    head_role_bytes: dict[str, int] = {}
     for name in checkpoint.names():
         info = checkpoint.info(name)
         size = math.prod(info.shape) * itemsize if itemsize and info.dtype.is_floating_point else info.nbytes
+        plain_matrix = itemsize is not None and info.dtype.is_floating_point and len(info.shape) >= 2
         match = _LAYER_NAME.match(name)
         if match and int(match.group(1)) < spec.num_layers:
-            per_layer[int(match.group(1))] += size
+            layer = int(match.group(1))
+            per_layer[layer] += size
+            role = _layer_role(name[match.end() :])
+            if plain_matrix and role is not None:
+                shape = tuple(info.shape)
+                if _FUSED_EXPERTS.search(name):  # stored [E, in, out]; formats group the input
+                    shape = (shape[0], shape[2], shape[1])
+                _add_role_bytes(role_bytes[layer], role, shape, size)
         elif (canonical := _source_name(name)) in (EMBED_NAME, NORM_NAME, HEAD_NAME):
             named[canonical] = named.get(canonical, 0) + size  # a packed weight: its storage tensors summed
+            if plain_matrix and canonical == HEAD_NAME:
+                _add_role_bytes(head_role_bytes, "head", info.shape, size)
     tied = spec.tie_word_embeddings or HEAD_NAME not in named
     head = named.get(EMBED_NAME, 0) if tied else named[HEAD_NAME]
-    return LayerBytes(tuple(per_layer), named.get(EMBED_NAME, 0), named.get(NORM_NAME, 0), head, tied)
+    return LayerBytes(
+        tuple(per_layer), named.get(EMBED_NAME, 0), named.get(NORM_NAME, 0), head, tied,
+        tuple(role_bytes), {} if tied else head_role_bytes,
+    )  # fmt: skip
+
+
+def _add_role_bytes(table: dict[str, int], role: str, shape: Sequence[int], plain: int) -> None:
+    table[f"{role}/plain"] = table.get(f"{role}/plain", 0) + plain
+    for fmt in QUANTIZED_FORMATS:
+        table[f"{role}/{fmt}"] = table.get(f"{role}/{fmt}", 0) + format_bytes(shape, fmt)
+
+
+_FUSED_EXPERTS = re.compile(r"\.experts\.[a-z_]+_proj$")  # GPT-OSS's fused banks, no ".weight"
+_ROUTERS = re.compile(r"^(mlp|block_sparse_moe)\.(gate|router)\.")
+
+
+def _layer_role(rest: str) -> str | None:
+    """Which format role a layer tensor (its name after ``layers.N.``) belongs to, as the engine
+    assigns them (engine.formats.plan.role_of): attention projections but DeepSeek's kv_b_proj,
+    which stays plain; feed-forward and expert matrices but the routers; None for the rest."""
+    if "norm" in rest or rest.endswith(("sinks", "bias")):
+        return None
+    if rest.startswith("self_attn."):
+        return None if "kv_b_proj" in rest else "attention"
+    if rest.startswith(("mlp.", "block_sparse_moe.")) and not _ROUTERS.match(rest):
+        return "experts"
+    return None
 
 
 def _source_name(name: str) -> str:
@@ -368,7 +452,7 @@ def build_plan(
     from .engine.spec import load_spec
 
     spec = load_spec(model_dir)
-    sizes = layer_bytes(model_dir, dtype)
+    sizes = layer_bytes(model_dir, dtype).in_formats(formats)
     limits = serving or ServingLimits()
     streams_per_group = -(-limits.max_streams // groups)
     kv = kv_bytes_per_layer(spec, streams_per_group, limits.context_length, dtype)

@@ -265,7 +265,7 @@ def _plan(
     namespace: str,
 ) -> Placement:
     """``per_stage`` is the number of nodes a stage spans: ``tensor``, or 1 when its ranks share one."""
-    tp, sizes = spec.parallelism.tensor, summary.sizes
+    tp, sizes = spec.parallelism.tensor, summary.sizes(spec.model.formats)
     streams_per_group = -(-spec.serving.max_streams // spec.replicas)
     kv = summary.kv_bytes(streams_per_group, spec.serving.context_length)
     members, groups = [], []
@@ -309,7 +309,7 @@ def _ranges(
     spec: ModelFleetSpec, summary: ModelSummary, kv: list[int], stage_nodes: list[list[Node]]
 ) -> list[tuple[int, int]]:
     """Layer ranges of one group: the spec's, checked against memory, or split by memory."""
-    sizes, stages = summary.sizes, len(stage_nodes)
+    sizes, stages = summary.sizes(spec.model.formats), len(stage_nodes)
     usable = [_stage_usable(spec, ranks) for ranks in stage_nodes]
     names = ["+".join(node_name(n) for n in ranks) for ranks in stage_nodes]
     head = sizes.norm_bytes if stages == 1 and sizes.tied else sizes.head_bytes

@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
-from modelfleet.plan import ComputeDtype, PlanError, _describe
-from modelfleet.planner import REWIND_SLACK_POSITIONS, LayerBytes, TensorIndex, kv_bytes_per_layer, layer_bytes_of
+from modelfleet.plan import ComputeDtype, Formats, PlanError, _describe
+from modelfleet.planner import (
+    REWIND_SLACK_POSITIONS,
+    LayerBytes,
+    TensorIndex,
+    kv_bytes_per_layer,
+    layer_bytes_of,
+)
 
 if TYPE_CHECKING:
     from modelfleet.engine.spec import ModelSpec
@@ -40,18 +46,25 @@ class ModelSummary(BaseModel):
     tied: StrictBool = False
     kv_bytes_per_position: tuple[NonNegativeInt, ...]
     kv_window_positions: tuple[NonNegativeInt, ...] | None = None
+    # bytes of the plain float matrices a weight format would hold, by "role/format", per layer
+    # and for an untied head (planner.LayerBytes); empty in summaries of packed checkpoints
+    layer_role_bytes: tuple[dict[StrictStr, NonNegativeInt], ...] = ()
+    head_role_bytes: dict[StrictStr, NonNegativeInt] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_lengths(self) -> ModelSummary:
-        for name in ("layer_bytes", "kv_bytes_per_position", "kv_window_positions"):
+        for name in ("layer_bytes", "kv_bytes_per_position", "kv_window_positions", "layer_role_bytes"):
             values = getattr(self, name)
-            if values is not None and len(values) != self.num_layers:
+            if values is not None and values != () and len(values) != self.num_layers:
                 raise ValueError(f"{name} has {len(values)} entries for num_layers={self.num_layers}")
         return self
 
-    @property
-    def sizes(self) -> LayerBytes:
-        return LayerBytes(self.layer_bytes, self.embed_bytes, self.norm_bytes, self.head_matrix_bytes, self.tied)
+    def sizes(self, formats: Formats | None = None) -> LayerBytes:
+        """Weight bytes as stored in the compute dtype, or as held once ``formats`` apply at load."""
+        return LayerBytes(
+            self.layer_bytes, self.embed_bytes, self.norm_bytes, self.head_matrix_bytes, self.tied,
+            self.layer_role_bytes, self.head_role_bytes,
+        ).in_formats(formats)  # fmt: skip
 
     def kv_bytes(self, streams: int, context_length: int) -> list[int]:
         """KV bytes each layer reserves for ``streams`` streams of ``context_length`` positions."""
@@ -96,4 +109,5 @@ def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSum
         family=spec.family, num_layers=spec.num_layers, dtype=dtype, layer_bytes=sizes.per_layer,  # type: ignore[arg-type]
         embed_bytes=sizes.embed_bytes, norm_bytes=sizes.norm_bytes, head_matrix_bytes=sizes.head_matrix_bytes,
         tied=sizes.tied, kv_bytes_per_position=tuple(per_position), kv_window_positions=tuple(windows),
+        layer_role_bytes=tuple(dict(t) for t in sizes.role_bytes), head_role_bytes=dict(sizes.head_role_bytes),
     )  # fmt: skip

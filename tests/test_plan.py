@@ -369,3 +369,38 @@ def test_a_plan_of_two_groups_takes_its_nodes_group_after_group(tiny_model):
     assert plan.stage(1, 0).address == "g1-s0.fleet:7000"
     with pytest.raises(PlanError, match="3 nodes given for 2 group"):
         planner.build_plan(tiny_model, 2, nodes[:3], groups=2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_bytes_planned_in_weight_formats_are_the_bytes_a_shard_holds_in_them(tiny_checkpoint, family):
+    from modelfleet.engine.formats.plan import FormatPlan
+    from modelfleet.engine.shard import Shard
+    from modelfleet.plan import Formats
+
+    path, _ = tiny_checkpoint(family)
+    plain = planner.layer_bytes(path, "bfloat16")
+    planned = plain.in_formats(Formats(experts="int4", attention="int8", head="int8"))
+    shard = Shard.load(path, dtype="bfloat16", formats=FormatPlan(experts="int4", attention="int8", head="int8"))
+    held = shard.bytes_by_role  # one shard: every layer, embeddings, norm and head
+    role_total = {role: sum(t.get(f"{role}/plain", 0) for t in plain.role_bytes) for role in ("experts", "attention")}
+    for role, fmt in (("experts", "int4"), ("attention", "int8")):
+        # the role's matrices in their format (kernel layouts counted as this CPU holds them)
+        assert held[role][fmt] == sum(t[f"{role}/{fmt}"] for t in plain.role_bytes), role
+        assert held[role][fmt] < 0.6 * role_total[role]
+    assert held["head"]["int8"] == plain.head_role_bytes["head/int8"]
+    expected = sum(planned.per_layer) + planned.embed_bytes + planned.norm_bytes + planned.head_matrix_bytes
+    assert abs(shard.weights_bytes - expected) <= 0.02 * expected  # routers held in float32 ride on top
+
+
+def test_plain_formats_leave_the_sizes_as_counted_and_a_summary_plans_in_formats(tiny_checkpoint):
+    from modelfleet.operator.summary import inspect_checkpoint
+    from modelfleet.plan import Formats
+
+    path, _ = tiny_checkpoint("qwen3_moe")
+    sizes = planner.layer_bytes(path, "bfloat16")
+    unchanged = sizes.in_formats(Formats())
+    assert (unchanged.per_layer, unchanged.head_matrix_bytes) == (sizes.per_layer, sizes.head_matrix_bytes)
+    int4 = Formats(experts="int4")
+    summary = inspect_checkpoint(path, "bfloat16")
+    assert summary.sizes(int4) == sizes.in_formats(int4)
+    assert sum(summary.sizes(int4).per_layer) < sum(summary.sizes().per_layer)
