@@ -50,3 +50,26 @@ def test_a_fleet_planned_with_int4_experts_and_int8_attention_serves_in_them(tin
     assert set(status["bytes_by_role"]["attention"]) == {"int8"}
     expected = LocalModel.load(path, max_slots=4, max_context=256, formats=FormatPlan(experts="int4", attention="int8"))
     assert [r.token_ids for r in results] == [r.token_ids for r in generate_batch(expected, prompts, params)]
+
+
+def test_plan_command_sizes_stages_in_the_formats_asked_for_and_names_a_bad_one(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    path, _ = tiny_checkpoint("qwen3_moe")
+    runner = CliRunner()
+    plans = {}
+    for name, options in (("plain", []), ("packed", ["--experts", "int4", "--attention", "int8"])):
+        out = tmp_path / f"{name}.json"
+        result = runner.invoke(app, ["plan", "--model", str(path), "--stages", "2", "--out", str(out), *options])
+        assert result.exit_code == 0, result.output
+        plans[name] = FleetPlan.from_json(out.read_text())
+    packed = plans["packed"]
+    assert (packed.model.formats.experts, packed.model.formats.attention) == ("int4", "int8")
+    for plain_stage, packed_stage in zip(plans["plain"].groups[0].stages, packed.groups[0].stages, strict=True):
+        assert packed_stage.weights_bytes < 0.6 * plain_stage.weights_bytes
+    result = runner.invoke(app, ["plan", "--model", str(path), "--experts", "int3", "--out", str(tmp_path / "x.json")])
+    assert result.exit_code == 2 and "--experts 'int3' is not a weight format" in result.output

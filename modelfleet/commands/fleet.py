@@ -63,6 +63,7 @@ def make_plan(
     model: Path, stages: int, *, nodes: Path | None = None, max_streams: int = 16, context_length: int = 2048,
     window_rows: int = 8, stream_groups: int | None = None, max_queue: int = 64, dtype: str = "float32",
     device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
+    formats: Any = None,
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
     ``tensor`` ranks; stage ports run from ``base_port``, PORT_STRIDE apart (a multiple of it
@@ -78,13 +79,30 @@ def make_plan(
     plan = build_plan(
         model, stages, _load_nodes(nodes) if nodes else None, groups=groups, dtype=dtype, serving=serving,
         served_name=served_name or model.resolve().name, model_path=str(model.resolve()),
-        address_of=lambda g, s: f"127.0.0.1:{base_port + stride * (g * stages + s)}",
+        address_of=lambda g, s: f"127.0.0.1:{base_port + stride * (g * stages + s)}", formats=formats,
     )  # fmt: skip
     if tensor > 1:
         plan = _with_stages(plan, tp_size=tensor)
     if device != "cpu" and nodes is None:
         plan = _with_stages(plan, device=device)
     return plan
+
+
+FORMAT_HELP = "int4, int8, mxfp4 (quantized at load) or bf16, fp16, fp32 (as stored); default as stored"
+
+
+def plan_formats(experts: str | None, attention: str | None, head: str | None) -> Any:
+    """The plan's ``model.formats`` from the command line's role options (None: as stored)."""
+    from typing import get_args
+
+    from modelfleet.plan import Formats, WeightFormat
+
+    known = get_args(WeightFormat)
+    given = {role: name for role, name in (("experts", experts), ("attention", attention), ("head", head)) if name}
+    for role, name in given.items():
+        if name not in known:
+            fail(f"--{role} {name!r} is not a weight format; choose one of {', '.join(known)}")
+    return Formats.model_validate(given)
 
 
 def _with_stages(plan: Any, **fields: Any) -> Any:
@@ -107,13 +125,18 @@ def plan(
     window_rows: int = typer.Option(8, "--window-rows", min=1, help="Rows of one stream's prefill window per frame."),
     dtype: str = typer.Option("float32", "--dtype"),
     tensor: int = typer.Option(1, "--tensor", min=1, help="Tensor-parallel ranks per stage (tp_size)."),
+    experts_format: str | None = typer.Option(None, "--experts", help=f"Experts' format: {FORMAT_HELP}."),
+    attention_format: str | None = typer.Option(None, "--attention", help=f"Attention's format: {FORMAT_HELP}."),
+    head_format: str | None = typer.Option(None, "--head", help=f"Output head's format: {FORMAT_HELP}."),
 ) -> None:
-    """Plan a fleet: contiguous layer ranges per stage, printed as a table and written as JSON."""
+    """Plan a fleet: contiguous layer ranges per stage (sized in the weight formats asked for),
+    printed as a table and written as JSON."""
     from modelfleet.engine.errors import ModelfleetError
 
+    formats = plan_formats(experts_format, attention_format, head_format)
     try:
         fleet_plan = make_plan(model, stages, nodes=nodes, max_streams=max_streams, context_length=context_length,
-                               window_rows=window_rows, dtype=dtype, tensor=tensor)  # fmt: skip
+                               window_rows=window_rows, dtype=dtype, tensor=tensor, formats=formats)  # fmt: skip
     except ModelfleetError as exc:
         fail(str(exc))
     out.print(plan_table(fleet_plan))
@@ -200,6 +223,9 @@ def up(
     base_port: int = typer.Option(
         5555, "--base-port", help="First stage port; each stage takes 3 ports (3 + --tensor with ranks), 10 apart."
     ),
+    experts_format: str | None = typer.Option(None, "--experts", help=f"Experts' format: {FORMAT_HELP}."),
+    attention_format: str | None = typer.Option(None, "--attention", help=f"Attention's format: {FORMAT_HELP}."),
+    head_format: str | None = typer.Option(None, "--head", help=f"Output head's format: {FORMAT_HELP}."),
     ready_timeout: float = typer.Option(600.0, "--ready-timeout", help="Seconds to wait for the fleet."),
     host: str = typer.Option("127.0.0.1", "--host", help="Where the gateway (OpenAI-compatible API) listens."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="The gateway's port."),
@@ -219,10 +245,12 @@ def up(
             fail(f"the bundled demo model is not at {model} (run from a clone of the repository), or pass --model DIR")
     if not model.is_dir():
         fail(f"model directory {str(model)!r} does not exist; pass --model DIR with a checkpoint")
+    formats = plan_formats(experts_format, attention_format, head_format)
     try:
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, stream_groups=groups, max_queue=max_queue, dtype=dtype,
-                               device=device, base_port=base_port, groups=replicas, tensor=tensor)  # fmt: skip
+                               device=device, base_port=base_port, groups=replicas, tensor=tensor,
+                               formats=formats)  # fmt: skip
         check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
         fail(str(exc))
