@@ -73,3 +73,24 @@ def test_plan_command_sizes_stages_in_the_formats_asked_for_and_names_a_bad_one(
         assert packed_stage.weights_bytes < 0.6 * plain_stage.weights_bytes
     result = runner.invoke(app, ["plan", "--model", str(path), "--experts", "int3", "--out", str(tmp_path / "x.json")])
     assert result.exit_code == 2 and "--experts 'int3' is not a weight format" in result.output
+
+
+def test_an_agent_asked_for_a_backend_or_device_it_lacks_says_so_before_loading(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    path, _ = tiny_checkpoint("qwen3_moe")
+    plan = make_plan(path, 1, base_port=free_base_port())
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json())
+    runner = CliRunner()
+    result = runner.invoke(app, ["agent", "--plan", str(plan_path), "--stage", "0"], env={"MF_BACKEND": "openvino"})
+    assert result.exit_code == 2 and "backend 'openvino'" in result.output and "spec.backend: torch" in result.output
+    document = json.loads(plan.to_json())
+    document["groups"][0]["stages"][0]["device"] = "GPU.0"
+    plan_path.write_text(FleetPlan.from_json(json.dumps(document)).to_json())
+    result = runner.invoke(app, ["agent", "--plan", str(plan_path), "--stage", "0"])
+    assert result.exit_code == 2 and "'GPU.0' is an OpenVINO device" in result.output

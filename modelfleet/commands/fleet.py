@@ -158,6 +158,9 @@ def agent(
     tp_rank: int = typer.Option(
         0, "--tp-rank", envvar="MF_TP_RANK", min=0, help="Tensor rank in the stage; rank 0 serves it, others follow."
     ),
+    backend: str = typer.Option(
+        "torch", "--backend", envvar="MF_BACKEND", help="Engine backend: torch (CPU or CUDA devices)."
+    ),
     log_level: str = typer.Option("INFO", "--log-level", envvar="MF_LOG_LEVEL"),
 ) -> None:
     """Run one stage of a fleet: load its layers, serve frames (stage 0 also schedules streams)."""
@@ -174,6 +177,14 @@ def agent(
         fleet_plan = load(plan_path)
         if group >= len(fleet_plan.groups) or stage >= len(fleet_plan.groups[group].stages):
             fail(f"the plan has no stage {stage} in group {group}")
+        device = fleet_plan.stage(group, stage).device
+        if backend != "torch":
+            fail(
+                f"backend {backend!r}: this release's engine runs on torch only (the OpenVINO backend for Intel GPUs "
+                "is not built yet); set spec.backend: torch with accelerator.profile cpu or nvidia-gpu"
+            )
+        if not device.startswith(("cpu", "cuda")):
+            fail(f"stage {stage}'s device {device!r} is an OpenVINO device; the torch backend runs on cpu or cuda[:N]")
         tp_size = fleet_plan.stage(group, stage).tp_size
         if tp_rank >= tp_size:
             fail(
