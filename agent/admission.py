@@ -4,12 +4,14 @@ come, first served), each waiting at most ``queue_timeout_seconds``.
 
 Each head ``h`` has a stream limit ``limits[h]`` and counts ``active_by_head[h]``. A request is
 admitted to the ready head with the most free capacity: the least ``active / limit``, ties to the
-lower index. Which heads are ready is asked of ``ready(h)`` at each decision.
+lower index. Which heads are ready is asked of ``ready(h)`` at each decision. A request may
+``avoid`` some heads (those that already failed it): it is admitted only to the others, and a
+waiter that avoids every head with a free stream lets the next waiter have it.
 
 Invariant: ``active_by_head[h] <= limits[h]`` and ``len(waiting) <= max_queue``; a freed stream
-goes straight to the oldest waiter (on whichever ready head is then least loaded), so a late
-arrival cannot overtake the queue. Waiters also look again every CHECK_SECONDS, so a head that
-turns ready takes the queue without waiting for some stream to finish.
+goes straight to the oldest waiter that may take it (on whichever ready head it may take is then
+least loaded), so a late arrival cannot overtake the queue. Waiters also look again every
+CHECK_SECONDS, so a head that turns ready takes the queue without waiting for some stream to finish.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 CHECK_SECONDS = 0.2
 
@@ -34,6 +37,12 @@ class Abandoned(Exception):
     """The request's client went away while it waited in line."""
 
 
+@dataclass(frozen=True)
+class Waiter:
+    turn: asyncio.Future[int]  # set to the head index once a stream is handed to it
+    avoid: frozenset[int]
+
+
 class Admission:
     def __init__(
         self,
@@ -46,7 +55,7 @@ class Admission:
             raise ValueError(f"every head needs a stream limit >= 1, got {list(limits)}")
         self.limits, self.max_queue, self.timeout, self.ready = list(limits), max_queue, queue_timeout_seconds, ready
         self.active_by_head = [0] * len(self.limits)
-        self.waiting: deque[asyncio.Future[int]] = deque()
+        self.waiting: deque[Waiter] = deque()
 
     @property
     def active(self) -> int:
@@ -56,25 +65,35 @@ class Admission:
     def max_streams(self) -> int:
         return sum(self.limits)
 
-    def best_head(self) -> int | None:
-        """The ready head with a free stream and the least active streams for its limit, if any."""
-        free = [h for h, limit in enumerate(self.limits) if self.active_by_head[h] < limit and self.ready(h)]
+    def best_head(self, avoid: frozenset[int] = frozenset()) -> int | None:
+        """The ready head not in ``avoid`` with a free stream and the least active streams for its
+        limit, if any."""
+        free = [h for h, limit in enumerate(self.limits)
+                if self.active_by_head[h] < limit and h not in avoid and self.ready(h)]  # fmt: skip
         return min(free, key=lambda h: (self.active_by_head[h] / self.limits[h], h), default=None)
 
     @contextlib.asynccontextmanager
-    async def slot(self, gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[int]:
+    async def slot(
+        self, gone: Callable[[], Awaitable[bool]] | None = None, avoid: frozenset[int] = frozenset(),
+        waited_seconds: float = 0.0,
+    ) -> AsyncIterator[int]:  # fmt: skip
         """A stream on some head (its index), released on the way out."""
-        head = await self.acquire(gone)
+        head = await self.acquire(gone, avoid, waited_seconds)
         try:
             yield head
         finally:
             self.release(head)
 
-    async def acquire(self, gone: Callable[[], Awaitable[bool]] | None = None) -> int:
-        """A stream, at once or after waiting in line: the index of the head it is on. ``gone()``
-        is asked every CHECK_SECONDS while waiting, and a true answer (the client went away)
-        gives up the place with Abandoned."""
-        head = None if self.waiting else self.best_head()
+    async def acquire(
+        self, gone: Callable[[], Awaitable[bool]] | None = None, avoid: frozenset[int] = frozenset(),
+        waited_seconds: float = 0.0,
+    ) -> int:  # fmt: skip
+        """A stream on a head not in ``avoid``, at once or after waiting in line: the index of the
+        head it is on. The wait ends ``queue_timeout_seconds`` after the request arrived, which
+        was ``waited_seconds`` ago (a retried request keeps its first arrival). ``gone()`` is
+        asked every CHECK_SECONDS while waiting, and a true answer (the client went away) gives
+        up the place with Abandoned."""
+        head = None if self.waiting else self.best_head(avoid)
         if head is not None:
             self.active_by_head[head] += 1
             return head
@@ -85,8 +104,9 @@ class Admission:
             )
         loop = asyncio.get_running_loop()
         turn: asyncio.Future[int] = loop.create_future()
-        self.waiting.append(turn)
-        deadline = loop.time() + self.timeout
+        waiter = Waiter(turn, avoid)
+        self.waiting.append(waiter)
+        deadline = loop.time() + self.timeout - waited_seconds
         try:
             while not turn.done():
                 if loop.time() >= deadline:
@@ -104,7 +124,7 @@ class Admission:
                 self.release(turn.result())  # the stream arrived as we gave up: pass it on
             else:
                 turn.cancel()
-                self.waiting.remove(turn)
+                self.waiting.remove(waiter)
             raise
 
     def release(self, head: int) -> None:
@@ -112,12 +132,15 @@ class Admission:
         self._hand_out()
 
     def _hand_out(self) -> None:
-        """Free streams to the oldest waiters, each on the then least loaded ready head."""
-        while self.waiting:
-            head = self.best_head()
-            if head is None:
+        """Free streams to the oldest waiters, each on the then least loaded ready head it may take
+        (a waiter that avoids every free head keeps its place and is passed over)."""
+        for waiter in list(self.waiting):
+            if self.best_head() is None:
                 return
-            turn = self.waiting.popleft()
-            if not turn.done():
+            head = self.best_head(waiter.avoid)
+            if head is None:
+                continue
+            self.waiting.remove(waiter)
+            if not waiter.turn.done():
                 self.active_by_head[head] += 1
-                turn.set_result(head)
+                waiter.turn.set_result(head)

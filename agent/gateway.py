@@ -12,7 +12,11 @@ Invariants:
   its head (stop string matched, client went away, error), so no slot on any stage leaks;
 - a request waits for its first output before the response starts, so a refusal (busy, not
   ready, bad input) is an HTTP status with an OpenAI-shaped error body, not a broken stream;
-- a client that disconnects is noticed within ``DISCONNECT_CHECK_SECONDS``.
+- a client that disconnects is noticed within ``DISCONNECT_CHECK_SECONDS``;
+- a request its head fails (a broken chain, a head gone silent) is tried again on another ready
+  head, at most ``retries`` times and never twice on one head, but only while nothing of it has
+  reached the client: a streamed request until its first token, a non-streamed one until it
+  finishes. Once text was streamed, a retry would send it again, so the stream ends in the error.
 
 One module over 400 lines because a request's life (checks, admission, the head's stream, the
 response's two shapes) shares :class:`Job` and the invariants above; the parts that stand alone
@@ -72,6 +76,7 @@ class GatewayConfig:
     keys: wire.KeyPair | None = None  # the fleet's CURVE keys, when the head requires them
     ready_poll_seconds: float = 0.5
     more_plans: tuple[FleetPlan, ...] = ()  # further fleets serving the same served_name
+    retries: int = 1  # further heads a request its head failed may be tried on
 
     @classmethod
     def of(cls, plan: FleetPlan, **overrides: Any) -> GatewayConfig:
@@ -142,6 +147,17 @@ def head_error(message: str) -> ApiError:
     return ApiError(500, f"the fleet failed the request: {message}")
 
 
+def retry_reason(message: str) -> str | None:
+    """The ``reason`` label of a head's failure that another head may not repeat: ``head_refused``
+    (not ready, or busy) or ``stream_failed`` (its chain broke); None when every head would
+    answer alike (the request's own fault) or the request's queue time is spent."""
+    if head_error(message).status == 400 or "waited over" in message:
+        return None
+    if "not ready" in message or "busy" in message:
+        return "head_refused"
+    return "stream_failed"
+
+
 class HeadsCollector:
     """Per-head series, labelled by the head's address: whether it is ready, and its streams."""
 
@@ -175,6 +191,9 @@ class GatewayMetrics:
             "Seconds from a request's arrival to its last token.", buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.prompt_tokens = Counter("modelfleet_gateway_prompt_tokens_total", "Prompt tokens admitted.", registry=r)
         self.generation_tokens = Counter("modelfleet_gateway_generation_tokens_total", "Tokens generated.", registry=r)
+        self.retries = Counter("modelfleet_gateway_retries_total",
+                               "Requests a head failed before any of their text was sent, tried on another head.",
+                               ["reason"], registry=r)  # fmt: skip
         queue = Gauge("modelfleet_gateway_queue_depth", "Requests waiting for a free stream.", registry=r)
         queue.set_function(lambda: len(admission.waiting))
         active = Gauge("modelfleet_gateway_active_streams", "Requests streaming (admitted).", registry=r)
@@ -201,7 +220,9 @@ class Job:
     chat: bool
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the current attempt's
+    heads_tried: list[int] = field(default_factory=list)  # head indices, in the order of the attempts
+    first_token_seen: bool = False  # by any attempt: time to first token is observed once
 
     def __post_init__(self) -> None:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -238,6 +259,7 @@ class Outputs:
 class Finish:
     reason: str
     error: ApiError | None = None
+    retry: str | None = None  # with an error that another head may not repeat: the retries_total reason
 
 
 class ClientGone(Exception):
@@ -445,29 +467,60 @@ class Gateway:
         return JSONResponse(payload)
 
     async def _generate(self, request: Request, job: Job) -> AsyncGenerator[Text | Finish, None]:
-        """Text pieces, then one Finish; the slot and the head's stream are released in every case."""
-        async with self.admission.slot(request.is_disconnected) as h:
+        """Text pieces, then one Finish, of the first attempt its head does not fail while none of
+        it reached the client: a streamed attempt's pieces pass on at once, a non-streamed one's
+        once it succeeds, so the client never sees a part of a failed attempt."""
+        failure: Finish | None = None
+        while True:
+            held: list[Text] = []
+            async with contextlib.aclosing(self._attempt(request, job, failure)) as events:
+                async for event in events:
+                    if isinstance(event, Text):
+                        if job.body.stream:
+                            yield event
+                        else:
+                            held.append(event)
+                        continue
+                    if event.retry is None or (job.body.stream and job.token_ids) or not self._may_retry(job):
+                        for piece in held:
+                            yield piece
+                        yield event
+                        return
+                    failure = event
+                    break
+            assert failure is not None and failure.retry is not None
+            self.metrics.retries.labels(reason=failure.retry).inc()
+
+    def _may_retry(self, job: Job) -> bool:
+        """Retries are left, and some head the request has not been on reports ready."""
+        untried = [h for h, head in enumerate(self.heads) if head.ready and h not in job.heads_tried]
+        return len(job.heads_tried) <= self.config.retries and bool(untried)
+
+    async def _attempt(self, request: Request, job: Job, after: Finish | None) -> AsyncGenerator[Text | Finish, None]:
+        """One try on one head (not one tried before; ``after``: the last try's failure): text
+        pieces, then one Finish; the slot and the head's stream are released in every case."""
+        waited = time.perf_counter() - job.arrived
+        async with self.admission.slot(request.is_disconnected, frozenset(job.heads_tried), waited) as h:
             head = self.heads[h]
+            if after is not None and after.error is not None:
+                log.warning("request %s: head %s failed it before any of it was sent (%s: %s); retried on head %s",
+                            job.id, self.heads[job.heads_tried[-1]].address, after.retry, after.error.message,
+                            head.address)  # fmt: skip
+            job.heads_tried.append(h)
+            job.token_ids = []
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             request_id, queue = head.submit(job.prompt_ids, job.params)
             text = TextStream(self.prompts.tokenizer, job.body.stop_strings)
-            done, last_token_at = False, 0.0
+            done, last_token_at = False, None
             try:
                 while True:
                     try:
                         msg = await self._next(request, queue, head)
                     except HeadSilent as exc:
-                        yield Finish("error", ApiError(503, str(exc), retry_after_seconds=1))
+                        yield Finish("error", ApiError(503, str(exc), retry_after_seconds=1), "head_silent")
                         return
                     if msg.token_ids:
-                        now = time.perf_counter()
-                        if not job.token_ids:
-                            self.metrics.time_to_first_token.observe(now - job.arrived)
-                        else:
-                            self.metrics.inter_token_latency.observe(now - last_token_at)
-                        for _ in msg.token_ids[1:]:  # tokens that arrived together
-                            self.metrics.inter_token_latency.observe(0.0)
-                        last_token_at = now
+                        last_token_at = self._observe_tokens(job, len(msg.token_ids), last_token_at)
                         piece = text.push(msg.token_ids)
                         job.token_ids += piece.token_ids
                         self.metrics.generation_tokens.inc(len(piece.token_ids))
@@ -477,7 +530,9 @@ class Gateway:
                     if msg.finish_reason is not None:
                         done = True
                         if msg.finish_reason in ("error", "cancelled"):
-                            yield Finish("error", head_error(msg.error or "the head cancelled the request"))
+                            message = msg.error or "the head cancelled the request"
+                            retry = retry_reason(message) if msg.finish_reason == "error" else None
+                            yield Finish("error", head_error(message), retry)
                             return
                         tail = text.finish()
                         yield Text(tail, [])
@@ -489,6 +544,20 @@ class Gateway:
                     head.forget(request_id)
                 else:
                     head.cancel(request_id)
+
+    def _observe_tokens(self, job: Job, count: int, last_token_at: float | None) -> float:
+        """The latency histograms for ``count`` tokens that arrived together; returns their arrival
+        time. Time to first token is the first of any attempt's (a streamed request is retried
+        only before its first token, so for it this is the token the client got first)."""
+        now = time.perf_counter()
+        if last_token_at is not None:
+            self.metrics.inter_token_latency.observe(now - last_token_at)
+        elif not job.first_token_seen:
+            job.first_token_seen = True
+            self.metrics.time_to_first_token.observe(now - job.arrived)
+        for _ in range(count - 1):
+            self.metrics.inter_token_latency.observe(0.0)
+        return now
 
     async def _next(self, request: Request, queue: asyncio.Queue[wire.OutputMsg], head: HeadLink) -> Outputs:
         """The outputs waiting (at least one, merged up to a finish: a gateway that fell behind

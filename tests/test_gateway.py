@@ -7,6 +7,7 @@ metrics behave as specified."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_pipeline import free_base_port, wait_until
 
+from modelfleet.agent import gateway as gateway_module
 from modelfleet.agent import transport as wire
 from modelfleet.agent.admission import Admission, Busy
 from modelfleet.agent.gateway import Gateway, GatewayConfig
@@ -397,7 +399,8 @@ def test_a_gateway_whose_fleet_is_not_ready_answers_503_but_stays_alive(fleet) -
 
 class SilentHead:
     """A head that reports ready and takes requests but never answers: streams stay busy for as
-    long as a test needs. It records the request ids it was asked to submit and cancel."""
+    long as a test needs. It records the request ids it was asked to submit and cancel; a
+    subclass answers a submission in ``on_submit``."""
 
     def __init__(self) -> None:
         self.port = free_base_port(1)
@@ -407,10 +410,12 @@ class SilentHead:
         self.submitted: list[int] = []
         self.cancelled: list[int] = []
         self.stop = threading.Event()
+        self.ready = True
+        head = self
 
         class Status(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
-                body = b'{"ready": true}'
+                body = json.dumps({"ready": head.ready}).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -427,12 +432,19 @@ class SilentHead:
     def _read(self) -> None:
         while not self.stop.is_set():
             if self.socket.poll(50):
-                _, *parts = self.socket.recv_multipart()
+                client, *parts = self.socket.recv_multipart()
                 msg = wire.decode(parts)
                 if isinstance(msg, wire.SubmitMsg):
                     self.submitted.append(msg.request_id)
+                    self.on_submit(client, msg)
                 elif isinstance(msg, wire.CancelMsg):
                     self.cancelled.append(msg.request_id)
+
+    def on_submit(self, client: bytes, msg: wire.SubmitMsg) -> None:
+        return
+
+    def send(self, client: bytes, msg: wire.OutputMsg) -> None:
+        self.socket.send_multipart([client, *wire.encode(msg)])
 
     def close(self) -> None:
         self.stop.set()
@@ -534,6 +546,145 @@ def test_metrics_carry_the_gateway_series(served) -> None:
     assert 'endpoint="/v1/completions",status="200"' in text
 
 
+# ---- failures and retries --------------------------------------------------------------------
+
+BROKEN_CHAIN = "a pipeline stage stopped answering for over 3 s"
+
+
+class FailingHead(SilentHead):
+    """A stand-in head whose chain breaks under every request: it sends ``tokens``, then fails
+    the request as a real head does when a stage stops answering."""
+
+    def __init__(self, tokens: tuple[int, ...] = ()) -> None:
+        self.tokens = tokens
+        super().__init__()
+
+    def on_submit(self, client: bytes, msg: wire.SubmitMsg) -> None:
+        for token in self.tokens:
+            self.send(client, wire.OutputMsg(request_id=msg.request_id, token_ids=(token,)))
+        self.send(client, wire.OutputMsg(request_id=msg.request_id, finish_reason="error", error=BROKEN_CHAIN))
+
+
+class VanishingHead(SilentHead):
+    """A stand-in head that takes a request, then stops reporting ready and never answers."""
+
+    def on_submit(self, client: bytes, msg: wire.SubmitMsg) -> None:
+        self.ready = False
+
+
+def retries(served: Served) -> dict[str, float]:
+    """modelfleet_gateway_retries_total by reason."""
+    text = httpx.get(served.url + "/metrics", timeout=5).text
+    prefix = 'modelfleet_gateway_retries_total{reason="'
+    return {line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def gateway_before_fleet(fleet: TestFleet, *stand_ins: SilentHead, **overrides: object) -> Iterator[Served]:
+    """A gateway whose heads are the stand-ins, then the fleet's real head: the stand-ins come
+    first, so ties of load send a request to a stand-in first."""
+    plans = [plan_with_head_at(fleet.plan, head.port) for head in stand_ins]
+    config = GatewayConfig.of(plans[0], more_plans=(*plans[1:], fleet.plan), **overrides)
+    with Served(config) as served:
+        wait_until(lambda: all(h.ready for h in served.gateway.heads), 10, "the gateway sees every head ready")
+        yield served
+
+
+def test_a_request_its_head_fails_before_any_token_is_retried_on_another_head_with_the_same_tokens(
+    served, fleet, reference, tokenizer
+) -> None:
+    failing = FailingHead()
+    prompt = [5, 17, 42, 99, 3]
+    expected = reference(prompt, max_tokens=8)
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    seeded = {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 1234, "return_token_ids": True}
+    try:
+        with gateway_before_fleet(fleet, failing) as retrying:
+            model = retrying.gateway.model_name
+            result = retrying.post("/v1/completions", {"model": model, **body})
+            assert result.status_code == 200, result.text
+            choice = result.json()["choices"][0]
+            assert choice["token_ids"] == expected and choice["text"] == tokenizer.decode(expected)
+            assert result.json()["usage"]["completion_tokens"] == len(expected)  # the successful try's
+            stream = retrying.openai().completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                                          stream=True)  # fmt: skip
+            assert "".join(c.choices[0].text for c in stream) == tokenizer.decode(expected)
+            sampled = retrying.post("/v1/completions", {"model": model, **seeded}).json()["choices"][0]
+            assert len(failing.submitted) == 3 and retries(retrying) == {"stream_failed": 3.0}
+            assert retrying.gateway.admission.active_by_head == [0, 0]
+        direct = served.post("/v1/completions", {"model": model, **seeded}).json()["choices"][0]
+        assert sampled["token_ids"] == direct["token_ids"]  # the seed gives the retry the same tokens
+        wait_until(lambda: fleet.slots_in_use() == [0] * STAGES, 1.0, "the fleet's slots are free")
+    finally:
+        failing.close()
+
+
+def test_a_streamed_request_that_fails_after_its_first_token_ends_in_the_error_and_is_not_retried(
+    fleet, reference, tokenizer
+) -> None:
+    token = tokenizer.token_id("x")
+    assert token is not None
+    failing = FailingHead(tokens=(token,))
+    prompt = [5, 17, 42, 99, 3]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    try:
+        with gateway_before_fleet(fleet, failing) as retrying:
+            model = retrying.gateway.model_name
+            response = retrying.post("/v1/completions", {"model": model, **body, "stream": True})
+            events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+            first, error = json.loads(events[0]), json.loads(events[1])
+            assert first["choices"][0]["text"] == "x" and first["choices"][0]["token_ids"] == [token]
+            assert BROKEN_CHAIN in error["error"]["message"] and events[2:] == ["[DONE]"]
+            assert len(failing.submitted) == 1 and retries(retrying) == {}
+            # not streamed, nothing of it was sent when it failed: the same failure is retried
+            result = retrying.post("/v1/completions", {"model": model, **body})
+            assert result.status_code == 200 and result.json()["choices"][0]["token_ids"] == reference(
+                prompt, max_tokens=8
+            )
+            assert len(failing.submitted) == 2 and retries(retrying) == {"stream_failed": 1.0}
+    finally:
+        failing.close()
+
+
+def test_without_another_ready_head_the_request_gets_the_heads_error_and_retries_are_bounded(fleet) -> None:
+    heads = [FailingHead(), FailingHead()]
+    body = {"model": fleet.plan.model.served_name, "prompt": [5, 17, 42], "max_tokens": 4}
+    try:
+        with Served(GatewayConfig.of(plan_with_head_at(fleet.plan, heads[0].port))) as alone:
+            wait_until(lambda: alone.gateway.ready, 10, "ready")
+            response = alone.post("/v1/completions", body)
+            assert response.status_code == 503 and BROKEN_CHAIN in response.json()["error"]["message"]
+            assert len(heads[0].submitted) == 1 and retries(alone) == {}
+        with gateway_before_fleet(fleet, *heads) as retrying:  # one retry (the default): two failing heads
+            response = retrying.post("/v1/completions", body)
+            assert response.status_code == 503 and BROKEN_CHAIN in response.json()["error"]["message"]
+            assert [len(h.submitted) for h in heads] == [2, 1] and retries(retrying) == {"stream_failed": 1.0}
+        with gateway_before_fleet(fleet, *heads, retries=2) as retrying:
+            assert retrying.post("/v1/completions", body).status_code == 200
+            assert [len(h.submitted) for h in heads] == [3, 2] and retries(retrying) == {"stream_failed": 2.0}
+    finally:
+        for head in heads:
+            head.close()
+
+
+def test_a_request_whose_head_falls_silent_is_retried_on_another_head(fleet, reference, monkeypatch) -> None:
+    monkeypatch.setattr(gateway_module, "HEAD_SILENCE_SECONDS", 0.5)
+    vanishing = VanishingHead()
+    prompt = [5, 17, 42, 99, 3]
+    try:
+        with gateway_before_fleet(fleet, vanishing, ready_poll_seconds=0.1) as retrying:
+            body = {"model": retrying.gateway.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    "return_token_ids": True, "stream": True}  # fmt: skip
+            response = retrying.post("/v1/completions", body)
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+            assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reference(prompt, max_tokens=8)
+            assert retries(retrying) == {"head_silent": 1.0}
+            wait_until(lambda: vanishing.cancelled == vanishing.submitted, 1.0, "the silent head is told to cancel")
+    finally:
+        vanishing.close()
+
+
 # ---- several heads: pipeline groups (replicas) behind one gateway ------------------------------
 
 
@@ -597,6 +748,8 @@ def _complete_concurrently(served: Served, prompts: list[list[int]], max_tokens:
 def test_requests_spread_over_every_groups_head_and_the_other_group_serves_when_one_fails(
     checkpoint, reference, tmp_path
 ) -> None:
+    """Requests already on group 1 when its tail dies fail there before their first token, and
+    are retried on group 0; later ones go to group 0 alone."""
     fleet = ReplicatedFleet(checkpoint, tmp_path)
     prompts = [[3 + i, 17, 42 + i, 99 - i] for i in range(8)]
     expected = [reference(p, max_tokens=6) for p in prompts]
@@ -612,7 +765,12 @@ def test_requests_spread_over_every_groups_head_and_the_other_group_serves_when_
             assert after[0] > before[0] and after[1] > before[1], (before, after)
             assert gateway.admission.active_by_head == [0, 0]
 
-            fleet.children[1, 1].kill()  # group 1 loses its tail: its head turns unready
+            fleet.children[1, 1].kill()  # group 1 loses its tail: its head turns unready after 3 s
+            fleet.children[1, 1].wait()
+            assert all(h.ready for h in gateway.heads)  # so some of these go to group 1 and fail there
+            assert _complete_concurrently(served, prompts[4:], 6) == expected[4:]
+            retried = retries(served)  # about half: each went to the then least loaded head
+            assert set(retried) == {"stream_failed"} and 1 <= retried["stream_failed"] <= 4, retried
             wait_until(lambda: not gateway.heads[1].ready, 10, "the gateway sees group 1's head unready")
             assert httpx.get(served.url + "/readyz", timeout=5).status_code == 200
             assert "modelfleet_gateway_heads_ready 1.0" in httpx.get(served.url + "/metrics", timeout=5).text
@@ -641,6 +799,27 @@ def test_admission_goes_to_the_least_loaded_ready_head_and_queues_when_all_are_f
         admission.release(0)
         assert await admission.acquire() == 2  # 1/8 free beats 1/2 free
         assert admission.active_by_head == [1, 4, 2]
+
+    asyncio.run(scenario())
+
+
+def test_a_retried_request_avoids_the_heads_that_failed_it_and_its_wait_counts_from_its_arrival() -> None:
+    admission = Admission([1, 1], max_queue=2, queue_timeout_seconds=5.0)
+
+    async def scenario() -> None:
+        assert await admission.acquire(avoid=frozenset({0})) == 1
+        assert await admission.acquire() == 0
+        retry = asyncio.create_task(admission.acquire(avoid=frozenset({1})))
+        later = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0)
+        assert len(admission.waiting) == 2
+        admission.release(1)  # the oldest waiter may not take head 1, so the next one does
+        assert await asyncio.wait_for(later, 1.0) == 1 and not retry.done()
+        admission.release(0)
+        assert await asyncio.wait_for(retry, 1.0) == 0
+        with pytest.raises(Busy, match="waited over 5 s"):  # every stream busy, and its time already spent
+            await asyncio.wait_for(admission.acquire(waited_seconds=5.0), 0.5)
+        assert admission.active_by_head == [1, 1] and not admission.waiting
 
     asyncio.run(scenario())
 

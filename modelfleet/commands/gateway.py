@@ -34,6 +34,13 @@ def gateway(
         min=0.001,
         help="Seconds a request may wait; default: the first plan's queue_timeout_seconds.",
     ),
+    retries: int = typer.Option(
+        1,
+        "--retries",
+        envvar="MF_GATEWAY_RETRIES",
+        min=0,
+        help="Further heads a request is tried on when its head fails it before any of its text was sent.",
+    ),
     max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", min=1024, help="Larger request bodies get 413."),
     model_dir: Path | None = typer.Option(
         None,
@@ -61,7 +68,7 @@ def gateway(
         plans = [load(path) for path in plan_paths]
         config = GatewayConfig.of(
             plans[0], more_plans=tuple(plans[1:]), max_streams=max_streams, max_queue=max_queue,
-            queue_timeout_seconds=queue_timeout,
+            queue_timeout_seconds=queue_timeout, retries=retries,
             api_keys=load_api_keys(api_keys_file, os.environ.get("MF_API_KEYS")), metrics_auth=metrics_auth,
             max_body_bytes=max_body_bytes, model_dir=model_dir,
             keys=transport.load_keypair(keys_dir, "fleet") if keys_dir else None,
