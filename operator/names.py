@@ -34,6 +34,7 @@ API_KEYS_DIR = "/etc/modelfleet-api-keys"
 API_KEYS_KEY = "api-keys"  # the key of spec.gateway.apiKeysSecret: bearer keys, one per line
 PLAN_KEY = "plan.json"
 MEMBERS_KEY = "members.json"
+SPEC_KEY = "spec.json"  # in a revision's plan: the fleet spec its stage pods are made from
 
 
 REVISION_LENGTH = 10  # hex digits

@@ -85,10 +85,14 @@ def selector(fleet: str, component: str) -> dict[str, str]:
 # ---- the plan ---------------------------------------------------------------------------------
 
 
-def plan_config_map(fleet: Mapping[str, Any], placement: Placement, revision_scoped: bool = False) -> Obj:
+def plan_config_map(
+    fleet: Mapping[str, Any], placement: Placement, revision_scoped: bool = False, spec: ModelFleetSpec | None = None
+) -> Obj:
     """The plan, plus the member nodes: the fleet's record of its current generation's plan (the
     operator keeps a plan while its generation holds and its nodes still match), or, revision
-    scoped, the copy that revision's pods mount (two revisions run side by side in a rollout)."""
+    scoped, the copy that revision's pods mount (two revisions run side by side in a rollout), with
+    ``spec``, the fleet spec its pods are made from (a pod of the serving revision recreated during
+    a rollout is made from it, not from the new spec)."""
     fleet_name, revision = fleet["metadata"]["name"], placement.revision
     if revision_scoped:
         meta = _metadata(
@@ -101,6 +105,8 @@ def plan_config_map(fleet: Mapping[str, Any], placement: Placement, revision_sco
         meta["annotations"][names.ANNOTATION_GENERATION] = str(fleet["metadata"].get("generation", 0))
     members = json.dumps([dataclasses.asdict(m) for m in placement.members], indent=1)
     data = {names.PLAN_KEY: placement.plan.to_json(), names.MEMBERS_KEY: members}
+    if revision_scoped and spec is not None:
+        data[names.SPEC_KEY] = spec.model_dump_json(by_alias=True, exclude_none=True)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
@@ -482,15 +488,18 @@ def fleet_objects(
     placement: Placement,
     running: Sequence[Placement] | None = None,
     serving: Placement | None = None,
+    specs: Mapping[str, ModelFleetSpec | None] | None = None,
 ) -> list[Obj]:
     """Everything the operator applies for a fleet, in apply order (a plan before its readers):
     ``placement`` is the plan of the fleet's generation; in a rollout, ``running`` lists the
     revisions whose plans and pods are applied and ``serving`` the one the gateway points at
-    (both default to ``placement``)."""
-    running = running or [placement]
+    (both default to ``placement``). ``specs`` gives, by revision, the spec a revision's pods are
+    made from and its plan records (default ``spec``; None: made from ``spec``, nothing recorded)."""
+    running, specs = running or [placement], specs or {}
     return [
-        plan_config_map(fleet, placement), *(plan_config_map(fleet, p, revision_scoped=True) for p in running),
+        plan_config_map(fleet, placement),
+        *(plan_config_map(fleet, p, revision_scoped=True, spec=specs.get(p.revision, spec)) for p in running),
         stage_service(fleet), *network_policies(fleet), disruption_budget(fleet),
-        *(stage_pod(fleet, spec, p, member) for p in running for member in p.members),
+        *(stage_pod(fleet, specs.get(p.revision) or spec, p, member) for p in running for member in p.members),
         gateway_deployment(fleet, spec, serving or placement), gateway_service(fleet, spec),
     ]  # fmt: skip

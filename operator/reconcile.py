@@ -13,8 +13,13 @@ Revisions: a plan (or member nodes) that differs from the running one has anothe
 (:func:`names.revision`), and so other pod names and its own plan ConfigMap; the two never form one
 chain, since each revision's plan addresses only its own pods. A new revision is rolled out with a
 surge (:mod:`.rollout`): its pods start beside the serving revision's, the gateway moves to it when
-its chain is ready, and the old pods go once every gateway pod has moved. A spec change that leaves
-the plan as it was (the gateway's replicas, say) keeps the revision and its pods.
+its chain is ready, and the old pods go once every gateway pod has moved; a surge not ready by
+``rollout.progressDeadlineSeconds`` (counted from ``status.rolloutStartedAt``) is abandoned. Each
+revision's plan ConfigMap records the spec its pods are made from, so a serving pod remade during a
+rollout is made as it was. A spec change that leaves the plan as it was (the gateway's replicas,
+say) keeps the revision and its pods.
+
+Time is a parameter (``now``), never read from the operator's memory: tests pass a fixed clock.
 
 This module is one reconcile pass and its helpers (over 400 lines): the pass reads like a list of
 steps, and each step is a function below it.
@@ -22,6 +27,7 @@ steps, and each step is a function below it.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +43,17 @@ from .affinity import pod_terms
 from .placement import Infeasible, MemberAssignment, Placement, place, rejection, shortfall
 from .rollout import Step
 from .spec import GROUP, KIND, VERSION, ModelFleetSpec, SpecError, parse_spec
-from .status import Condition, Phase, Reason, condition, member_phase, members, scheduled, set_condition
+from .status import (
+    Condition,
+    Phase,
+    Reason,
+    condition,
+    member_phase,
+    members,
+    scheduled,
+    set_condition,
+    timestamp,
+)
 from .summary import SUMMARY_KEY, ModelSummary, summary_config_map_name
 
 Obj = dict[str, Any]
@@ -68,10 +84,12 @@ class Outcome:
     replaced: list[str] = field(default_factory=list)  # failed stage pods deleted to be made anew
 
 
-def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
+def reconcile(fleet: Mapping[str, Any], cluster: Cluster, now: dt.datetime | None = None) -> Outcome:
+    """One pass at time ``now`` (default the clock): the conditions' times and a rollout's progress
+    deadline are measured against it, never against the operator's memory."""
     meta, old = fleet["metadata"], dict(fleet.get("status") or {})
     generation = int(meta.get("generation") or 0)
-    report = _Report(old, generation)
+    report = _Report(old, generation, now or dt.datetime.now(dt.UTC))
     if report.crash_looped():
         return Outcome(old, message="stopped: a stage exceeded restartPolicy.maxStageRestarts")
     try:
@@ -83,8 +101,8 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
     summary = _summary(fleet, spec, cluster, report)
     if summary is None:
         return Outcome(report.status, retry_after_seconds=SUMMARY_RETRY_SECONDS, message=report.last_message)
-    serving = _serving_placement(fleet, cluster)
-    target, no_room = _target(fleet, spec, summary, cluster, serving)
+    serving, serving_spec = _serving_placement(fleet, cluster)
+    target, no_room = _target(fleet, spec, summary, cluster, serving, serving_spec or spec)
     if isinstance(target, Infeasible):
         if serving is None:
             report.fail(Condition.PLANNED, Reason(target.reason), target.message, Phase.PENDING)
@@ -92,14 +110,18 @@ def reconcile(fleet: Mapping[str, Any], cluster: Cluster) -> Outcome:
         report.set(Condition.PLANNED, False, Reason(target.reason), target.message)
         why = f"no new plan fits; revision {serving.revision} keeps serving: {target.message}"
         report.set(Condition.PROGRESSING, False, Reason.ROLLOUT_FAILED, why)
-        return _rollout(fleet, spec, cluster, report, Step.FAILED, serving, serving, retry=PLAN_RETRY_SECONDS)
+        kept = {serving.revision: serving_spec}
+        return _rollout(fleet, spec, cluster, report, Step.FAILED, serving, serving, kept, retry=PLAN_RETRY_SECONDS)
     _, notes = pod_terms(spec.placement.affinity, meta["name"], meta["namespace"])  # left to the scheduler
     planned = "; ".join([f"{len(target.members)} members on {_nodes(target)}", *notes])
     report.set(Condition.PLANNED, True, Reason.PLANNED, planned)
     step = _step(serving, target, no_room, report)
     if serving is not None and step == Step.REPLACE:
         report.replacing(serving, target, no_room)
-    return _rollout(fleet, spec, cluster, report, step, target, serving or target)
+    specs: dict[str, ModelFleetSpec | None] = {target.revision: spec}
+    if serving is not None and serving.revision != target.revision:
+        specs[serving.revision] = serving_spec  # its pods are remade as they were made
+    return _rollout(fleet, spec, cluster, report, step, target, serving or target, specs)
 
 
 def _rollout(
@@ -110,19 +132,27 @@ def _rollout(
     step: Step,
     target: Placement,
     serving: Placement,
+    specs: Mapping[str, ModelFleetSpec | None],
     retry: float | None = None,
 ) -> Outcome:
-    """One pass of ``step``: replace failed stages, apply the revisions it runs, point the
-    gateway, prune the pods of revisions it no longer keeps, report."""
+    """One pass of ``step``: abandon a surge past its deadline, replace failed stages, apply the
+    revisions it runs (each made from its own spec, ``specs``), point the gateway, prune the pods
+    of revisions it no longer keeps, report."""
     meta = fleet["metadata"]
+    started = rollout.started_at(report.old, target.revision, report.now)
+    if step == Step.SURGE and (late := _past_deadline(fleet, spec, cluster, report, (serving, target), started)):
+        report.set(Condition.PROGRESSING, False, Reason.PROGRESS_DEADLINE_EXCEEDED, late)
+        step = Step.FAILED
     running = {Step.STEADY: [target], Step.SURGE: [serving, target], Step.REPLACE: [target]}.get(step, [serving])
-    crash = _replace_failed_stages(fleet, spec, cluster, report, {p.revision for p in running})
-    if crash is not None and step == Step.SURGE and crash[0] == target.revision:
-        why = f"revision {target.revision} failed ({crash[1]}); revision {serving.revision} keeps serving"
+    crashes = _replace_failed_stages(fleet, spec, cluster, report, {p.revision for p in running})
+    if step == Step.SURGE and target.revision in crashes:
+        why = f"revision {target.revision} failed ({crashes.pop(target.revision)}); revision {serving.revision} keeps serving"
         report.set(Condition.PROGRESSING, False, Reason.ROLLOUT_FAILED, why)
         step, running = Step.FAILED, [serving]
-    elif crash is not None:
-        report.fail(Condition.READY, Reason.STAGE_CRASH_LOOPING, crash[1], Phase.FAILED)
+    # a serving stage out of restarts while a new revision surges degrades the fleet: the new one replaces it
+    degraded = crashes.pop(serving.revision, None) if step == Step.SURGE else None
+    if crashes:
+        report.fail(Condition.READY, Reason.STAGE_CRASH_LOOPING, next(iter(crashes.values())), Phase.FAILED)
         return Outcome(report.status, message=report.last_message, replaced=report.replaced)
     to = target if step in (Step.STEADY, Step.REPLACE) else serving
     if step == Step.SURGE:
@@ -133,16 +163,20 @@ def _rollout(
     gateway = cluster.get("apps/v1", "Deployment", meta["namespace"], names.gateway_name(meta["name"]))
     keep_others = step == Step.SURGE or (step == Step.STEADY and not rollout.gateway_settled(gateway))
     _ensure_transport_keys(fleet, cluster)
-    desired = objects.fleet_objects(fleet, spec, target, running, to)
+    desired = objects.fleet_objects(fleet, spec, target, running, to, specs)
     if target is serving and step == Step.FAILED:  # no plan for this generation: keep the record unplanned
         desired = [o for o in desired if o["metadata"]["name"] != names.plan_config_map(meta["name"])]
     applied = [f"{obj['kind']}/{obj['metadata']['name']}: {apply(cluster, obj)}" for obj in desired]
     pruned, leaving = _prune_stage_pods(fleet, cluster, desired, {p.revision for p in running}, keep_others)
     report.observe(fleet, to, cluster)
+    if degraded is not None and to is serving:
+        report.serving_crashed(serving, target, degraded)
     moving = step == Step.SURGE or bool(leaving)
     if step == Step.STEADY:
         report.settled(target, leaving)
     report.fields["updateRevision"] = None if to is target else target.revision
+    surging = step == Step.SURGE and to is not target
+    report.fields["rolloutStartedAt"] = timestamp(started) if surging else None
     retry = retry if retry is not None else ROLLOUT_POLL_SECONDS if moving else None
     return Outcome(
         report.status,
@@ -150,6 +184,30 @@ def _rollout(
         message=report.last_message,
         applied=applied + pruned,
         replaced=report.replaced,
+    )
+
+
+def _past_deadline(
+    fleet: Mapping[str, Any],
+    spec: ModelFleetSpec,
+    cluster: Cluster,
+    report: _Report,
+    revisions: tuple[Placement, Placement],
+    started: dt.datetime,
+) -> str | None:
+    """Why the surge of the second of ``revisions`` (serving, target) is abandoned: some member is
+    not Ready ``rollout.progressDeadlineSeconds`` after it ``started``; None while in time."""
+    (serving, target), deadline = revisions, spec.rollout.progress_deadline_seconds
+    if not rollout.overdue(started, report.now, deadline):
+        return None
+    waiting = rollout.not_ready(*_members(fleet, target, cluster))
+    if not waiting:
+        return None
+    elapsed = int((report.now - started).total_seconds())
+    return (
+        f"revision {target.revision} was not ready {elapsed} s after its rollout began at {timestamp(started)}"
+        f" (rollout.progressDeadlineSeconds={deadline}); not ready: {', '.join(waiting)};"
+        f" revision {serving.revision} keeps serving"
     )
 
 
@@ -162,12 +220,17 @@ def _step(serving: Placement | None, target: Placement, no_room: str, report: _R
 
 
 def _target(
-    fleet: Mapping[str, Any], spec: ModelFleetSpec, summary: ModelSummary, cluster: Cluster, serving: Placement | None
+    fleet: Mapping[str, Any],
+    spec: ModelFleetSpec,
+    summary: ModelSummary,
+    cluster: Cluster,
+    serving: Placement | None,
+    serving_spec: ModelFleetSpec,
 ) -> tuple[Placement | Infeasible, str]:
     """The plan of this generation: the applied one while it holds, else a new one: planned on the
-    whole nodes when it fits beside the serving revision's members, else planned on what they
-    leave free, else the first with why there was no room for both ("" when there was, or nothing
-    serves)."""
+    whole nodes when it fits beside the serving revision's members (made from ``serving_spec``),
+    else planned on what they leave free, else the first with why there was no room for both (""
+    when there was, or nothing serves)."""
     if (kept := _current_placement(fleet, spec, cluster)) is not None:
         return kept, ""
     meta, nodes = fleet["metadata"], cluster.list_nodes()
@@ -178,7 +241,9 @@ def _target(
         p["metadata"]["name"]: p for p in cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage"))
     }
     repelled = rollout.repelled_nodes(spec, meta["name"], meta["namespace"], serving, whole)
-    free = [n for n in rollout.free_nodes(nodes, meta["name"], serving, pods, spec) if node_name(n) not in repelled]
+    free = [
+        n for n in rollout.free_nodes(nodes, meta["name"], serving, pods, serving_spec) if node_name(n) not in repelled
+    ]
     shared = sorted({m.node for m in whole.members} & repelled.keys())
     if (why := f"{shared[0]}: {repelled[shared[0]]}" if shared else shortfall(whole, spec, free)) is None:
         return whole, ""
@@ -291,16 +356,31 @@ def _current_placement(fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: 
     return placement
 
 
-def _serving_placement(fleet: Mapping[str, Any], cluster: Cluster) -> Placement | None:
-    """The revision the gateway points at, from that revision's plan; None before there is one."""
+def _serving_placement(fleet: Mapping[str, Any], cluster: Cluster) -> tuple[Placement | None, ModelFleetSpec | None]:
+    """The revision the gateway points at, from that revision's plan, and the spec its pods are
+    made from; None before there is one (the spec is None too when its plan records none)."""
     meta = fleet["metadata"]
     gateway = cluster.get("apps/v1", "Deployment", meta["namespace"], names.gateway_name(meta["name"]))
     revision = rollout.serving_revision(gateway)
     if revision is None:
-        return None
+        return None, None
     name = names.revision_plan_config_map(meta["name"], revision)
     config_map = cluster.get("v1", "ConfigMap", meta["namespace"], name)
-    return _placement_in(config_map) if config_map is not None else None
+    if config_map is None:
+        return None, None
+    return _placement_in(config_map), _spec_in(config_map)
+
+
+def _spec_in(config_map: Mapping[str, Any]) -> ModelFleetSpec | None:
+    """The spec a revision's plan records; None when it records none (written before there was
+    a record) or one that no longer parses."""
+    text = (config_map.get("data") or {}).get(names.SPEC_KEY)
+    if text is None:
+        return None
+    try:
+        return parse_spec(json.loads(text))
+    except ValueError:  # SpecError and JSONDecodeError both are
+        return None
 
 
 def _placement_in(config_map: Mapping[str, Any]) -> Placement | None:
@@ -371,34 +451,32 @@ def _prune_stage_pods(
 
 def _replace_failed_stages(
     fleet: Mapping[str, Any], spec: ModelFleetSpec, cluster: Cluster, report: _Report, revisions: set[str]
-) -> tuple[str, str] | None:
-    """Delete the failed stage pods of ``revisions`` (recreated by apply), counting; once a stage is
-    out of restarts, its revision and why."""
-    meta = fleet["metadata"]
-    labels = objects.selector(meta["name"], "stage")
-    for pod in cluster.list_pods(meta["namespace"], labels):
+) -> dict[str, str]:
+    """Delete the failed stage pods of ``revisions`` (recreated by apply), counting; a stage out of
+    restarts is left as it is. Returns, by revision, why one of its stages is out of restarts."""
+    meta, limit = fleet["metadata"], spec.restart_policy.max_stage_restarts
+    crashed: dict[str, str] = {}
+    for pod in cluster.list_pods(meta["namespace"], objects.selector(meta["name"], "stage")):
         name, revision = pod["metadata"]["name"], (pod["metadata"].get("labels") or {}).get(names.LABEL_REVISION, "")
         if revision not in revisions or member_phase(pod) != "Failed" or pod["metadata"].get("deletionTimestamp"):
             continue
         restarts = report.restarts.get(name, 0)
-        if restarts >= spec.restart_policy.max_stage_restarts:
-            limit = spec.restart_policy.max_stage_restarts
-            return (
-                revision,
-                f"stage pod {name} failed after {restarts} replacements (restartPolicy.maxStageRestarts={limit})",
-            )
+        if restarts >= limit:
+            why = f"stage pod {name} failed after {restarts} replacements (restartPolicy.maxStageRestarts={limit})"
+            crashed.setdefault(revision, why)
+            continue
         cluster.delete("v1", "Pod", meta["namespace"], name)
         report.restarts[name] = restarts + 1
         report.replaced.append(name)
-    return None
+    return crashed
 
 
 class _Report:
     """The status being written: conditions, phase and the rest, starting from the live status."""
 
-    def __init__(self, old: Mapping[str, Any], generation: int):
+    def __init__(self, old: Mapping[str, Any], generation: int, now: dt.datetime):
         restarts = dict(old.get("stageRestarts") or {}) if old.get("observedGeneration") == generation else {}
-        self.generation, self.old = generation, old
+        self.generation, self.old, self.now = generation, old, now
         self.conditions: list[dict[str, Any]] = list(old.get("conditions") or [])
         self.restarts: dict[str, int] = restarts  # a new generation starts its count afresh
         self.fields: dict[str, Any] = {"phase": str(Phase.PLANNING)}
@@ -412,7 +490,7 @@ class _Report:
         )
 
     def set(self, kind: Condition, ok: bool, reason: Reason, message: str) -> None:
-        self.conditions = set_condition(self.conditions, kind, ok, reason, message, self.generation)
+        self.conditions = set_condition(self.conditions, kind, ok, reason, message, self.generation, self.now)
         self.last_message = message
 
     def fail(self, kind: Condition, reason: Reason, message: str, phase: Phase = Phase.FAILED) -> None:
@@ -434,10 +512,11 @@ class _Report:
         self.set(kind, ok, if_true if ok else if_false, message)
 
     def rollout_failed(self, revision: str) -> bool:
-        """Whether this generation's rollout of ``revision`` failed (it stays stopped until the next)."""
+        """Whether this generation's rollout of ``revision`` failed or ran out of time (it stays
+        stopped until the next)."""
         progressing = condition(self.conditions, Condition.PROGRESSING) or {}
         return (
-            progressing.get("reason") == Reason.ROLLOUT_FAILED
+            progressing.get("reason") in (Reason.ROLLOUT_FAILED, Reason.PROGRESS_DEADLINE_EXCEEDED)
             and progressing.get("observedGeneration") == self.generation
             and f"revision {revision} " in str(progressing.get("message"))
         )
@@ -454,6 +533,15 @@ class _Report:
         if ready == len(target_members):
             message = f"revision {new} is ready: the gateway moves to it from revision {old}"
         self.set(Condition.PROGRESSING, True, Reason.ROLLING_OUT, message)
+
+    def serving_crashed(self, serving: Placement, target: Placement, why: str) -> None:
+        """A serving stage is out of restarts while ``target`` surges: degraded, not failed, since
+        the rollout goes on and the gateway leaves the broken revision once the new one is ready."""
+        message = (
+            f"revision {serving.revision}: {why}; the rollout to revision {target.revision} goes on and replaces it"
+        )
+        self.set(Condition.READY, False, Reason.SERVING_STAGE_CRASH_LOOPING, message)
+        self.fields["phase"] = str(Phase.DEGRADED)
 
     def settled(self, target: Placement, leaving: Collection[str]) -> None:
         """The gateway points at ``target``: the rollout ends once the old pods are gone."""

@@ -14,12 +14,16 @@ differ. Its steps, one reconcile pass at a time:
 
 When the target does not fit beside the serving revision it *replaces* it (``Replace``: the old
 pods go in the pass that creates the new ones, and the fleet does not serve until they load). When
-a target member fails past ``restartPolicy.maxStageRestarts``, or no new plan fits at all, the
-rollout stops (``Failed``) and the serving revision keeps serving until the next generation.
+a target member fails past ``restartPolicy.maxStageRestarts``, when the target is not ready
+``rollout.progressDeadlineSeconds`` after its surge began (:func:`overdue`), or when no new plan
+fits at all, the rollout stops (``Failed``) and the serving revision keeps serving until the next
+generation. The surge's start is kept in the fleet's status (``rolloutStartedAt``), never in the
+operator's memory, so a restarted operator keeps the deadline.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
@@ -31,6 +35,7 @@ from . import names
 from .affinity import member_labels, pod_terms, selects
 from .placement import Placement
 from .spec import ModelFleetSpec
+from .status import parse_timestamp
 
 Obj = Mapping[str, Any]
 
@@ -133,3 +138,40 @@ def repelled_nodes(
                     f"placement.affinity.podAntiAffinity required term {k} keeps revision {target.revision}'s members off the nodes of revision {serving.revision}'s"
                 )
     return repelled
+
+
+def started_at(status: Obj, revision: str, now: dt.datetime) -> dt.datetime:
+    """When the surge of ``revision`` began: the fleet's status says so while it names that
+    revision as its ``updateRevision`` (a restarted operator reads it back), else ``now``."""
+    if status.get("updateRevision") == revision:
+        return parse_timestamp(status.get("rolloutStartedAt")) or now
+    return now
+
+
+def overdue(started: dt.datetime, now: dt.datetime, deadline_seconds: int) -> bool:
+    return (now - started).total_seconds() > deadline_seconds
+
+
+def not_ready(members: Sequence[Obj], pods: Mapping[str, Obj]) -> list[str]:
+    """``<pod> (<phase>: <why>)`` for each member that is not Ready: why from the pod's own word
+    (a failed scheduling, a waiting container, a status reason), where it gives one."""
+    result = []
+    for member in members:
+        if member["phase"] == "Ready":
+            continue
+        why = pod_trouble(pods.get(member["pod"])) if member["pod"] in pods else "no pod"
+        result.append(f"{member['pod']} ({member['phase']}{': ' + why if why else ''})")
+    return result
+
+
+def pod_trouble(pod: Obj | None) -> str | None:
+    """What a pod reports keeps it from running or becoming ready; None when it says nothing."""
+    status = (pod or {}).get("status") or {}
+    for c in status.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return " ".join(str(part) for part in (c.get("reason"), c.get("message")) if part) or "not scheduled"
+    for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason"):
+            return f"container {container.get('name')} {waiting['reason']}"
+    return status.get("reason") or None

@@ -152,6 +152,13 @@ class RestartPolicy(_Spec):
     max_stage_restarts: NonNegativeInt = 3
 
 
+class Rollout(_Spec):
+    progress_deadline_seconds: PositiveInt = Field(
+        default=900,
+        description="how long a new revision may take to become ready beside the serving one before its rollout is abandoned",
+    )
+
+
 class Resources(_Spec):
     cpu: StrictStr | None = Field(default=None, pattern=QUANTITY_PATTERN)
     memory: StrictStr | None = Field(default=None, pattern=QUANTITY_PATTERN)
@@ -181,6 +188,7 @@ class ModelFleetSpec(_Spec):
     serving: Serving = Serving()
     gateway: Gateway = Gateway()
     restart_policy: RestartPolicy = RestartPolicy()
+    rollout: Rollout = Rollout()
     resources: Resources = Resources()
     images: Images = Images()
 

@@ -73,26 +73,50 @@ class Reason(StrEnum):
     ROLLOUT_WITHOUT_SURGE = "RolloutWithoutSurge"
     ROLLOUT_FAILED = "RolloutFailed"
     ROLLOUT_COMPLETE = "RolloutComplete"
+    PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"  # the new revision was not ready in time
+    SERVING_STAGE_CRASH_LOOPING = "ServingStageCrashLooping"  # out of restarts while a rollout replaces it
 
 
 Status = dict[str, Any]
 
 
+def timestamp(at: dt.datetime) -> str:
+    """RFC 3339 in UTC, to the second, as the API server writes times."""
+    return at.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_timestamp(text: Any) -> dt.datetime | None:
+    """A time :func:`timestamp` (or the API server) wrote; None when ``text`` is not one."""
+    try:
+        at = dt.datetime.fromisoformat(str(text))
+    except ValueError:
+        return None
+    return at if at.tzinfo is not None else at.replace(tzinfo=dt.UTC)
+
+
 def now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return timestamp(dt.datetime.now(dt.UTC))
 
 
 def set_condition(
-    conditions: Sequence[Mapping[str, Any]], kind: Condition, ok: bool, reason: Reason, message: str, generation: int
+    conditions: Sequence[Mapping[str, Any]],
+    kind: Condition,
+    ok: bool,
+    reason: Reason,
+    message: str,
+    generation: int,
+    at: dt.datetime | None = None,
 ) -> list[dict[str, Any]]:
-    """``conditions`` with ``kind`` set; lastTransitionTime moves only when the status flips."""
+    """``conditions`` with ``kind`` set; lastTransitionTime (``at``, default the clock) moves only
+    when the status flips."""
     status = "True" if ok else "False"
     old = next((c for c in conditions if c.get("type") == kind), None)
     changed = old is None or old.get("status") != status
+    stamp = timestamp(at) if at is not None else now()
     new = {
         "type": str(kind), "status": status, "reason": str(reason), "message": message,
         "observedGeneration": generation,
-        "lastTransitionTime": now() if changed or old is None else old.get("lastTransitionTime", now()),
+        "lastTransitionTime": stamp if changed or old is None else old.get("lastTransitionTime", stamp),
     }  # fmt: skip
     return [dict(c) for c in conditions if c.get("type") != kind] + [new]
 

@@ -113,7 +113,8 @@ GOOD = {
         },
         "serving": {"maxStreams": 32, "contextLength": 8192, "windowRows": 16},
         "gateway": {"replicas": 2, "serviceType": "LoadBalancer", "apiKeysSecret": "keys", "maxQueue": 10, "queueTimeoutSeconds": 2.5},
-        "restartPolicy": {"maxStageRestarts": 5}, "resources": {"cpu": "500m", "memory": "24Gi"},
+        "restartPolicy": {"maxStageRestarts": 5}, "rollout": {"progressDeadlineSeconds": 1800},
+        "resources": {"cpu": "500m", "memory": "24Gi"},
         "images": {"agent": "registry/agent:1", "gateway": "registry/gw:1", "pullPolicy": "Always"},
     },
     "openvino on intel igpus, auto pipeline": {
@@ -170,6 +171,7 @@ BAD = {
     "memory not a quantity": _with(resources={"memory": "lots"}),
     "zero memory": _with(resources={"memory": "0Gi"}),
     "zero queue timeout": _with(gateway={"queueTimeoutSeconds": 0}),
+    "zero progress deadline": _with(rollout={"progressDeadlineSeconds": 0}),
     "unknown service type": _with(gateway={"serviceType": "Ingress"}),
     "unknown numa policy": _with(placement={"numa": "interleave"}),
     "numa pinning without resources": _with(placement={"numa": "single-numa-node"}, resources={"memory": "8Gi"}),

@@ -397,6 +397,31 @@ def test_a_spec_change_rolls_out_a_new_revision_beside_the_old_one_which_goes_on
     assert progressing["reason"] in ("RollingOut", "RolloutComplete")  # complete once the fleet is Ready
 
 
+def test_a_new_revision_not_ready_by_its_progress_deadline_is_abandoned_and_the_old_one_keeps_serving(site):
+    site.needs_emulator("the emulator's pods never become ready, so the new revision runs out of time")
+    ns = site.namespace
+    with operator(site):
+        old = wait_for(lambda: planned(site))["revision"]
+        spec = {"serving": {"maxStreams": 8}, "rollout": {"progressDeadlineSeconds": 1}}
+        site.api.patch({**FLEET_REF, "metadata": {"name": "qwen", "namespace": ns}, "spec": spec})
+        new = wait_for(lambda: (planned(site) or {}).get("updateRevision"))
+        started = planned(site)["rolloutStartedAt"]
+
+        def abandoned() -> dict[str, Any] | None:
+            status = planned(site) or {}
+            found = [c for c in status.get("conditions") or [] if c["type"] == "Progressing"]
+            return found[0] if found and found[0]["reason"] == "ProgressDeadlineExceeded" else None
+
+        progressing = wait_for(abandoned)  # the next pass, ROLLOUT_POLL_SECONDS after the first
+        pods = wait_for(lambda: (p := stage_pods(site)) and all(n.startswith(f"qwen-{old}-") for n in p) and p)
+
+    assert progressing["status"] == "False" and gateway_revision(site) == old
+    assert sorted(pods) == [f"qwen-{old}-g0-s0", f"qwen-{old}-g0-s1"]
+    message = progressing["message"]
+    assert f"revision {new} was not ready" in message and f"its rollout began at {started}" in message
+    assert f"qwen-{new}-g0-s0 (Pending)" in message and f"revision {old} keeps serving" in message
+
+
 def test_deleting_a_fleet_deletes_every_object_it_owns(site):
     ns = site.namespace
     with operator(site):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
 from typing import Any
 
@@ -372,6 +373,131 @@ def test_a_new_revision_failing_past_max_stage_restarts_stops_the_rollout_and_th
     assert cluster.log == [] and progressing(again.status) == progressing(status)  # stopped until the next generation
 
 
+T0 = dt.datetime(2026, 11, 29, 16, 0, tzinfo=dt.UTC)
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def unschedulable(cluster: FakeCluster, name: str, revision: str) -> None:
+    """What the scheduler reports of a pod that fits no node."""
+    pod = cluster.of_kind("Pod")[cluster.pod_name(name, revision)]
+    scheduled = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "0/2 nodes are available",
+    }
+    pod["status"] = {"phase": "Pending", "conditions": [scheduled]}
+
+
+def test_a_new_revision_not_ready_within_the_progress_deadline_is_abandoned_and_the_old_one_keeps_serving():
+    cluster = cluster_for(fleet(**PIPELINE_2))
+    old = serving(cluster, fleet(**PIPELINE_2))["revision"]
+    changed = fleet(generation=2, serving={"maxStreams": 8}, rollout={"progressDeadlineSeconds": 600}, **PIPELINE_2)
+    status = reconcile(changed, cluster, now=at(0)).status
+    new = status["updateRevision"]
+    assert status["rolloutStartedAt"] == "2026-11-29T16:00:00Z"
+    cluster.set_pod("qwen-g0-s0", "Running", ready=True, revision=new)
+    unschedulable(cluster, "qwen-g0-s1", new)
+    status = reconcile(with_status(changed, status), cluster, now=at(600)).status  # at the deadline: in time
+    assert progressing(status)[1] == "RollingOut" and status["rolloutStartedAt"] == "2026-11-29T16:00:00Z"
+    assert cluster.revisions() == {old, new}
+    outcome = reconcile(with_status(changed, status), cluster, now=at(601))
+    status = outcome.status
+    assert progressing(status) == (
+        "False", "ProgressDeadlineExceeded",
+        f"revision {new} was not ready 601 s after its rollout began at 2026-11-29T16:00:00Z"
+        " (rollout.progressDeadlineSeconds=600); not ready:"
+        f" qwen-{new}-g0-s1 (Pending: Unschedulable 0/2 nodes are available);"
+        f" revision {old} keeps serving",
+    )  # fmt: skip
+    assert cluster.revisions() == {old} and f"qwen-plan-{new}" not in cluster.of_kind("ConfigMap")
+    assert gateway_revision(cluster) == old and (status["phase"], status["revision"]) == ("Ready", old)
+    assert status["rolloutStartedAt"] is None and outcome.retry_after_seconds is None
+    cluster.log.clear()
+    again = reconcile(with_status(changed, status), cluster, now=at(700))
+    assert cluster.log == [] and progressing(again.status) == progressing(status)  # stopped until the next generation
+    longer = fleet(generation=3, serving={"maxStreams": 8}, rollout={"progressDeadlineSeconds": 1200}, **PIPELINE_2)
+    status = reconcile(with_status(longer, again.status), cluster, now=at(800)).status
+    assert status["updateRevision"] == new and cluster.revisions() == {old, new}  # tried again, on a fresh clock
+    assert progressing(status)[1] == "RollingOut" and status["rolloutStartedAt"] == "2026-11-29T16:13:20Z"
+
+
+def test_the_progress_deadline_counts_from_the_status_so_a_restarted_operator_keeps_it():
+    cluster = cluster_for(fleet(**PIPELINE_2))
+    serving(cluster, fleet(**PIPELINE_2))
+    changed = fleet(generation=2, serving={"maxStreams": 8}, **PIPELINE_2)  # the default deadline: 900 s
+    status = reconcile(changed, cluster, now=at(0)).status
+    # a restarted operator has nothing but the fleet's status: the same passes, from the status alone
+    status = reconcile(with_status(changed, status), cluster, now=at(500)).status
+    assert status["rolloutStartedAt"] == "2026-11-29T16:00:00Z" and progressing(status)[1] == "RollingOut"
+    lost = {k: v for k, v in status.items() if k != "rolloutStartedAt"}  # without the record, the clock starts again
+    restarted = reconcile(with_status(changed, lost), cluster, now=at(901)).status
+    assert progressing(restarted)[1] == "RollingOut" and restarted["rolloutStartedAt"] == "2026-11-29T16:15:01Z"
+    late = reconcile(with_status(changed, status), cluster, now=at(901)).status
+    assert progressing(late)[:2] == ("False", "ProgressDeadlineExceeded") and "901 s" in progressing(late)[2]
+    assert "(Pending)" in progressing(late)[2]  # a pod that reports nothing: its phase alone
+
+
+def test_a_serving_stage_out_of_restarts_during_a_rollout_degrades_the_fleet_and_the_rollout_goes_on():
+    spec = {**PIPELINE_2, "restartPolicy": {"maxStageRestarts": 1}}
+    cluster = cluster_for(fleet(**spec))
+    old = serving(cluster, fleet(**spec))["revision"]
+    changed = fleet(generation=2, serving={"maxStreams": 8}, **spec)
+    status = reconcile(changed, cluster).status
+    new = status["updateRevision"]
+    for _ in range(2):
+        cluster.set_pod("qwen-g0-s1", "Failed", revision=old)
+        outcome = reconcile(with_status(changed, status), cluster)
+        status = outcome.status
+    broken = cluster.pod_name("qwen-g0-s1", old)
+    assert status["phase"] == "Degraded" and status["revision"] == old and status["updateRevision"] == new
+    assert conditions(status)["Ready"] == ("False", "ServingStageCrashLooping")
+    ready_message = next(c["message"] for c in status["conditions"] if c["type"] == "Ready")
+    assert ready_message == (
+        f"revision {old}: stage pod {broken} failed after 1 replacements (restartPolicy.maxStageRestarts=1);"
+        f" the rollout to revision {new} goes on and replaces it"
+    )
+    assert progressing(status)[:2] == ("True", "RollingOut") and outcome.retry_after_seconds is not None
+    assert cluster.revisions() == {old, new} and cluster.of_kind("Pod")[broken]["status"]["phase"] == "Failed"
+    for pod in ("qwen-g0-s0", "qwen-g0-s1"):
+        cluster.set_pod(pod, "Running", ready=True, revision=new)
+    status = reconcile(with_status(changed, status), cluster).status
+    assert gateway_revision(cluster) == new and status["phase"] == "Ready"
+    cluster.settle_gateway()
+    status = reconcile(with_status(changed, status), cluster).status
+    assert cluster.revisions() == {new} and broken not in cluster.of_kind("Pod")
+    assert progressing(status) == ("True", "RolloutComplete", f"revision {new} serves")
+    assert conditions(status)["Ready"] == ("True", "FleetReady")
+
+
+def test_a_serving_pod_recreated_during_a_rollout_is_made_from_the_serving_revisions_spec():
+    before = {**PIPELINE_2, "images": {"agent": "registry/agent:1"}}
+    cluster = cluster_for(fleet(**before))
+    old = serving(cluster, fleet(**before))["revision"]
+    after = {**PIPELINE_2, "images": {"agent": "registry/agent:2"}, "resources": {"cpu": "2", "memory": "1Gi"}}
+    changed = fleet(generation=2, serving={"maxStreams": 8}, **after)
+    status = reconcile(changed, cluster).status
+    new = status["updateRevision"]
+    gone = cluster.pod_name("qwen-g0-s0", old)
+    cluster.delete("v1", "Pod", "ai", gone)  # evicted, say
+    cluster.log.clear()
+    reconcile(with_status(changed, status), cluster)
+    assert f"create Pod/{gone}" in cluster.log
+    pods = cluster.of_kind("Pod")
+
+    def agent(name: str) -> dict[str, Any]:
+        return pods[name]["spec"]["containers"][0]
+
+    assert (agent(gone)["image"], agent(gone)["resources"]) == ("registry/agent:1", {})
+    fresh = agent(cluster.pod_name("qwen-g0-s0", new))
+    assert fresh["image"] == "registry/agent:2" and fresh["resources"]["requests"] == {"cpu": "2", "memory": "1Gi"}
+    recorded = json.loads(cluster.of_kind("ConfigMap")[f"qwen-plan-{old}"]["data"]["spec.json"])
+    assert recorded["images"]["agent"] == "registry/agent:1" and "memory" not in recorded["resources"]
+
+
 def test_a_new_plan_that_does_not_fit_keeps_the_old_revision_serving():
     cluster = cluster_for(fleet(**PIPELINE_2))
     old = serving(cluster, fleet(**PIPELINE_2))["revision"]
@@ -546,7 +672,11 @@ def test_a_spec_change_that_keeps_the_plan_keeps_the_revision_and_its_pods():
     more_gateways = fleet(generation=2, parallelism={"pipeline": 2}, gateway={"replicas": 2})
     second = reconcile(more_gateways, cluster).status
     assert second["revision"] == first["revision"]
-    assert cluster.log == ["patch ConfigMap/qwen-plan", "patch Deployment/qwen-gateway"]  # no pod touched
+    assert cluster.log == [
+        "patch ConfigMap/qwen-plan",
+        f"patch ConfigMap/qwen-plan-{first['revision']}",
+        "patch Deployment/qwen-gateway",
+    ]  # no pod touched; the revision's record of its spec follows the spec
 
 
 def test_a_fleet_name_too_long_for_its_pod_names_is_a_permanent_error():

@@ -9,7 +9,7 @@ import pytest
 from fleet_fixtures import GiB, node, summary
 
 from modelfleet.operator.placement import Placement, place, shortfall
-from modelfleet.operator.rollout import free_nodes, gateway_settled
+from modelfleet.operator.rollout import free_nodes, gateway_settled, not_ready
 from modelfleet.operator.spec import parse_spec
 
 MODEL = {"uri": "pvc://models/qwen3", "servedName": "qwen3"}
@@ -90,3 +90,20 @@ def test_the_gateway_has_rolled_when_every_pod_runs_the_current_template_as_kube
 ):
     assert gateway_settled({"metadata": metadata, "spec": spec, "status": status}) is settled
     assert gateway_settled(None) is False
+
+
+@pytest.mark.parametrize(
+    "phase, pod, says",
+    [
+        ("Ready", {"status": {"phase": "Running"}}, None),
+        ("Pending", None, "p (Pending: no pod)"),
+        ("Pending", {"status": {"phase": "Pending"}}, "p (Pending)"),
+        ("Pending", {"status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"}]}}, "p (Pending: Unschedulable 0/3 nodes)"),
+        ("Pending", {"status": {"containerStatuses": [{"name": "agent", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}}, "p (Pending: container agent ImagePullBackOff)"),
+        ("Pending", {"status": {"initContainerStatuses": [{"name": "fetch", "state": {"running": {}}}], "reason": "Evicted"}}, "p (Pending: Evicted)"),
+        ("Loading", {"status": {"phase": "Running"}}, "p (Loading)"),
+    ],
+)  # fmt: skip
+def test_members_not_ready_are_named_with_their_phase_and_what_their_pod_says(phase, pod, says):
+    pods = {} if pod is None else {"p": pod}
+    assert not_ready([{"pod": "p", "phase": phase}], pods) == ([says] if says else [])
