@@ -422,6 +422,27 @@ def test_a_new_revision_not_ready_by_its_progress_deadline_is_abandoned_and_the_
     assert f"qwen-{new}-g0-s0 (Pending)" in message and f"revision {old} keeps serving" in message
 
 
+def test_a_serving_pod_deleted_during_a_rollout_comes_back_as_it_was_not_with_the_new_image(site):
+    site.needs_emulator("the new revision must stay unready so that the rollout lasts")
+    ns = site.namespace
+    with operator(site):
+        old = wait_for(lambda: planned(site))["revision"]
+        gone = f"qwen-{old}-g0-s0"
+        before = site.api.get("v1", "Pod", ns, gone)["spec"]["containers"][0]
+        spec = {"serving": {"maxStreams": 8}, "images": {"agent": "registry.example/agent:2"}}
+        site.api.patch({**FLEET_REF, "metadata": {"name": "qwen", "namespace": ns}, "spec": spec})
+        new = wait_for(lambda: (planned(site) or {}).get("updateRevision"))
+        wait_for(lambda: len(stage_pods(site)) == 4)
+        uid = site.api.get("v1", "Pod", ns, gone)["metadata"]["uid"]
+        site.api.delete("v1", "Pod", ns, gone)
+        again = wait_for(lambda: (p := site.api.get("v1", "Pod", ns, gone)) and p["metadata"]["uid"] != uid and p)
+        fresh = site.api.get("v1", "Pod", ns, f"qwen-{new}-g0-s0")
+
+    assert before["image"] != "registry.example/agent:2"
+    assert again["spec"]["containers"][0]["image"] == before["image"]
+    assert fresh["spec"]["containers"][0]["image"] == "registry.example/agent:2"
+
+
 def test_deleting_a_fleet_deletes_every_object_it_owns(site):
     ns = site.namespace
     with operator(site):
