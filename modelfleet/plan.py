@@ -63,6 +63,7 @@ class Formats(_Frozen):
     experts: WeightFormat = "bf16"
     attention: WeightFormat = "bf16"
     head: WeightFormat = "bf16"
+    embeddings: WeightFormat = "bf16"
 
 
 class ModelRef(_Frozen):

@@ -69,19 +69,21 @@ class TensorIndex(Protocol):
 QUANTIZED_FORMATS = ("int4", "int4_sym", "int8", "mxfp4")
 
 
-def format_bytes(shape: Sequence[int], fmt: str) -> int:
+def format_bytes(shape: Sequence[int], fmt: str, kernel_layouts: bool = True) -> int:
     """Resident bytes of a float matrix (or bank) of ``shape`` held in weight format ``fmt``, its
     kernel layouts included (the larger of the CPU's and the GPU's; see engine/formats): int4
     stores 32 codes in 16 bytes, an fp16 scale and a 4-bit zero point per group, and on the CPU
     torch's kernel adds a scale/bias pair (2 x bf16) per group; int4_sym has no zero points;
     int8 one byte per value plus a float32 scale and the CPU kernel's bf16 copy per row; mxfp4
-    16 bytes and one E8M0 byte per 32 values."""
+    16 bytes and one E8M0 byte per 32 values. Without ``kernel_layouts`` (a table that is only
+    looked up) the stored layout alone."""
     rows, width = math.prod(shape[:-1]), shape[-1]
     groups = -(-width // 32)
+    kernel = 1 if kernel_layouts else 0
     per_row = {
-        "int4": width // 2 + 2 * groups + (groups + 1) // 2 + 4 * groups,
-        "int4_sym": width // 2 + 2 * groups + 4 * groups,
-        "int8": width + 4 + 2,
+        "int4": width // 2 + 2 * groups + (groups + 1) // 2 + kernel * 4 * groups,
+        "int4_sym": width // 2 + 2 * groups + kernel * 4 * groups,
+        "int8": width + 4 + kernel * 2,
         "mxfp4": width // 2 + groups,
     }
     return rows * per_row[fmt]
@@ -93,8 +95,9 @@ class LayerBytes:
 
     ``role_bytes`` holds, per layer, the bytes of the plain float matrices a weight format would
     hold, by ``"role/format"`` (``experts/plain``, ``experts/int4``, ``attention/int8``, ...);
-    ``head_role_bytes`` the same for an untied output head. :meth:`in_formats` uses them to
-    count a checkpoint quantized at load.
+    ``outer_role_bytes`` the same for the embedding table (``embeddings/...``) and an untied
+    output head (``head/...``). :meth:`in_formats` uses them to count a checkpoint quantized at
+    load; a tied head is the embedding table, held in its format.
     """
 
     per_layer: tuple[int, ...]
@@ -103,7 +106,7 @@ class LayerBytes:
     head_matrix_bytes: int  # lm_head, or the embedding again when tied
     tied: bool
     role_bytes: tuple[Mapping[str, int], ...] = ()
-    head_role_bytes: Mapping[str, int] = field(default_factory=dict)
+    outer_role_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def in_formats(self, formats: Formats | None) -> LayerBytes:
         """The bytes once each role in a (non-plain) weight format is held in it at load."""
@@ -119,8 +122,12 @@ class LayerBytes:
             size + delta(table, "experts", formats.experts) + delta(table, "attention", formats.attention)
             for size, table in zip(self.per_layer, self.role_bytes, strict=True)
         )
-        head = self.head_matrix_bytes + delta(self.head_role_bytes, "head", formats.head)
-        return LayerBytes(per_layer, self.embed_bytes, self.norm_bytes, head, self.tied)
+        embed = self.embed_bytes + delta(self.outer_role_bytes, "embeddings", formats.embeddings)
+        if self.tied:
+            head = embed if formats.embeddings in QUANTIZED_FORMATS else self.head_matrix_bytes
+        else:
+            head = self.head_matrix_bytes + delta(self.outer_role_bytes, "head", formats.head)
+        return LayerBytes(per_layer, embed, self.norm_bytes, head, self.tied)
 
     @property
     def head_bytes(self) -> int:
@@ -156,7 +163,7 @@ def layer_bytes_of(spec: ModelSpec, checkpoint: TensorIndex, dtype: str | None =
     per_layer = [0] * spec.num_layers
     role_bytes: list[dict[str, int]] = [{} for _ in range(spec.num_layers)]
     named: dict[str, int] = {}
-    head_role_bytes: dict[str, int] = {}
+    outer_role_bytes: dict[str, int] = {}
     for name in checkpoint.names():
         info = checkpoint.info(name)
         size = math.prod(info.shape) * itemsize if itemsize and info.dtype.is_floating_point else info.nbytes
@@ -173,20 +180,24 @@ def layer_bytes_of(spec: ModelSpec, checkpoint: TensorIndex, dtype: str | None =
                 _add_role_bytes(role_bytes[layer], role, shape, size)
         elif (canonical := _source_name(name)) in (EMBED_NAME, NORM_NAME, HEAD_NAME):
             named[canonical] = named.get(canonical, 0) + size  # a packed weight: its storage tensors summed
-            if plain_matrix and canonical == HEAD_NAME:
-                _add_role_bytes(head_role_bytes, "head", info.shape, size)
+            if plain_matrix and canonical != NORM_NAME:
+                role = "head" if canonical == HEAD_NAME else "embeddings"
+                _add_role_bytes(outer_role_bytes, role, info.shape, size)
     tied = spec.tie_word_embeddings or HEAD_NAME not in named
     head = named.get(EMBED_NAME, 0) if tied else named[HEAD_NAME]
     return LayerBytes(
         tuple(per_layer), named.get(EMBED_NAME, 0), named.get(NORM_NAME, 0), head, tied,
-        tuple(role_bytes), {} if tied else head_role_bytes,
+        tuple(role_bytes), outer_role_bytes,
     )  # fmt: skip
 
 
 def _add_role_bytes(table: dict[str, int], role: str, shape: Sequence[int], plain: int) -> None:
+    """Add a matrix's bytes, plain and in each format, to ``table``; the embedding table counts
+    without kernel layouts (a tied head's matmul adds them on the CPU; not counted)."""
     table[f"{role}/plain"] = table.get(f"{role}/plain", 0) + plain
     for fmt in QUANTIZED_FORMATS:
-        table[f"{role}/{fmt}"] = table.get(f"{role}/{fmt}", 0) + format_bytes(shape, fmt)
+        nbytes = format_bytes(shape, fmt, kernel_layouts=role != "embeddings")
+        table[f"{role}/{fmt}"] = table.get(f"{role}/{fmt}", 0) + nbytes
 
 
 _FUSED_EXPERTS = re.compile(r"\.experts\.[a-z_]+_proj$")  # GPT-OSS's fused banks, no ".weight"

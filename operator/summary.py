@@ -47,9 +47,10 @@ class ModelSummary(BaseModel):
     kv_bytes_per_position: tuple[NonNegativeInt, ...]
     kv_window_positions: tuple[NonNegativeInt, ...] | None = None
     # bytes of the plain float matrices a weight format would hold, by "role/format", per layer
-    # and for an untied head (planner.LayerBytes); empty in summaries of packed checkpoints
+    # and for the embedding table and an untied head (planner.LayerBytes); empty in summaries of
+    # packed checkpoints
     layer_role_bytes: tuple[dict[StrictStr, NonNegativeInt], ...] = ()
-    head_role_bytes: dict[StrictStr, NonNegativeInt] = Field(default_factory=dict)
+    outer_role_bytes: dict[StrictStr, NonNegativeInt] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_lengths(self) -> ModelSummary:
@@ -63,7 +64,7 @@ class ModelSummary(BaseModel):
         """Weight bytes as stored in the compute dtype, or as held once ``formats`` apply at load."""
         return LayerBytes(
             self.layer_bytes, self.embed_bytes, self.norm_bytes, self.head_matrix_bytes, self.tied,
-            self.layer_role_bytes, self.head_role_bytes,
+            self.layer_role_bytes, self.outer_role_bytes,
         ).in_formats(formats)  # fmt: skip
 
     def kv_bytes(self, streams: int, context_length: int) -> list[int]:
@@ -109,5 +110,5 @@ def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSum
         family=spec.family, num_layers=spec.num_layers, dtype=dtype, layer_bytes=sizes.per_layer,  # type: ignore[arg-type]
         embed_bytes=sizes.embed_bytes, norm_bytes=sizes.norm_bytes, head_matrix_bytes=sizes.head_matrix_bytes,
         tied=sizes.tied, kv_bytes_per_position=tuple(per_position), kv_window_positions=tuple(windows),
-        layer_role_bytes=tuple(dict(t) for t in sizes.role_bytes), head_role_bytes=dict(sizes.head_role_bytes),
+        layer_role_bytes=tuple(dict(t) for t in sizes.role_bytes), outer_role_bytes=dict(sizes.outer_role_bytes),
     )  # fmt: skip

@@ -379,17 +379,32 @@ def test_bytes_planned_in_weight_formats_are_the_bytes_a_shard_holds_in_them(tin
 
     path, _ = tiny_checkpoint(family)
     plain = planner.layer_bytes(path, "bfloat16")
-    planned = plain.in_formats(Formats(experts="int4", attention="int8", head="int8"))
-    shard = Shard.load(path, dtype="bfloat16", formats=FormatPlan(experts="int4", attention="int8", head="int8"))
+    planned = plain.in_formats(Formats(experts="int4", attention="int8", head="int8", embeddings="int8"))
+    engine_formats = FormatPlan(experts="int4", attention="int8", head="int8", embeddings="int8")
+    shard = Shard.load(path, dtype="bfloat16", formats=engine_formats)
     held = shard.bytes_by_role  # one shard: every layer, embeddings, norm and head
     role_total = {role: sum(t.get(f"{role}/plain", 0) for t in plain.role_bytes) for role in ("experts", "attention")}
     for role, fmt in (("experts", "int4"), ("attention", "int8")):
         # the role's matrices in their format (kernel layouts counted as this CPU holds them)
         assert held[role][fmt] == sum(t[f"{role}/{fmt}"] for t in plain.role_bytes), role
         assert held[role][fmt] < 0.6 * role_total[role]
-    assert held["head"]["int8"] == plain.head_role_bytes["head/int8"]
+    assert held["head"]["int8"] == plain.outer_role_bytes["head/int8"] == planned.head_matrix_bytes
+    assert held["embeddings"]["int8"] == plain.outer_role_bytes["embeddings/int8"] == planned.embed_bytes
     expected = sum(planned.per_layer) + planned.embed_bytes + planned.norm_bytes + planned.head_matrix_bytes
     assert abs(shard.weights_bytes - expected) <= 0.02 * expected  # routers held in float32 ride on top
+
+
+def test_a_tied_head_is_planned_as_the_packed_embedding_table(tiny_model, tmp_path):
+    from modelfleet.plan import Formats
+
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_model, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    sizes = planner.layer_bytes(tied, "bfloat16").in_formats(Formats(embeddings="int8", head="int8"))
+    assert sizes.tied and sizes.head_matrix_bytes == sizes.embed_bytes
+    stored = planner.format_bytes((128, 64), "int8", kernel_layouts=False)
+    assert sizes.embed_bytes == stored < planner.layer_bytes(tied, "bfloat16").embed_bytes
 
 
 def test_plain_formats_leave_the_sizes_as_counted_and_a_summary_plans_in_formats(tiny_checkpoint):

@@ -91,14 +91,15 @@ def make_plan(
 FORMAT_HELP = "int4, int8, mxfp4 (quantized at load) or bf16, fp16, fp32 (as stored); default as stored"
 
 
-def plan_formats(experts: str | None, attention: str | None, head: str | None) -> Any:
+def plan_formats(experts: str | None, attention: str | None, head: str | None, embeddings: str | None) -> Any:
     """The plan's ``model.formats`` from the command line's role options (None: as stored)."""
     from typing import get_args
 
     from modelfleet.plan import Formats, WeightFormat
 
     known = get_args(WeightFormat)
-    given = {role: name for role, name in (("experts", experts), ("attention", attention), ("head", head)) if name}
+    roles = {"experts": experts, "attention": attention, "head": head, "embeddings": embeddings}
+    given = {role: name for role, name in roles.items() if name}
     for role, name in given.items():
         if name not in known:
             fail(f"--{role} {name!r} is not a weight format; choose one of {', '.join(known)}")
@@ -128,12 +129,15 @@ def plan(
     experts_format: str | None = typer.Option(None, "--experts", help=f"Experts' format: {FORMAT_HELP}."),
     attention_format: str | None = typer.Option(None, "--attention", help=f"Attention's format: {FORMAT_HELP}."),
     head_format: str | None = typer.Option(None, "--head", help=f"Output head's format: {FORMAT_HELP}."),
+    embeddings_format: str | None = typer.Option(
+        None, "--embeddings", help=f"Embedding table's format (a tied head follows it): {FORMAT_HELP}."
+    ),
 ) -> None:
     """Plan a fleet: contiguous layer ranges per stage (sized in the weight formats asked for),
     printed as a table and written as JSON."""
     from modelfleet.engine.errors import ModelfleetError
 
-    formats = plan_formats(experts_format, attention_format, head_format)
+    formats = plan_formats(experts_format, attention_format, head_format, embeddings_format)
     try:
         fleet_plan = make_plan(model, stages, nodes=nodes, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, dtype=dtype, tensor=tensor, formats=formats)  # fmt: skip
@@ -237,6 +241,9 @@ def up(
     experts_format: str | None = typer.Option(None, "--experts", help=f"Experts' format: {FORMAT_HELP}."),
     attention_format: str | None = typer.Option(None, "--attention", help=f"Attention's format: {FORMAT_HELP}."),
     head_format: str | None = typer.Option(None, "--head", help=f"Output head's format: {FORMAT_HELP}."),
+    embeddings_format: str | None = typer.Option(
+        None, "--embeddings", help=f"Embedding table's format (a tied head follows it): {FORMAT_HELP}."
+    ),
     ready_timeout: float = typer.Option(600.0, "--ready-timeout", help="Seconds to wait for the fleet."),
     host: str = typer.Option("127.0.0.1", "--host", help="Where the gateway (OpenAI-compatible API) listens."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="The gateway's port."),
@@ -256,7 +263,7 @@ def up(
             fail(f"the bundled demo model is not at {model} (run from a clone of the repository), or pass --model DIR")
     if not model.is_dir():
         fail(f"model directory {str(model)!r} does not exist; pass --model DIR with a checkpoint")
-    formats = plan_formats(experts_format, attention_format, head_format)
+    formats = plan_formats(experts_format, attention_format, head_format, embeddings_format)
     try:
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, stream_groups=groups, max_queue=max_queue, dtype=dtype,
