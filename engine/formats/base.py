@@ -229,9 +229,17 @@ class QuantizedWeight(ABC):
         return self.forward(x)
 
     def expert_matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e of a 3-D bank applied to rows x: [..., in] -> [..., out]."""
-        self.prepare_for(x)
-        return self.expert(e).matmul(x)
+        """Expert e of a 3-D bank applied to rows x: [..., in] -> [..., out]. The expert's view is
+        made once per activation dtype and device, after the bank's kernel layout for them exists
+        (building views per call costs more than a small expert's matmul on the CPU)."""
+        views: dict[tuple[int, torch.dtype, torch.device], QuantizedWeight]
+        views = self.__dict__.setdefault("_expert_views", {})
+        key = (e, x.dtype, x.device)
+        view = views.get(key)
+        if view is None:
+            self.prepare_for(x)
+            view = views[key] = self.expert(e)
+        return view.matmul(x)
 
     def has_gathered_kernel(self, device: torch.device) -> bool:
         """Whether :meth:`gathered_matmul` runs on ``device`` (callers otherwise run experts grouped)."""
