@@ -287,10 +287,13 @@ def _plan(
             }
             for s, (a, b) in enumerate(ranges)
         ]})  # fmt: skip
-    # The revision hashes the plan without its addresses (which name the revision) and the nodes.
+    # The revision hashes the plan without its addresses (which name the revision), the nodes and
+    # what else shapes a stage pod (image, resources, placement, model source...), so that any of
+    # them changing rolls out new pods; gateway, restart and rollout settings shape no stage pod.
     unaddressed = _build(spec, summary, _addressed(groups, fleet, namespace, "0"))
     nodes = ",".join(f"{m.group}/{m.stage}/{m.tp_rank}={m.node}" for m in members)
-    revision = revision_of(unaddressed.plan_hash(), nodes)
+    pod_inputs = spec.model_dump_json(exclude={"gateway", "restart_policy", "rollout"})
+    revision = revision_of(f"{unaddressed.plan_hash()}\n{pod_inputs}", nodes)
     plan = _build(spec, summary, _addressed(groups, fleet, namespace, revision))
     return Placement(plan, tuple(members), revision)
 

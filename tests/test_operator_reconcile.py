@@ -679,6 +679,19 @@ def test_a_spec_change_that_keeps_the_plan_keeps_the_revision_and_its_pods():
     ]  # no pod touched; the revision's record of its spec follows the spec
 
 
+@pytest.mark.parametrize(
+    "change", [{"images": {"agent": "registry/agent:2"}}, {"resources": {"cpu": "2", "memory": "1Gi"}}]
+)
+def test_an_image_or_resources_change_alone_rolls_out_a_new_revision_beside_the_serving_one(change):
+    before = {**PIPELINE_2, "images": {"agent": "registry/agent:1"}}
+    cluster = cluster_for(fleet(**before))
+    old = serving(cluster, fleet(**before))["revision"]
+    status = reconcile(fleet(generation=2, **{**before, **change}), cluster).status
+    new = status["updateRevision"]
+    assert new != old and status["revision"] == old  # the old revision serves while the new one loads
+    assert progressing(status)[1] == "RollingOut" and cluster.revisions() == {old, new}
+
+
 def test_a_fleet_name_too_long_for_its_pod_names_is_a_permanent_error():
     body = fleet(name="q" * 41)
     outcome = reconcile(body, cluster_for(body))
