@@ -49,7 +49,6 @@ class Condition(StrEnum):
 class Reason(StrEnum):
     INVALID_SPEC = "InvalidSpec"
     SUMMARY_FOUND = "SummaryFound"
-    AWAITING_MODEL_SUMMARY = "AwaitingModelSummary"
     INSPECTING = "Inspecting"
     INSPECTION_FAILED = "InspectionFailed"
     INVALID_MODEL_SUMMARY = "InvalidModelSummary"
