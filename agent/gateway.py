@@ -25,14 +25,13 @@ response's two shapes) shares :class:`Job` and the invariants above; the parts t
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,9 +48,10 @@ from ..engine.spec import load_spec
 from ..plan import FleetPlan, PlanError
 from . import transport as wire
 from .admission import Abandoned, Admission, Busy
-from .headlink import HeadLink
+from .headlink import HeadLink, Inbox
 from .openai_schema import ChatCompletionRequest, CompletionRequest, describe
 from .prompts import PromptError, Prompts
+from .sse import DONE, IDS_MARK, TEXT_MARK, TokenChunks, data_frame
 from .textstream import TextStream
 
 log = logging.getLogger("modelfleet.gateway")
@@ -223,6 +223,10 @@ class Job:
     token_ids: list[int] = field(default_factory=list)  # the current attempt's
     heads_tried: list[int] = field(default_factory=list)  # head indices, in the order of the attempts
     first_token_seen: bool = False  # by any attempt: time to first token is observed once
+    checked_at: float = 0.0  # time.monotonic() when the client and head were last checked
+    # the server tells the streamed response of a disconnect itself, which then ends the stream
+    # (Starlette listens for it under ASGI spec < 2.4), so polling the client is not needed
+    disconnect_watched: bool = False
 
     def __post_init__(self) -> None:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -279,7 +283,8 @@ class Gateway:
         self.context_length = min(p.serving.context_length for p in config.plans)
         self.prompts = Prompts(model_dir, self.spec.vocab_size, self.context_length, self.spec.eos_token_ids)
         heads = config.heads()
-        self.heads = [HeadLink(address, config.keys, config.ready_poll_seconds) for address, _ in heads]
+        self.heads = [HeadLink(address, config.keys, config.ready_poll_seconds, DISCONNECT_CHECK_SECONDS)
+                      for address, _ in heads]  # fmt: skip
         self.admission = Admission([limit for _, limit in heads], config.max_queue, config.queue_timeout_seconds,
                                    ready=lambda h: self.heads[h].ready)  # fmt: skip
         self.metrics = GatewayMetrics(self.admission, self.heads)
@@ -456,7 +461,8 @@ class Gateway:
         if job.body.stream:
             self.metrics.answered(path, 200)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(self._sse(job, _chain(first, events)), media_type="text/event-stream",
+            watched = _streaming_watches_disconnect(request.scope)
+            return StreamingResponse(self._sse(job, first, events, watched), media_type="text/event-stream",
                                      headers=headers)  # fmt: skip
         try:
             payload = await self._collect(job, _chain(first, events))
@@ -509,13 +515,13 @@ class Gateway:
             job.heads_tried.append(h)
             job.token_ids = []
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-            request_id, queue = head.submit(job.prompt_ids, job.params)
+            request_id, inbox = head.submit(job.prompt_ids, job.params)
             text = TextStream(self.prompts.tokenizer, job.body.stop_strings)
             done, last_token_at = False, None
             try:
                 while True:
                     try:
-                        msg = await self._next(request, queue, head)
+                        msg = await self._next(request, job, inbox, head)
                     except HeadSilent as exc:
                         yield Finish("error", ApiError(503, str(exc), retry_after_seconds=1), "head_silent")
                         return
@@ -559,30 +565,32 @@ class Gateway:
             self.metrics.inter_token_latency.observe(0.0)
         return now
 
-    async def _next(self, request: Request, queue: asyncio.Queue[wire.OutputMsg], head: HeadLink) -> Outputs:
-        """The outputs waiting (at least one, merged up to a finish: a gateway that fell behind
-        catches up in fewer, larger chunks); checks on the way that the client is still there and
-        the head alive."""
-        outputs = Outputs.of(await self._first(request, queue, head))
-        while outputs.finish_reason is None and not queue.empty():
-            outputs.add(queue.get_nowait())
+    async def _next(self, request: Request, job: Job, inbox: Inbox, head: HeadLink) -> Outputs:
+        """The outputs waiting (at least one, merged up to a finish: a gateway that fell behind,
+        or tokens of one stream that arrived in one turn, go out in one chunk); checks on the way
+        that the client is still there and the head alive."""
+        outputs = Outputs.of(await self._first(request, job, inbox, head))
+        while outputs.finish_reason is None and inbox.items:
+            outputs.add(inbox.items.popleft())
         return outputs
 
-    async def _first(self, request: Request, queue: asyncio.Queue[wire.OutputMsg], head: HeadLink) -> wire.OutputMsg:
+    async def _first(self, request: Request, job: Job, inbox: Inbox, head: HeadLink) -> wire.OutputMsg:
+        """The oldest output. The checks run when the head link wakes the waiting inbox (every
+        DISCONNECT_CHECK_SECONDS) and, for a stream whose tokens come faster, by the clock; no
+        timer is made per wait."""
+        woken = False
         while True:
             now = time.monotonic()
-            if now - getattr(request.state, "checked_at", 0.0) >= DISCONNECT_CHECK_SECONDS:
-                request.state.checked_at = now  # tokens may arrive faster than any timeout: check by the clock
-                if await request.is_disconnected():
+            if woken or now - job.checked_at >= DISCONNECT_CHECK_SECONDS:
+                job.checked_at = now
+                if not job.disconnect_watched and await request.is_disconnected():
                     raise ClientGone()
                 if head.silent_for() > HEAD_SILENCE_SECONDS:
                     raise HeadSilent(f"the head at {head.address} has not reported ready for over "
                                      f"{HEAD_SILENCE_SECONDS:g} s")  # fmt: skip
-            if not queue.empty():
-                return queue.get_nowait()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(DISCONNECT_CHECK_SECONDS):  # no task per token, unlike wait_for
-                    return await queue.get()
+            if inbox.items:
+                return inbox.items.popleft()
+            woken = await inbox.wait()
 
     async def _collect(self, job: Job, events: AsyncIterator[Text | Finish]) -> dict[str, Any]:
         pieces: list[str] = []
@@ -606,23 +614,44 @@ class Gateway:
         return {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": [choice],
                 "usage": job.usage()}  # fmt: skip
 
-    async def _sse(self, job: Job, events: AsyncIterator[Text | Finish]) -> AsyncIterator[str]:
-        first = True
+    async def _sse(self, job: Job, first: Text | Finish, events: AsyncIterator[Text | Finish],
+                   disconnect_watched: bool = False) -> AsyncIterator[bytes]:  # fmt: skip
+        """The chunks of ``first`` (not an error: that was answered with a status) and of the
+        events after it; a token chunk after the first is spliced into a template made once per
+        stream (see :mod:`.sse`), the others are built whole. ``disconnect_watched``: the response
+        ends this stream itself when the client goes away (from here on, no need to poll it)."""
+        job.disconnect_watched = disconnect_watched
+        with_ids = job.body.return_token_ids
+        tokens = self._token_chunks(job)
         try:
+            opening = self._chunk(job, first, first=True)
+            assert opening is not None  # a first chunk always says something (the role, at least)
+            yield data_frame(opening)
             async for event in events:
+                if type(event) is Text:
+                    if event.text or (with_ids and event.token_ids):
+                        yield tokens.frame(event.text, event.token_ids)
+                    continue
                 if isinstance(event, Finish) and event.error is not None:
-                    yield _data(event.error.body())
+                    yield data_frame(event.error.body())
                     break
-                chunk = self._chunk(job, event, first)
+                chunk = self._chunk(job, event, first=False)
                 if chunk is not None:
-                    first = False
-                    yield _data(chunk)
+                    yield data_frame(chunk)
             else:
                 if job.body.include_usage:
-                    yield _data({**self._envelope(job), "choices": [], "usage": job.usage()})
-            yield "data: [DONE]\n\n"
+                    yield data_frame({**self._envelope(job), "choices": [], "usage": job.usage()})
+            yield DONE
         finally:
             await _close(events)
+
+    def _token_chunks(self, job: Job) -> TokenChunks:
+        """The template of the stream's token chunks after the first: :meth:`_chunk`'s, markers in place."""
+        chunk = self._chunk(job, Text(TEXT_MARK, []), first=False)
+        assert chunk is not None
+        if job.body.return_token_ids:
+            chunk["choices"][0]["token_ids"] = IDS_MARK
+        return TokenChunks.of(chunk)
 
     def _chunk(self, job: Job, event: Text | Finish, first: bool) -> dict[str, Any] | None:
         text, token_ids = (event.text, event.token_ids) if isinstance(event, Text) else ("", [])
@@ -652,8 +681,15 @@ class Gateway:
         return envelope
 
 
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def _streaming_watches_disconnect(scope: Mapping[str, Any]) -> bool:
+    """Starlette's StreamingResponse listens for ``http.disconnect`` beside the stream, and
+    cancels it at once, when the server speaks ASGI spec < 2.4 (uvicorn's is 2.3); from 2.4 on it
+    learns of a gone client only from a failed write."""
+    spec = str(scope.get("asgi", {}).get("spec_version", "2.0"))
+    try:
+        return tuple(int(part) for part in spec.split(".")) < (2, 4)
+    except ValueError:
+        return False
 
 
 async def _chain(first: Text | Finish, rest: AsyncIterator[Text | Finish]) -> AsyncIterator[Text | Finish]:

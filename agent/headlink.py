@@ -2,7 +2,10 @@
 request sent to that head, and its readiness. The gateway holds one link per head it serves.
 
 Requests are told apart by request id (the same protocol as :class:`FleetClient`): a reader task
-routes each ``OutputMsg`` to its request's queue. A cancel is sent without waiting, so it can be
+routes each ``OutputMsg`` to its request's :class:`Inbox`, taking every message already waiting
+on the socket in one turn (one awaited receive per burst, not per message). Every
+``wake_seconds`` the link wakes each inbox's waiting reader, so a reader can look at the clock
+(is its client still there?) without a timer of its own for every wait. A cancel is sent without waiting, so it can be
 sent from a ``finally`` of a task that is being cancelled (a client that went away).
 Readiness is the head's own: its HTTP ``/status`` (plan port + 1) is polled every ``poll_seconds``.
 """
@@ -14,6 +17,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,20 +31,51 @@ from .launcher import fetch_json
 log = logging.getLogger("modelfleet.gateway")
 
 
+class Inbox:
+    """One request's outputs in arrival order, read by one task."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[wire.OutputMsg] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, msg: wire.OutputMsg) -> None:
+        self.items.append(msg)
+        self.wake()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def wait(self) -> bool:
+        """Until an output is waiting or :meth:`wake` is called; True when woken with none waiting."""
+        if self.items:
+            return False
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+        return not self.items
+
+
 class HeadLink:
-    def __init__(self, head_address: str, keys: wire.KeyPair | None = None, poll_seconds: float = 0.5):
+    def __init__(self, head_address: str, keys: wire.KeyPair | None = None, poll_seconds: float = 0.5,
+                 wake_seconds: float = 0.2):  # fmt: skip
         self.address = head_address
         host, port = head_address.rsplit(":", 1)
         self.endpoint = f"tcp://{host}:{int(port) + 2}"
         self.status_url = f"http://{host}:{int(port) + 1}/status"
-        self.keys, self.poll_seconds = keys, poll_seconds
+        self.keys, self.poll_seconds, self.wake_seconds = keys, poll_seconds, wake_seconds
         self.ids = itertools.count(int(time.time() * 1000) % (1 << 40))
-        self.queues: dict[int, asyncio.Queue[wire.OutputMsg]] = {}
+        self.queues: dict[int, Inbox] = {}
         self.ready = False
         self.unready_since: float | None = time.monotonic()
         self.head_status: dict[str, Any] | None = None
         self.context: zmq.asyncio.Context | None = None
         self.socket: Any = None
+        self.waiting: Any = None  # the socket's synchronous shadow: takes what is already waiting
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -51,7 +86,9 @@ class HeadLink:
         if self.keys is not None:
             wire.curve_client(self.socket, self.keys, self.keys.public)
         self.socket.connect(self.endpoint)
-        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._poll_ready())]
+        self.waiting = zmq.Socket.shadow(self.socket.underlying)
+        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._poll_ready()),
+                      asyncio.create_task(self._wake_readers())]  # fmt: skip
 
     async def stop(self) -> None:
         for task in self.tasks:
@@ -64,12 +101,11 @@ class HeadLink:
         if self.context is not None:
             self.context.term()
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[int, asyncio.Queue[wire.OutputMsg]]:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[int, Inbox]:
         request_id = next(self.ids)
-        queue: asyncio.Queue[wire.OutputMsg] = asyncio.Queue()
-        self.queues[request_id] = queue
+        inbox = self.queues[request_id] = Inbox()
         self._send(wire.SubmitMsg.of(request_id, prompt_ids, params))
-        return request_id, queue
+        return request_id, inbox
 
     def cancel(self, request_id: int) -> None:
         """Ask the head to finish the request and free its slot on every stage; returns at once."""
@@ -90,16 +126,28 @@ class HeadLink:
 
     async def _read(self) -> None:
         while True:
-            try:
-                msg = wire.decode(await self.socket.recv_multipart())
-            except wire.MalformedMessage as exc:
-                log.warning("dropped a malformed message from the head: %s", exc.reason)
-                continue
-            if not isinstance(msg, wire.OutputMsg):
-                continue
-            queue = self.queues.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait(msg)
+            self._route(await self.socket.recv_multipart())
+            while True:
+                try:
+                    parts = self.waiting.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._route(parts)
+
+    def _route(self, parts: list[bytes]) -> None:
+        try:
+            msg = wire.decode(parts)
+        except wire.MalformedMessage as exc:
+            log.warning("dropped a malformed message from the head: %s", exc.reason)
+            return
+        if isinstance(msg, wire.OutputMsg) and (inbox := self.queues.get(msg.request_id)) is not None:
+            inbox.put(msg)
+
+    async def _wake_readers(self) -> None:
+        while True:
+            await asyncio.sleep(self.wake_seconds)
+            for inbox in list(self.queues.values()):
+                inbox.wake()
 
     async def _poll_ready(self) -> None:
         while True:

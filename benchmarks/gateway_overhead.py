@@ -144,7 +144,8 @@ def stand_in_head(port: int, token_id: int, period_s: float, burst: bool, record
 # ---- the gateway ------------------------------------------------------------------------------
 
 
-def gateway_process(plan_json: str, port: int, max_streams: int, cpus: set[int] | None = None) -> None:
+def gateway_process(plan_json: str, port: int, max_streams: int, cpus: set[int] | None = None,
+                    server: tuple[str, str] = ("auto", "auto")) -> None:  # fmt: skip
     if cpus:
         os.sched_setaffinity(0, cpus)  # the gateway alone on these CPUs (the others run elsewhere)
     sys.path.insert(0, str(REPO))
@@ -157,7 +158,9 @@ def gateway_process(plan_json: str, port: int, max_streams: int, cpus: set[int] 
 
     logging.basicConfig(level="WARNING")
     config = GatewayConfig.of(FleetPlan.from_json(plan_json), max_streams=max_streams, max_queue=max_streams)
-    uvicorn.run(Gateway(config).app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    loop, http = server
+    uvicorn.run(Gateway(config).app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                loop=loop, http=http)  # fmt: skip
 
 
 # ---- the clients ------------------------------------------------------------------------------
@@ -238,7 +241,7 @@ def wait_http(url: str, timeout_s: float) -> None:
 
 
 def run(plan: Any, token_id: int, streams: int, tokens: int, period_s: float, pattern: str,
-        gateway_cpus: set[int] | None = None) -> dict[str, Any]:  # fmt: skip
+        gateway_cpus: set[int] | None = None, server: tuple[str, str] = ("auto", "auto")) -> dict[str, Any]:  # fmt: skip
     ctx = mp.get_context("spawn")
     others = (set(range(os.cpu_count() or 1)) - gateway_cpus) or None if gateway_cpus else None
     records, results, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -247,7 +250,7 @@ def run(plan: Any, token_id: int, streams: int, tokens: int, period_s: float, pa
         target=stand_in_head, args=(head_port, token_id, period_s, pattern == "burst", records, stop, others)
     )
     gateway_port = head_port + 3
-    gateway = ctx.Process(target=gateway_process, args=(plan.to_json(), gateway_port, streams, gateway_cpus))
+    gateway = ctx.Process(target=gateway_process, args=(plan.to_json(), gateway_port, streams, gateway_cpus, server))
     head.start()
     gateway.start()
     try:
@@ -271,7 +274,19 @@ def run(plan: Any, token_id: int, streams: int, tokens: int, period_s: float, pa
         head.join(10)
         if head.is_alive():
             head.terminate()
-    return summarize(streams, tokens, period_s, pattern, arrivals, emitted, wall, gateway_cpu)
+    row = summarize(streams, tokens, period_s, pattern, arrivals, emitted, wall, gateway_cpu)
+    return {"server": "+".join(resolved(*server)), **row}
+
+
+def resolved(loop: str, http: str) -> tuple[str, str]:
+    """The event loop and HTTP parser uvicorn picks: "auto" means uvloop and httptools when installed."""
+    import importlib.util
+
+    def have(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+
+    return ("uvloop" if loop == "auto" and have("uvloop") else "asyncio" if loop == "auto" else loop,
+            "httptools" if http == "auto" and have("httptools") else "h11" if http == "auto" else http)  # fmt: skip
 
 
 def summarize(streams: int, tokens: int, period_s: float, pattern: str, arrivals: dict[str, list[float]],
@@ -316,6 +331,10 @@ def main() -> None:
     parser.add_argument("--patterns", default="spread,burst", help="spread and/or burst")
     parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="tokenizer and config for the gateway")
     parser.add_argument("--out", type=Path, default=Path("out/gateway_overhead.csv"))
+    parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                        help="uvicorn's event loop for the gateway (auto: uvloop when installed)")  # fmt: skip
+    parser.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                        help="uvicorn's HTTP parser for the gateway (auto: httptools when installed)")  # fmt: skip
     parser.add_argument("--gateway-cpus", default="", help="pin the gateway to these CPUs (e.g. 0,1) and the rest away")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
@@ -330,7 +349,8 @@ def main() -> None:
             plan = make_plan(args.model, 1, max_streams=streams, context_length=args.tokens + 16,
                              base_port=free_ports(4))  # fmt: skip
             cpus = {int(c) for c in args.gateway_cpus.split(",") if c}
-            row = run(plan, token_id, streams, args.tokens, args.period_ms / 1000, pattern, cpus or None)
+            row = run(plan, token_id, streams, args.tokens, args.period_ms / 1000, pattern, cpus or None,
+                      (args.loop, args.http))  # fmt: skip
             rows.append(row)
             print_row(row, header=len(rows) == 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -340,7 +360,9 @@ def main() -> None:
         writer.writerows(rows)
     where = f"the gateway on CPUs {args.gateway_cpus}" if args.gateway_cpus else "all processes sharing them"
     load = os.getloadavg()[0]
-    print(f"\n{os.cpu_count()} CPUs, {where}; load average {load:.1f} at the end; wrote {args.out}")
+    server = rows[0]["server"]
+    print(f"\n{os.cpu_count()} CPUs, {where}; the gateway on uvicorn with {server}; load average {load:.1f} at the end;"
+          f" wrote {args.out}")  # fmt: skip
     print(json.dumps({"goal": "p99 added < 5 ms at 256 streams", "measured": {
         f"{r['pattern']}/{r['streams']}": round(r["added_p99_ms"], 2) for r in rows}}))  # fmt: skip
 
