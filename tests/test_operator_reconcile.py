@@ -262,6 +262,15 @@ def serving(cluster: FakeCluster, body: dict[str, Any]) -> dict[str, Any]:
     return status
 
 
+def surge_beside_serving(spec: dict[str, Any]) -> tuple[FakeCluster, dict[str, Any], dict[str, Any]]:
+    """A fleet of ``spec`` serving, then a plan change whose new revision surges beside it:
+    (cluster, the changed body, its status after the first pass)."""
+    cluster = cluster_for(fleet(**spec))
+    serving(cluster, fleet(**spec))
+    changed = fleet(generation=2, serving={"maxStreams": 8}, **spec)
+    return cluster, changed, reconcile(changed, cluster).status
+
+
 def gateway_revision(cluster: FakeCluster) -> str:
     gateway = cluster.of_kind("Deployment")["qwen-gateway"]
     volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
@@ -354,12 +363,8 @@ def test_a_ready_new_revision_takes_the_gateway_and_the_old_pods_go_once_the_gat
 
 
 def test_a_new_revision_failing_past_max_stage_restarts_stops_the_rollout_and_the_old_one_keeps_serving():
-    spec = {**PIPELINE_2, "restartPolicy": {"maxStageRestarts": 1}}
-    cluster = cluster_for(fleet(**spec))
-    old = serving(cluster, fleet(**spec))["revision"]
-    changed = fleet(generation=2, serving={"maxStreams": 8}, **spec)
-    status = reconcile(changed, cluster).status
-    new = status["updateRevision"]
+    cluster, changed, status = surge_beside_serving({**PIPELINE_2, "restartPolicy": {"maxStageRestarts": 1}})
+    old, new = status["revision"], status["updateRevision"]
     for _ in range(2):
         cluster.set_pod("qwen-g0-s1", "Failed", revision=new)
         status = reconcile(with_status(changed, status), cluster).status
@@ -442,12 +447,8 @@ def test_the_progress_deadline_counts_from_the_status_so_a_restarted_operator_ke
 
 
 def test_a_serving_stage_out_of_restarts_during_a_rollout_degrades_the_fleet_and_the_rollout_goes_on():
-    spec = {**PIPELINE_2, "restartPolicy": {"maxStageRestarts": 1}}
-    cluster = cluster_for(fleet(**spec))
-    old = serving(cluster, fleet(**spec))["revision"]
-    changed = fleet(generation=2, serving={"maxStreams": 8}, **spec)
-    status = reconcile(changed, cluster).status
-    new = status["updateRevision"]
+    cluster, changed, status = surge_beside_serving({**PIPELINE_2, "restartPolicy": {"maxStageRestarts": 1}})
+    old, new = status["revision"], status["updateRevision"]
     for _ in range(2):
         cluster.set_pod("qwen-g0-s1", "Failed", revision=old)
         outcome = reconcile(with_status(changed, status), cluster)
