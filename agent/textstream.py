@@ -3,7 +3,11 @@
 Invariants:
 - the pieces a :class:`TextStream` emits, concatenated, equal the full decode of the ids it was
   given (cut just before the first stop string, when one matches); a multi-byte character is
-  never split, because :class:`WindowDecoder` holds back an incomplete UTF-8 sequence;
+  never split, because :class:`WindowDecoder` holds back an incomplete UTF-8 sequence. One
+  exception: when byte tokens are not valid UTF-8, a byte-fallback decoder replaces every byte of
+  the run, so a stray byte after a complete character turns that character into U+FFFD in the
+  full decode; the stream has sent the character already and keeps it (the stray byte still
+  becomes U+FFFD);
 - a token costs the decode of a short window of ids, not of the whole generation so far (a
   long stream would otherwise cost the gateway time quadratic in its length);
 - text that could still become the start of a stop string is held back until it cannot, so a
