@@ -14,11 +14,13 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from .errors import CheckpointError
+
+FileT = TypeVar("FileT")
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -103,7 +105,35 @@ def _tensor_info(path: Path, name: str, entry: object, base: int, size: int) -> 
     return TensorInfo(path, dtype, tuple(int(d) for d in shape), base + begin, nbytes)
 
 
-class Checkpoint:
+class IndexedTensors(Generic[FileT]):
+    """``names()``, ``in`` and ``info(name)`` over a map of tensor name -> the file holding it;
+    a subclass fills ``_file_of`` and says how a file's headers are read and where it is."""
+
+    _file_of: dict[str, FileT]
+
+    def _infos_in(self, file: FileT) -> Mapping[str, TensorInfo]:
+        raise NotImplementedError
+
+    def _where(self, file: FileT | None = None) -> str:
+        raise NotImplementedError
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self._file_of:
+            raise CheckpointError(f"{self._where()}: tensor {name!r} is not in the checkpoint")
+        file = self._file_of[name]
+        info = self._infos_in(file).get(name)
+        if info is None:
+            raise CheckpointError(f"{self._where(file)}: tensor {name!r} is listed in the index but absent")
+        return info
+
+
+class Checkpoint(IndexedTensors[Path]):
     """An index of tensor name -> location, built from the index file or the file headers.
 
     With ``model.safetensors.index.json`` present, only the files that hold requested tensors
@@ -143,19 +173,11 @@ class Checkpoint:
             self._headers[path] = _read_header(path)
         return self._headers[path]
 
-    def names(self) -> list[str]:
-        return list(self._file_of)
+    def _infos_in(self, file: Path) -> Mapping[str, TensorInfo]:
+        return self._header(file)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._file_of
-
-    def info(self, name: str) -> TensorInfo:
-        if name not in self._file_of:
-            raise CheckpointError(f"{self.dir}: tensor {name!r} is not in the checkpoint")
-        infos = self._header(self._file_of[name])
-        if name not in infos:
-            raise CheckpointError(f"{self._file_of[name]}: tensor {name!r} is listed in the index but absent")
-        return infos[name]
+    def _where(self, file: Path | None = None) -> str:
+        return str(self.dir if file is None else file)
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor in its stored dtype, in fresh CPU storage of its own."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import TensorInfo, header_length, parse_header
+from .checkpoint import IndexedTensors, TensorInfo, header_length, parse_header
 from .errors import CheckpointError, ModelfleetError
 
 HF_SCHEME = "hf://"
@@ -262,7 +262,7 @@ def _explain(uri: str, exc: BaseException) -> ModelfleetError:
 # ---- headers only -----------------------------------------------------------------------------
 
 
-class RemoteCheckpoint:
+class RemoteCheckpoint(IndexedTensors[str]):
     """The tensor index of a Hub checkpoint, from its safetensors headers only: ``names()`` and
     ``info(name)`` as :class:`~modelfleet.engine.checkpoint.Checkpoint` gives them for a directory.
 
@@ -277,7 +277,7 @@ class RemoteCheckpoint:
         self.config = self._json("config.json")
         if not isinstance(self.config, dict):
             raise CheckpointError(f"{uri}/config.json must hold a JSON object")
-        self._infos: dict[str, TensorInfo] = {}
+        self._headers: dict[str, dict[str, TensorInfo]] = {}
         self._file_of = self._map_names()
 
     def _map_names(self) -> dict[str, str]:
@@ -300,27 +300,17 @@ class RemoteCheckpoint:
         # a large checkpoint has over a hundred shards: their headers are read HEADER_READERS at a time
         with ThreadPoolExecutor(HEADER_READERS) as pool:
             headers = dict(zip(files, pool.map(self._header, files), strict=True))
+        self._headers.update(headers)
         for name, infos in headers.items():
-            self._infos.update((f"{name}\0{k}", v) for k, v in infos.items())
             if INDEX_FILE not in self.sizes:
                 mapping.update((k, name) for k in infos)
         return mapping
 
-    def names(self) -> list[str]:
-        return list(self._file_of)
+    def _infos_in(self, file: str) -> Mapping[str, TensorInfo]:
+        return self._headers.get(file, {})
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._file_of
-
-    def info(self, name: str) -> TensorInfo:
-        if name not in self._file_of:
-            raise CheckpointError(f"{self.uri}: tensor {name!r} is not in the checkpoint")
-        info = self._infos.get(f"{self._file_of[name]}\0{name}")
-        if info is None:
-            raise CheckpointError(
-                f"{self.uri}/{self._file_of[name]}: tensor {name!r} is listed in the index but absent"
-            )
-        return info
+    def _where(self, file: str | None = None) -> str:
+        return self.uri if file is None else f"{self.uri}/{file}"
 
     def _header(self, name: str) -> dict[str, TensorInfo]:
         size, label = self.sizes[name], Path(name)
