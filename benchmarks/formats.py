@@ -6,10 +6,15 @@ Workloads (bf16 activations, the serving dtype on both CPU and GPU):
   (``Experts`` for bf16, ``QuantizedExperts`` otherwise) for rows routed to 8 random experts each:
   on CUDA, few pairs run through the gathered kernels (the decode path), on CPU each used expert
   runs once over its rows.
+- ``expert-kernels`` (CUDA): the kernels of an MoE step alone, without routing: for int4 /
+  int4_sym / mxfp4 the two fused kernels the layer runs (gate_up with its activation, down with
+  the weighted sum over each token's experts, ``engine.formats.triton_moe``); for int8 the two
+  gathered matmuls; for bf16 the two gathered GEMVs.
 - ``dense-7168x2048`` / ``dense-2048x7168``: DeepSeek-V3-like projections (out x in).
 
 Modes: ``eager`` launches every kernel from Python per step (wall time includes launch cost);
-``graph`` (CUDA only) replays the step from a CUDA graph, as the engine's decode steps run.
+``graph`` (CUDA only) replays one CUDA graph holding all the steps of a pass, as the engine
+replays one graph per decode step of the whole model (so no host launch gap between steps).
 Effective GB/s = format bytes of the weights the step uses (codes, scales, zero points: not the
 kernels' private layouts) / step time; the bound beside it is the same run's copy bandwidth
 (bytes read + written by a large tensor copy). A bank is built by
@@ -49,6 +54,7 @@ HIDDEN, EXPERT_WIDTH, TOP_K = 2048, 768, 8
 DENSE_SHAPES = ((7168, 2048), (2048, 7168))
 FORMATS = ("bf16", "int8", "int4", "mxfp4")
 DISTINCT_EXPERTS = 4  # quantized for real; the rest of a bank replicates their storage
+WORKLOADS = ("moe", "expert-kernels", "dense")
 ROUTINGS = 16  # distinct routings cycled through, so consecutive steps use different experts
 DENSE_RING_BYTES = 128 << 20  # copies of a dense matrix cycled through: 4x the last-level cache
 
@@ -160,18 +166,10 @@ def timings(steps: list[Callable[[], object]], device: str, capturable: bool = T
 
     times = {"eager": time_ms(run_steps, device) / len(steps)}
     if device == "cuda" and capturable:
-        graphs = []
-        for step in steps:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            graphs.append(graph)
-
-        def replay() -> None:
-            for graph in graphs:
-                graph.replay()
-
-        times["graph"] = time_ms(replay, device) / len(graphs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_steps()
+        times["graph"] = time_ms(graph.replay, device) / len(steps)
     return times
 
 
@@ -193,29 +191,40 @@ def bench_moe(fmt: str, experts: int, rows_list: list[int], device: str) -> list
     return results
 
 
-def gathered_pair(layer: torch.nn.Module, x: torch.Tensor, a: torch.Tensor, flat: torch.Tensor) -> object:
-    """The gathered gate_up and down matmuls of one step, for the pairs ``flat``."""
+def expert_kernels(
+    layer: torch.nn.Module, x: torch.Tensor, a: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
+) -> object:
+    """The expert kernels of one step for the routing ``index``/``weight``: the fused pair where
+    the layer runs it, else the gathered gate_up and down matmuls (``a`` stands in for the
+    activation between them)."""
+    flat = index.reshape(-1)
     if isinstance(layer, QuantizedExperts):
+        fused = layer.fused_kernels(x)
+        if fused is not None:
+            from modelfleet.engine.formats import triton_moe
+
+            gate_up, down, act = fused
+            h = triton_moe.moe_up(x, index, gate_up, None, triton_moe.Activation(*act))
+            return triton_moe.moe_down(h, index, weight, down, None)
         return layer.gate_up.gathered_matmul(x, flat, TOP_K), layer.down.gathered_matmul(a, flat, 1)
     return expert_gemv(x, layer.gate_up, flat, TOP_K), expert_gemv(a, layer.down, flat, 1)
 
 
 def bench_expert_kernels(fmt: str, experts: int, rows_list: list[int]) -> list[Result]:
-    """CUDA only: the two gathered expert matmuls of an MoE step alone (gate_up over the rows'
-    pairs, down over an activation of the pairs), without routing, activation and sum: what the
-    kernels themselves reach against the bandwidth bound."""
+    """CUDA only: the expert kernels of an MoE step alone (see ``expert_kernels``), without
+    routing: what the kernels themselves reach against the bandwidth bound."""
     layer, per_expert = expert_layer(fmt, experts, "cuda")
     params = (2 * EXPERT_WIDTH * HIDDEN + HIDDEN * EXPERT_WIDTH) * experts
     results = []
     for rows in rows_list:
         generator = torch.Generator().manual_seed(rows)
-        flats = [route(rows, experts, generator, "cuda")[0].reshape(-1) for _ in range(ROUTINGS)]
+        routings = [route(rows, experts, generator, "cuda") for _ in range(ROUTINGS)]
         x = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
         a = torch.randn(rows * TOP_K, EXPERT_WIDTH, device="cuda").to(torch.bfloat16)
         if isinstance(layer, QuantizedExperts) and not layer.gathered_on(torch.device("cuda")):
             continue
-        steps = [partial(gathered_pair, layer, x, a, flat) for flat in flats]
-        used = statistics.mean(flat.unique().numel() * per_expert for flat in flats)
+        steps = [partial(expert_kernels, layer, x, a, index, weight) for index, weight in routings]
+        used = statistics.mean(index.unique().numel() * per_expert for index, _ in routings)
         with torch.inference_mode():
             for mode, ms in timings(steps, "cuda").items():
                 per_param = per_expert * experts / params
@@ -279,6 +288,9 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=list(FORMATS))
     parser.add_argument("--out", type=Path, default=Path("out/formats.csv"))
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="which workloads to time"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -292,10 +304,11 @@ def main() -> None:
         print(f"{device}: copy bandwidth {bandwidth:.1f} GB/s (read + write), {torch.get_num_threads()} threads")
         device_results: list[Result] = []
         for fmt in args.formats:
-            device_results += bench_moe(fmt, args.experts, args.rows, device)
-            if device == "cuda":
+            if "moe" in args.workloads:
+                device_results += bench_moe(fmt, args.experts, args.rows, device)
+            if device == "cuda" and "expert-kernels" in args.workloads:
                 device_results += bench_expert_kernels(fmt, args.experts, args.rows)
-            for shape in DENSE_SHAPES:
+            for shape in DENSE_SHAPES if "dense" in args.workloads else ():
                 device_results += bench_dense(fmt, shape, args.rows, device)
         annotate(device_results, bandwidth)
         results += sorted(device_results, key=order)

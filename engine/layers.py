@@ -272,6 +272,21 @@ def silu_glu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's GLU on h = [gate | up]: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with
+    g = min(gate, limit). A value, not a closure, so fused kernels can read alpha and limit."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(self.alpha * gate))
+
+
 GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which CUDA gathers expert weights
 
 

@@ -17,6 +17,7 @@ modules are never packed for oneDNN (they are not Dense or Experts instances).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,7 +25,18 @@ from torch import nn
 from .formats import FormatError, QuantizedWeight, quantize
 from .formats.plain import PLAIN_DTYPES
 from .formats.plan import FormatPlan, role_of
-from .layers import Dense, Experts, forward_grouped, silu_glu, use_gathered, weighted_sum_of_pairs
+from .layers import (
+    ClampedSwiGLU,
+    Dense,
+    Experts,
+    forward_grouped,
+    silu_glu,
+    use_gathered,
+    weighted_sum_of_pairs,
+)
+
+if TYPE_CHECKING:
+    from .formats.triton_moe import PackedBank
 
 DTYPE_FORMATS = {dtype: name for name, dtype in PLAIN_DTYPES.items()}
 
@@ -48,10 +60,13 @@ class QuantizedDense(nn.Module):
 class QuantizedExperts(nn.Module):
     """A bank of E experts in a weight format: gate_up (E, 2I, H) as [gate; up] rows, down (E, H, I).
 
-    On CUDA, a few (token, expert) pairs (decode) run through the format's gathered kernel, which
-    reads each pair's packed expert in place with no host synchronisation, so decode steps can be
-    graph-captured; otherwise, and for formats without that kernel, each used expert runs once
-    over its tokens (grouped), which synchronises with the host.
+    On CUDA, a few (token, expert) pairs (decode) read each pair's packed expert in place with no
+    host synchronisation, so decode steps can be graph-captured: int4/int4_sym/mxfp4 banks with
+    bf16 or fp16 activations and a SiLU or GPT-OSS GLU run as two fused kernels (gate_up with bias
+    and activation; down with bias and the weighted sum over each token's experts, see
+    :mod:`~.formats.triton_moe`); other cases run the format's gathered matmuls with the
+    activation and sum between them. Otherwise, and for formats without those kernels, each used
+    expert runs once over its tokens (grouped), which synchronises with the host.
     """
 
     def __init__(
@@ -90,10 +105,33 @@ class QuantizedExperts(nn.Module):
         """Whether decode pairs on ``device`` run through a gathered kernel (graph-capturable)."""
         return self.gate_up.has_gathered_kernel(device) and self.down.has_gathered_kernel(device)
 
+    def fused_kernels(self, x: torch.Tensor) -> tuple[PackedBank, PackedBank, tuple[int, float, float]] | None:
+        """The two banks as the fused kernels read them and the activation's (kind, alpha, limit),
+        when those kernels apply to activations like ``x``."""
+        if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
+            return None
+        if self.activation is silu_glu:
+            act = (1, 1.0, 0.0)  # triton_moe.ACT_SILU
+        elif isinstance(self.activation, ClampedSwiGLU):
+            act = (2, self.activation.alpha, self.activation.limit)  # ACT_CLAMPED_SWIGLU
+        else:
+            return None
+        self.gate_up.prepare_for(x)
+        self.down.prepare_for(x)
+        gate_up, down = self.gate_up.fused_bank(), self.down.fused_bank()
+        return None if gate_up is None or down is None else (gate_up, down, act)
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
         if not (use_gathered(x, index) and self.gathered_on(x.device)):
             return forward_grouped(self.expert, self.num_experts, x, index, weight)
+        fused = self.fused_kernels(x)
+        if fused is not None:
+            from .formats import triton_moe
+
+            gate_up, down, act = fused
+            a = triton_moe.moe_up(x, index, gate_up, self.gate_up_bias, triton_moe.Activation(*act))
+            return triton_moe.moe_down(a, index, weight, down, self.down_bias)
         flat = index.reshape(-1)
         h = self.gate_up.gathered_matmul(x, flat, index.shape[1])  # [T*k, 2I]
         if self.gate_up_bias is not None:

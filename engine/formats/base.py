@@ -23,8 +23,12 @@ import functools
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the kernels' module imports triton, which CPU machines lack
+    from .triton_moe import PackedBank
 
 from ..errors import ModelfleetError
 
@@ -245,6 +249,11 @@ class QuantizedWeight(ABC):
         """Whether :meth:`gathered_matmul` runs on ``device`` (callers otherwise run experts grouped)."""
         return False
 
+    def fused_bank(self) -> PackedBank | None:
+        """The bank as the fused CUDA MoE kernels (:mod:`.triton_moe`) read it, once prepared for
+        CUDA activations; None where they do not apply (every format but int4, int4_sym, mxfp4)."""
+        return None
+
     def gathered_matmul(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
         """For a bank: out[p] = x[p // row_div] @ W[index[p]].T, [P, out], reading each pair's expert
         in place with no host synchronisation (so decode steps can be graph-captured)."""
@@ -271,3 +280,26 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
         values = torch.nn.functional.pad(values, (0, 1))
     pairs = values.to(torch.uint8).unflatten(-1, (-1, 2))
     return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def to_nibble_major(codes: torch.Tensor) -> torch.Tensor:
+    """Packed 4-bit codes uint8 [..., in/2] (byte j: inputs 2j low, 2j + 1 high) -> the CUDA
+    kernels' order: in each group of 32 inputs (16 bytes), nibble i (bits 4i..4i+3) of 32-bit word
+    t holds input 4i + t, so one 8-byte load of inputs serves one nibble of four words. The same
+    bytes, permuted within each group; :func:`from_nibble_major` undoes it."""
+    q = unpack_nibbles(codes).unflatten(-1, (-1, 8, 4)).transpose(-1, -2)  # [..., G, t, i]
+    return pack_nibbles(q.flatten(-3))
+
+
+def from_nibble_major(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`to_nibble_major`."""
+    q = unpack_nibbles(codes).unflatten(-1, (-1, 4, 8)).transpose(-1, -2)  # [..., G, i, t]
+    return pack_nibbles(q.flatten(-3))
+
+
+def nibble_major_bank(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`to_nibble_major` of a bank [E, out, in/2], one expert at a time (bounded scratch)."""
+    out = torch.empty_like(codes)
+    for e in range(codes.shape[0]):
+        out[e] = to_nibble_major(codes[e])
+    return out

@@ -24,7 +24,7 @@ CUDA uses the Triton kernel when triton is importable; elsewhere, the decode-in-
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -39,6 +39,8 @@ from .base import (
     check_tensor,
     check_weight_for_quantize,
     first_index,
+    from_nibble_major,
+    nibble_major_bank,
     normalize_slice,
     pack_nibbles,
     shape_str,
@@ -46,6 +48,9 @@ from .base import (
     unpack_nibbles,
 )
 from .tiled import tiled_matmul
+
+if TYPE_CHECKING:
+    from .triton_moe import PackedBank
 
 SYMMETRIC_ZERO = 8
 
@@ -65,6 +70,7 @@ class Int4Weight(QuantizedWeight):
         self._kernel_codes: torch.Tensor | None = None  # torch CPU kernel layout, [..., out, in/2]
         self._scale_bias: dict[torch.dtype, torch.Tensor] = {}  # [..., G, out, 2] per activation dtype
         self._zero_bytes: torch.Tensor | None = None  # CUDA kernels read z unpacked, uint8 [..., out, G]
+        self._major_codes: torch.Tensor | None = None  # CUDA banks: codes in nibble-major order
         self._keep_codes = False  # an embedding table: row lookups read our codes, so they stay
 
     def _check_layout(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> None:
@@ -102,12 +108,14 @@ class Int4Weight(QuantizedWeight):
         kernel_codes: torch.Tensor | None = None,
         scale_bias: dict[torch.dtype, torch.Tensor] | None = None,
         zero_bytes: torch.Tensor | None = None,
+        major_codes: torch.Tensor | None = None,
     ) -> Int4Weight:
         """An instance from parts already validated (views, slices, moves)."""
         weight = cls.__new__(cls)
         weight._codes, weight.scales, weight.zeros, weight._shape = codes, scales, zeros, shape
         weight._kernel_codes, weight._scale_bias = kernel_codes, dict(scale_bias or {})
         weight._zero_bytes = zero_bytes
+        weight._major_codes = major_codes
         weight._keep_codes = False
         return weight
 
@@ -128,6 +136,8 @@ class Int4Weight(QuantizedWeight):
         """uint8 [..., out, in/2] in our layout (recovered from the kernel layout if that replaced it)."""
         if self._codes is not None:
             return self._codes
+        if self._major_codes is not None:
+            return from_nibble_major(self._major_codes)
         assert self._kernel_codes is not None
         permutation = int4_cpu.kernel_permutation(self.out_features, self.in_features)
         flat = self._kernel_codes.reshape(-1, *self._kernel_codes.shape[-2:])
@@ -147,6 +157,7 @@ class Int4Weight(QuantizedWeight):
             "zeros": self.zeros,
             "kernel_codes": self._kernel_codes,
             "zero_bytes": self._zero_bytes,
+            "major_codes": self._major_codes,
         }
         held.update({f"scale_bias_{str(dtype).removeprefix('torch.')}": t for dtype, t in self._scale_bias.items()})
         return {name: t for name, t in held.items() if t is not None}
@@ -201,6 +212,30 @@ class Int4Weight(QuantizedWeight):
             self.prepare(x.dtype)
         elif self.device.type == "cuda":
             self._cuda_zero_points()
+            if self.num_experts is not None and triton_available():
+                self.to_nibble_major()
+
+    def to_nibble_major(self) -> None:
+        """Hold a bank's codes in the CUDA kernels' nibble-major order (see
+        :func:`~.base.to_nibble_major`) instead of ours: the same bytes, once."""
+        if self._major_codes is None and self.num_experts is not None:
+            codes = self.codes
+            self._major_codes = nibble_major_bank(codes)
+            self._codes = codes if self._keep_codes else None
+
+    def _cuda_codes(self) -> tuple[torch.Tensor, bool]:
+        """The codes the CUDA kernels read and whether they are nibble-major."""
+        if self._major_codes is not None:
+            return self._major_codes, True
+        return self.codes, False
+
+    def fused_bank(self) -> PackedBank | None:
+        """The bank as :mod:`.triton_moe`'s fused kernels read it, or None (not a prepared CUDA bank)."""
+        if self._major_codes is None or not self._major_codes.is_cuda:
+            return None
+        from .triton_moe import PackedBank
+
+        return PackedBank(self._major_codes, self.scales, self._cuda_zero_points(), mxfp4=False)
 
     def _cuda_zero_points(self) -> torch.Tensor | None:
         if self.zeros is None:
@@ -219,11 +254,12 @@ class Int4Weight(QuantizedWeight):
         if self.device.type == "cuda" and triton_available():
             from . import triton_kernels
 
+            codes, major = self._cuda_codes()
             if x.shape[0] <= triton_kernels.GEMV_MAX_ROWS:
                 return triton_kernels.nibble_gemv(
-                    x, self.codes, self.scales, self._cuda_zero_points(), None, 1, mxfp4=False
+                    x, codes, self.scales, self._cuda_zero_points(), None, 1, mxfp4=False, nibble_major=major
                 )
-            return triton_kernels.int4_matmul(x, self.codes, self.scales, self._cuda_zero_points())
+            return triton_kernels.int4_matmul(x, codes, self.scales, self._cuda_zero_points(), nibble_major=major)
         return tiled_matmul(x, self.decode_columns, self.out_features)
 
     def has_gathered_kernel(self, device: torch.device) -> bool:
@@ -234,8 +270,9 @@ class Int4Weight(QuantizedWeight):
             return super().gathered_matmul(x, index, row_div)
         from . import triton_kernels
 
+        codes, major = self._cuda_codes()
         zeros = self._cuda_zero_points()
-        return triton_kernels.nibble_gemv(x, self.codes, self.scales, zeros, index, row_div, mxfp4=False)
+        return triton_kernels.nibble_gemv(x, codes, self.scales, zeros, index, row_div, mxfp4=False, nibble_major=major)
 
     # --- views, slices, moves ------------------------------------------------------------------
 
@@ -249,6 +286,7 @@ class Int4Weight(QuantizedWeight):
             None if self._kernel_codes is None else self._kernel_codes[e],
             {dtype: t[e] for dtype, t in self._scale_bias.items()},
             None if self._zero_bytes is None else self._zero_bytes[e],
+            None if self._major_codes is None else self._major_codes[e],
         )
 
     def slice(self, dim: int, start: int, end: int) -> Int4Weight:
@@ -269,6 +307,7 @@ class Int4Weight(QuantizedWeight):
                 shape,
                 part(self._kernel_codes),
                 kernel,
+                major_codes=part(self._major_codes),
             )
         codes, scales, zero_points = self.codes, self.scales, self.zero_points()
         if dim == len(self.shape) - 2:

@@ -24,6 +24,7 @@ weight never exists). CUDA uses the Triton kernel when triton is importable.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,11 +37,16 @@ from .base import (
     check_tensor,
     check_weight_for_quantize,
     first_index,
+    from_nibble_major,
+    nibble_major_bank,
     normalize_slice,
     shape_str,
     triton_available,
 )
 from .tiled import tiled_matmul
+
+if TYPE_CHECKING:
+    from .triton_moe import PackedBank
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_BIAS = 127
@@ -110,18 +116,53 @@ class MXFP4Weight(QuantizedWeight):
             raise FormatError(
                 f"mxfp4 scales of shape {shape_str(scales.shape)} hold E8M0 NaN (0xFF) at index {first_index(nan)}"
             )
-        self.blocks, self.scales = blocks, scales
+        self._blocks: torch.Tensor | None = blocks
+        self._major: torch.Tensor | None = None  # CUDA banks: [..., out, in/2] in nibble-major order
+        self.scales = scales
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """uint8 [..., out, in/32, 16] in the checkpoint's layout (recovered if a kernel layout replaced it)."""
+        if self._blocks is not None:
+            return self._blocks
+        assert self._major is not None
+        return from_nibble_major(self._major).unflatten(-1, (-1, BYTES_PER_BLOCK))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.blocks.shape[:-2], self.blocks.shape[-2] * BLOCK)
+        return (*self.scales.shape[:-1], self.scales.shape[-1] * BLOCK)
 
     @property
     def device(self) -> torch.device:
-        return self.blocks.device
+        return self.scales.device
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"blocks": self.blocks, "scales": self.scales}
+        held = {"blocks": self._blocks, "major_blocks": self._major, "scales": self.scales}
+        return {name: t for name, t in held.items() if t is not None}
+
+    def prepare_for(self, x: torch.Tensor) -> None:
+        on_cuda = x.device.type == "cuda" and self.device.type == "cuda"
+        if on_cuda and self.num_experts is not None and triton_available():
+            self.to_nibble_major()
+
+    def to_nibble_major(self) -> None:
+        """Hold a bank's blocks in the CUDA kernels' nibble-major order (see
+        :func:`~.base.to_nibble_major`) instead of the checkpoint's: the same bytes, once."""
+        if self._major is None and self.num_experts is not None:
+            self._major = nibble_major_bank(self.blocks.flatten(-2))
+            self._blocks = None
+
+    def _cuda_codes(self) -> tuple[torch.Tensor, bool]:
+        if self._major is not None:
+            return self._major, True
+        return self.blocks.flatten(-2), False
+
+    def fused_bank(self) -> PackedBank | None:
+        if self._major is None or not self._major.is_cuda:
+            return None
+        from .triton_moe import PackedBank
+
+        return PackedBank(self._major, self.scales, None, mxfp4=True)
 
     def dequantize(self) -> torch.Tensor:
         return decode(self.blocks, self.scales)
@@ -137,10 +178,10 @@ class MXFP4Weight(QuantizedWeight):
         if self.device.type == "cuda" and triton_available():
             from . import triton_kernels
 
+            codes, major = self._cuda_codes()
             if x.shape[0] <= triton_kernels.GEMV_MAX_ROWS:
-                codes = self.blocks.flatten(-2)
-                return triton_kernels.nibble_gemv(x, codes, self.scales, None, None, 1, mxfp4=True)
-            return triton_kernels.mxfp4_matmul(x, self.blocks, self.scales)
+                return triton_kernels.nibble_gemv(x, codes, self.scales, None, None, 1, mxfp4=True, nibble_major=major)
+            return triton_kernels.mxfp4_matmul(x, codes, self.scales, nibble_major=major)
         return tiled_matmul(x, self.decode_columns, self.out_features)
 
     def has_gathered_kernel(self, device: torch.device) -> bool:
@@ -151,12 +192,15 @@ class MXFP4Weight(QuantizedWeight):
             return super().gathered_matmul(x, index, row_div)
         from . import triton_kernels
 
-        return triton_kernels.nibble_gemv(x, self.blocks.flatten(-2), self.scales, None, index, row_div, mxfp4=True)
+        codes, major = self._cuda_codes()
+        return triton_kernels.nibble_gemv(x, codes, self.scales, None, index, row_div, mxfp4=True, nibble_major=major)
 
     def expert(self, e: int) -> MXFP4Weight:
         self.check_expert_index(e)
         view = MXFP4Weight.__new__(MXFP4Weight)
-        view.blocks, view.scales = self.blocks[e], self.scales[e]
+        view._blocks = None if self._blocks is None else self._blocks[e]
+        view._major = None if self._major is None else self._major[e]
+        view.scales = self.scales[e]
         return view
 
     def slice(self, dim: int, start: int, end: int) -> MXFP4Weight:

@@ -42,7 +42,7 @@ def _nibble_gemm_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_cn, stride_sn, stride_zn, stride_om,
-    MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, IEEE: tl.constexpr,
+    MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, IEEE: tl.constexpr, NIBBLE_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -58,8 +58,9 @@ def _nibble_gemm_kernel(
         k_mask = k_even < K
         x_mask = m_mask[:, None] & k_mask[None, :]
         x_row = x_ptr + rm[:, None] * stride_xm
-        x_even = tl.load(x_row + k_even[None, :], mask=x_mask, other=0.0)
-        x_odd = tl.load(x_row + k_even[None, :] + 1, mask=x_mask, other=0.0)
+        x_low, x_high = _nibble_inputs(k_even // 2, NIBBLE_MAJOR)
+        x_even = tl.load(x_row + x_low[None, :], mask=x_mask, other=0.0)
+        x_odd = tl.load(x_row + x_high[None, :], mask=x_mask, other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]  # [BLOCK_K/2, BLOCK_N]
         byte = tl.load(codes_ptr + rn[None, :] * stride_cn + (k_even[:, None] // 2), mask=w_mask, other=0)
         byte = byte.to(tl.int32)
@@ -91,6 +92,18 @@ def _nibble_gemm_kernel(
     tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _nibble_inputs(byte, NIBBLE_MAJOR: tl.constexpr):
+    """The inputs under a code byte's low and high nibbles: 2j and 2j + 1 in our order; in
+    nibble-major order (see ``base.to_nibble_major``) byte j = 4t + b of a group holds inputs
+    8b + t and 8b + 4 + t."""
+    if NIBBLE_MAJOR:
+        j = byte % 16
+        low = (byte // 16) * 32 + 8 * (j % 4) + j // 4
+        return low, low + 4
+    return 2 * byte, 2 * byte + 1
+
+
 # Small-M path: one program per (pair, BLOCK_N outputs, K slice); no tl.dot, which would waste 15
 # of its 16 rows at M = 1. Each step covers GROUPS groups of 32 inputs as a [BLOCK_N, GROUPS, 16]
 # byte tile (int8: [BLOCK_N, GROUPS * 32]), sums code x input per group, then applies the group's
@@ -103,6 +116,8 @@ _GEMV_CONFIGS = [
     for split in (1, 2, 4, 8)
 ]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter cannot time configurations
+# MODELFLEET_TRITON_TUNE=0: fixed configurations, no autotuning (fast start: tests, short runs)
+TUNED = not INTERPRETED and os.environ.get("MODELFLEET_TRITON_TUNE", "1") != "0"
 
 
 @triton.jit
@@ -111,7 +126,7 @@ def _nibble_gemv_kernel(
     N, K, NUM_GROUPS,
     stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_om,
     ROW_DIV: tl.constexpr, GATHER: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
+    NIBBLE_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     pair, block_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(index_ptr + pair).to(tl.int64) if GATHER else 0
@@ -130,9 +145,10 @@ def _nibble_gemv_kernel(
     for k0 in range(k_begin, k_begin + k_per_split, GROUPS * 32):
         g = k0 // 32 + rg
         g_mask = g < NUM_GROUPS
-        byte_index = g[:, None] * 16 + rj[None, :]  # [GROUPS, 16]; byte j holds inputs 2j, 2j + 1
-        x_even = tl.load(x_row + 2 * byte_index, mask=g_mask[:, None], other=0.0).to(tl.float32)
-        x_odd = tl.load(x_row + 2 * byte_index + 1, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        byte_index = g[:, None] * 16 + rj[None, :]  # [GROUPS, 16]
+        x_low, x_high = _nibble_inputs(byte_index, NIBBLE_MAJOR)
+        x_even = tl.load(x_row + x_low, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + x_high, mask=g_mask[:, None], other=0.0).to(tl.float32)
         tile_mask = n_mask[:, None, None] & g_mask[None, :, None]
         byte = tl.load(codes_row + byte_index[None, :, :], mask=tile_mask, other=0).to(tl.int32)
         low, high = byte & 0xF, byte >> 4
@@ -190,14 +206,20 @@ def _quick_bench(fn, quantiles):  # type: ignore[no-untyped-def]
 
 
 def _tuned(kernel, key: list[str]):  # type: ignore[no-untyped-def]
-    if INTERPRETED:
+    if not TUNED:
         return kernel
     return triton.autotune(_GEMV_CONFIGS, key=key, reset_to_zero=["out_ptr"], do_bench=_quick_bench)(kernel)
 
 
 _nibble_gemv = _tuned(_nibble_gemv_kernel, ["N", "K", "ROW_DIV", "MXFP4", "HAS_ZEROS", "GATHER"])
 _int8_gemv = _tuned(_int8_gemv_kernel, ["N", "K", "ROW_DIV", "GATHER"])
-_GEMV_FIXED = {"BLOCK_N": 16, "GROUPS": 2, "SPLIT": 2} if INTERPRETED else {}
+_GEMV_FIXED = (
+    {"BLOCK_N": 16, "GROUPS": 2, "SPLIT": 2}
+    if INTERPRETED
+    else {}
+    if TUNED
+    else {"BLOCK_N": 32, "GROUPS": 4, "SPLIT": 2}
+)
 
 
 def _gemv_grid(pairs: int, n: int):  # type: ignore[no-untyped-def]
@@ -261,7 +283,12 @@ def _prepare_x(x: torch.Tensor) -> torch.Tensor:
 
 
 def _nibble_gemm(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, mxfp4: bool
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    mxfp4: bool,
+    nibble_major: bool = False,
 ) -> torch.Tensor:
     xc = _prepare_x(x)
     m, k = xc.shape
@@ -274,7 +301,7 @@ def _nibble_gemm(
         xc, codes, scales, zeros, out,
         m, n, k, k_per_split,
         xc.stride(0), codes.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
-        MXFP4=mxfp4, HAS_ZEROS=zeros is not scales, IEEE=xc.dtype == torch.float32,
+        MXFP4=mxfp4, HAS_ZEROS=zeros is not scales, IEEE=xc.dtype == torch.float32, NIBBLE_MAJOR=nibble_major,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out.to(x.dtype)
@@ -291,6 +318,7 @@ def nibble_gemv(
     index: torch.Tensor | None,
     row_div: int,
     mxfp4: bool,
+    nibble_major: bool = False,
 ) -> torch.Tensor:
     """out[p] = x[p // row_div] @ W[index[p]].T for a bank (codes [E, N, K/2], scales and zero
     points [E, N, K/32]); with ``index`` None, W is 2-D and p runs over x's rows (row_div 1).
@@ -313,7 +341,7 @@ def nibble_gemv(
         xc.stride(0), stride(codes), codes.stride(-2), stride(scales), scales.stride(-2),
         stride(zeros), zeros.stride(-2), out.stride(0),
         ROW_DIV=row_div, GATHER=index is not None, MXFP4=mxfp4, HAS_ZEROS=zeros is not scales,
-        **_GEMV_FIXED,
+        NIBBLE_MAJOR=nibble_major, **_GEMV_FIXED,
     )  # fmt: skip
     return out.to(x.dtype)
 
@@ -340,16 +368,22 @@ def int8_gemv(
 
 
 def int4_matmul(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    nibble_major: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ int4 W.T: codes uint8 [N, K/2], scales fp16 [N, K/32], zero_points uint8 [N, K/32]
     (None: symmetric, z = 8)."""
-    return _nibble_gemm(x, codes, scales, zero_points, mxfp4=False)
+    return _nibble_gemm(x, codes, scales, zero_points, mxfp4=False, nibble_major=nibble_major)
 
 
-def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ MXFP4 W.T: blocks uint8 [N, K/32, 16], E8M0 scales uint8 [N, K/32]."""
-    return _nibble_gemm(x, blocks.reshape(blocks.shape[0], -1), scales, None, mxfp4=True)
+def mxfp4_matmul(
+    x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, nibble_major: bool = False
+) -> torch.Tensor:
+    """x [M, K] @ MXFP4 W.T: blocks uint8 [N, K/32, 16] (or [N, K/2]), E8M0 scales uint8 [N, K/32]."""
+    return _nibble_gemm(x, blocks.reshape(blocks.shape[0], -1), scales, None, mxfp4=True, nibble_major=nibble_major)
 
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..formats import BLOCK, FormatError, MXFP4Weight
-from ..layers import DecoderLayer, Experts, SparseMoE
+from ..layers import ClampedSwiGLU, DecoderLayer, Experts, SparseMoE
 from ..quantize import QuantizedExperts
 from ..spec import ModelSpec
 from ..weights import LayerWeights
@@ -58,14 +58,6 @@ def validate(spec: ModelSpec) -> None:
         window = spec.require("sliding_window")
         if not isinstance(window, int) or window < 1:
             raise ConfigError(f"config.json field 'sliding_window' must be a positive integer, got {window!r}")
-
-
-def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """h: [T, 2I] as [gate | up] -> (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
-    gate, up = h.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
 
 
 def top_k_then_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +139,7 @@ def _mxfp4_experts(w: LayerWeights, num_experts: int, hidden: int, inter: int) -
 def experts(spec: ModelSpec, w: LayerWeights) -> Experts | QuantizedExperts:
     num_experts, inter = int(spec.require("num_local_experts")), int(spec.require("intermediate_size"))
     alpha, limit = float(spec.get("swiglu_alpha", 1.702)), float(spec.get("swiglu_limit", 7.0))
-    activation = partial(clamped_swiglu, alpha=alpha, limit=limit)
+    activation = ClampedSwiGLU(alpha, limit)
     if "gate_up_proj_blocks" in w:  # MXFP4 on disk: stays packed in memory (a per-parameter loader)
         packed_gate_up, packed_down = _mxfp4_experts(w, num_experts, spec.hidden_size, inter)
         biases = (_deinterleave(w.get("gate_up_proj_bias")), w.get("down_proj_bias"))

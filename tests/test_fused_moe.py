@@ -1,0 +1,197 @@
+"""The fused CUDA MoE kernels (engine.formats.triton_moe) and the nibble-major code order they read.
+
+The order is checked here on the CPU (CI); the kernels on a GPU and, with TRITON_INTERPRET=1 and
+triton installed, in triton's interpreter. References are float64 products of the exact decode.
+Tolerance: norm-relative 1e-2 per token for bf16/fp16 activations (the kernels round the
+pairs' activations and the output to the activation dtype once each; a wrong code order or
+scale gives errors of order 1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from modelfleet.engine.formats import Int4Weight, MXFP4Weight, QuantizedWeight, quantize
+from modelfleet.engine.formats.base import from_nibble_major, to_nibble_major, triton_available, unpack_nibbles
+from modelfleet.engine.layers import ClampedSwiGLU, silu_glu
+from modelfleet.engine.quantize import QuantizedExperts
+
+FUSED = ("int4", "int4_sym", "mxfp4")
+EXPERTS, HIDDEN, INTER, TOP_K = 6, 128, 96, 2  # INTER / 32 = 3 groups: a masked chunk
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
+    reason="runs the Triton kernels on CPU only under TRITON_INTERPRET=1 with triton installed",
+)
+
+
+def bank(name: str, shape: tuple[int, ...], seed: int) -> QuantizedWeight:
+    generator = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(*shape, generator=generator) * 0.5, name)
+
+
+def stored_codes(weight: QuantizedWeight) -> torch.Tensor:
+    return weight.blocks.flatten(-2) if isinstance(weight, MXFP4Weight) else weight.codes  # type: ignore[attr-defined]
+
+
+def test_nibble_major_puts_input_4i_plus_t_in_nibble_i_of_word_t():
+    codes = torch.randint(0, 256, (3, 5, 64), dtype=torch.uint8)
+    major = to_nibble_major(codes)
+    assert torch.equal(from_nibble_major(major), codes)
+    inputs = unpack_nibbles(codes)  # [3, 5, 128]: input k in our order
+    words = major.view(3, 5, 4, 4, 4)  # [.., group, word t, byte b]
+    for k in range(128):
+        group, rest = divmod(k, 32)
+        i, t = divmod(rest, 4)
+        byte, high = divmod(i, 2)
+        assert torch.equal((words[..., group, t, byte] >> (4 * high)) & 0xF, inputs[..., k]), k
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_a_bank_held_nibble_major_keeps_its_codes_bytes_and_views(name):
+    weight = bank(name, (EXPERTS, 64, HIDDEN), seed=1)
+    codes, decoded, nbytes = stored_codes(weight).clone(), weight.dequantize(), weight.nbytes
+    weight.to_nibble_major()  # type: ignore[attr-defined]
+    assert weight.nbytes == nbytes  # the order replaces ours: no second copy
+    assert torch.equal(stored_codes(weight), codes)
+    assert torch.equal(weight.dequantize(), decoded)
+    assert torch.equal(weight.expert(4).dequantize(), decoded[4])
+    assert torch.equal(weight.slice(0, 2, 5).dequantize(), decoded[2:5])
+    assert torch.equal(weight.slice(1, 32, 64).dequantize(), decoded[:, 32:64])
+    x = torch.randn(3, HIDDEN)
+    torch.testing.assert_close(weight.expert_matmul(1, x), x @ decoded[1].T, rtol=1e-5, atol=1e-5)
+
+
+def reference_moe(layer: QuantizedExperts, x, index, weight) -> torch.Tensor:
+    """float64 pair by pair from the exact decode: sum_k weight * down(act(gate_up(x) + b) ) + b."""
+    gate_up, down = layer.gate_up.dequantize().double().cpu(), layer.down.dequantize().double().cpu()
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(index.shape[1]):
+            e = int(index[t, k])
+            h = gate_up[e] @ x[t].double()
+            if layer.gate_up_bias is not None:
+                h = h + layer.gate_up_bias[e].double().cpu()
+            a = layer.activation(h[None])[0]
+            y = down[e] @ a
+            if layer.down_bias is not None:
+                y = y + layer.down_bias[e].double().cpu()
+            out[t] += float(weight[t, k]) * y
+    return out
+
+
+def moe_layer(name: str, activation, biased: bool, device: str) -> QuantizedExperts:
+    generator = torch.Generator().manual_seed(7)
+    gate_up = bank(name, (EXPERTS, 2 * INTER, HIDDEN), seed=2).to(device)
+    down = bank(name, (EXPERTS, HIDDEN, INTER), seed=3).to(device)
+    if not biased:
+        return QuantizedExperts(gate_up, down, None, None, activation)
+    gate_up_bias = torch.randn(EXPERTS, 2 * INTER, generator=generator) * 0.1
+    down_bias = torch.randn(EXPERTS, HIDDEN, generator=generator)
+    return QuantizedExperts(gate_up, down, gate_up_bias.to(device), down_bias.to(device), activation)
+
+
+def routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(tokens)])
+    return index, torch.softmax(torch.randn(tokens, TOP_K, generator=generator), dim=-1)
+
+
+def assert_tokens_close(y: torch.Tensor, reference: torch.Tensor, tolerance: float = 1e-2) -> None:
+    error = (y.double().cpu() - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert float(error.max()) <= tolerance, f"worst token's relative error {float(error.max()):.3g}"
+
+
+ACTIVATIONS = {"silu": silu_glu, "gpt_oss": ClampedSwiGLU(alpha=1.702, limit=7.0)}
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+@pytest.mark.parametrize(
+    ("act", "biased", "dtype"),
+    [("silu", False, torch.bfloat16), ("gpt_oss", True, torch.bfloat16), ("silu", False, torch.float16)],
+    ids=["silu-bf16", "gpt_oss-bias-bf16", "silu-fp16"],
+)
+@pytest.mark.parametrize("name", FUSED)
+def test_the_fused_moe_kernels_match_the_exact_decode(name, act, biased, dtype, tokens):
+    layer = moe_layer(name, ACTIVATIONS[act], biased, "cuda")
+    index, weight = routing(tokens, seed=tokens)
+    x = torch.randn(tokens, HIDDEN).to(dtype)
+    y = layer(x.cuda(), index.cuda(), weight.to(dtype).cuda())
+    assert layer.fused_kernels(x.cuda()) is not None, "the fused kernels did not apply"
+    assert y.dtype == dtype and y.shape == (tokens, HIDDEN)
+    assert_tokens_close(y, reference_moe(layer, x.float(), index, weight.to(dtype).float()))
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("name", FUSED)
+def test_a_nibble_major_bank_runs_every_cuda_path(name, rows, dtype):
+    """Once prepared for CUDA, a bank's gathered and per-expert matmuls read the nibble-major codes."""
+    weight = bank(name, (EXPERTS, 200, 512), seed=5).to("cuda")
+    x = torch.randn(rows, 512).to(dtype)
+    weight.prepare_for(x.cuda())
+    assert weight.fused_bank() is not None
+    decoded = weight.dequantize().cpu().double()
+    y = weight.expert_matmul(3, x.cuda()).cpu().double()
+    torch.testing.assert_close(y, x.double() @ decoded[3].T, rtol=2e-2, atol=2e-2 * float(y.abs().max()))
+    index = torch.tensor([5, 0] * rows)[: 2 * rows]
+    pairs = weight.gathered_matmul(x.cuda(), index.cuda(), 2).cpu().double()
+    expected = torch.stack([x[p // 2].double() @ decoded[int(index[p])].T for p in range(index.numel())])
+    torch.testing.assert_close(pairs, expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
+
+
+@interpreted
+@pytest.mark.parametrize("name", FUSED)
+def test_the_fused_moe_kernels_in_the_interpreter(name):
+    from modelfleet.engine.formats import triton_moe
+
+    layer = moe_layer(name, ACTIVATIONS["gpt_oss"], True, "cpu")
+    for weight in (layer.gate_up, layer.down):
+        weight.to_nibble_major()  # type: ignore[attr-defined]
+    gate_up, down = layer.gate_up.fused_bank, layer.down.fused_bank
+    assert gate_up() is None  # CPU tensors: not for the engine; built by hand below
+
+    def packed(w: QuantizedWeight) -> triton_moe.PackedBank:
+        if isinstance(w, MXFP4Weight):
+            return triton_moe.PackedBank(w._major, w.scales, None, mxfp4=True)
+        assert isinstance(w, Int4Weight)
+        zeros = None if w.symmetric else w.zero_points()
+        return triton_moe.PackedBank(w._major_codes, w.scales, zeros, mxfp4=False)
+
+    index, weight = routing(3, seed=0)
+    x = torch.randn(3, HIDDEN)  # float32: the interpreter's bf16 arithmetic is numpy's float32 anyway
+    act = triton_moe.Activation(2, 1.702, 7.0)
+    a = triton_moe.moe_up(x, index, packed(layer.gate_up), layer.gate_up_bias, act)
+    y = triton_moe.moe_down(a, index, weight, packed(layer.down), layer.down_bias)
+    assert_tokens_close(y, reference_moe(layer, x, index, weight), tolerance=5e-5)  # the decode costs ~1e-5
+    assert down() is None
+
+
+@interpreted
+@pytest.mark.parametrize("name", FUSED)
+def test_the_per_matmul_kernels_read_nibble_major_codes_in_the_interpreter(name):
+    from modelfleet.engine.formats import triton_kernels
+
+    weight = bank(name, (3, 80, 96), seed=4)
+    mxfp4 = isinstance(weight, MXFP4Weight)
+    zeros = None if mxfp4 or weight.symmetric else weight.zero_points()  # type: ignore[attr-defined]
+    major = to_nibble_major(stored_codes(weight))
+    decoded = weight.dequantize().double()
+    index, x = torch.tensor([2, 0, 1, 1]), torch.randn(2, 96)
+    pairs = triton_kernels.nibble_gemv(x, major, weight.scales, zeros, index, 2, mxfp4=mxfp4, nibble_major=True)
+    expected = torch.stack([x[p // 2].double() @ decoded[int(index[p])].T for p in range(4)])
+    torch.testing.assert_close(pairs.double(), expected, rtol=1e-5, atol=1e-5)
+    rows = torch.randn(20, 96)
+    e_zeros = None if zeros is None else zeros[1]
+    if mxfp4:
+        y = triton_kernels.mxfp4_matmul(rows, major[1], weight.scales[1], nibble_major=True)
+    else:
+        y = triton_kernels.int4_matmul(rows, major[1], weight.scales[1], e_zeros, nibble_major=True)
+    torch.testing.assert_close(y.double(), rows.double() @ decoded[1].T, rtol=1e-5, atol=1e-5)
