@@ -121,6 +121,19 @@ TUNED = not INTERPRETED and os.environ.get("MODELFLEET_TRITON_TUNE", "1") != "0"
 
 
 @triton.jit
+def _gemv_program(index_ptr, N, K, ROW_DIV: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CHUNK: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """What a GEMV program owns: its pair, that pair's expert (0 for a 2-D weight) and input row,
+    its BLOCK_N output rows and their mask, and its slice [k_begin, k_end) of K in CHUNK steps."""
+    pair, block_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    expert = tl.load(index_ptr + pair).to(tl.int64) if GATHER else tl.full((), 0, tl.int64)
+    rn = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_per_split = tl.cdiv(K, SPLIT * CHUNK) * CHUNK
+    k_begin = split * k_per_split
+    return pair, expert, pair // ROW_DIV, rn, rn < N, k_begin, k_begin + k_per_split
+
+
+@triton.jit
 def _nibble_gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, index_ptr, out_ptr,
     N, K, NUM_GROUPS,
@@ -128,11 +141,9 @@ def _nibble_gemv_kernel(
     ROW_DIV: tl.constexpr, GATHER: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr,
     NIBBLE_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    pair, block_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    expert = tl.load(index_ptr + pair).to(tl.int64) if GATHER else 0
-    row = pair // ROW_DIV
-    rn = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
+    pair, expert, row, rn, n_mask, k_begin, k_end = _gemv_program(
+        index_ptr, N, K, ROW_DIV, GATHER, BLOCK_N, GROUPS * 32, SPLIT
+    )
     rg = tl.arange(0, GROUPS)
     rj = tl.arange(0, 16)
     codes_row = codes_ptr + expert * stride_ce + rn[:, None, None] * stride_cn
@@ -140,9 +151,7 @@ def _nibble_gemv_kernel(
     zeros_row = zeros_ptr + expert * stride_ze + rn[:, None] * stride_zn
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    k_per_split = tl.cdiv(K, SPLIT * GROUPS * 32) * (GROUPS * 32)
-    k_begin = split * k_per_split
-    for k0 in range(k_begin, k_begin + k_per_split, GROUPS * 32):
+    for k0 in range(k_begin, k_end, GROUPS * 32):
         g = k0 // 32 + rg
         g_mask = g < NUM_GROUPS
         byte_index = g[:, None] * 16 + rj[None, :]  # [GROUPS, 16]
@@ -179,18 +188,14 @@ def _int8_gemv_kernel(
     ROW_DIV: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    pair, block_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    expert = tl.load(index_ptr + pair).to(tl.int64) if GATHER else 0
-    row = pair // ROW_DIV
-    rn = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
+    pair, expert, row, rn, n_mask, k_begin, k_end = _gemv_program(
+        index_ptr, N, K, ROW_DIV, GATHER, BLOCK_N, GROUPS * 32, SPLIT
+    )
     rk = tl.arange(0, GROUPS * 32)
     codes_row = codes_ptr + expert * stride_ce + rn[:, None] * stride_cn
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    k_per_split = tl.cdiv(K, SPLIT * GROUPS * 32) * (GROUPS * 32)
-    k_begin = split * k_per_split
-    for k0 in range(k_begin, k_begin + k_per_split, GROUPS * 32):
+    for k0 in range(k_begin, k_end, GROUPS * 32):
         k = k0 + rk
         k_mask = k < K
         x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
