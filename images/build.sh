@@ -7,7 +7,8 @@
 #   2. build modelfleet's wheel and `pip download` every dependency wheel on the host: the CPU set
 #      (torch CPU build, plus openvino for agent-openvino) and, for agent-cuda, the CUDA set (PyPI's
 #      torch wheel, which is the CUDA build, and its nvidia-* wheels);
-#   3. `buildah build --network=none` each Containerfile (no layer cache); pip installs with --no-index.
+#   3. `buildah build --network=none` each Containerfile (no layer cache); each runs images/runtime.sh
+#      (copied into its context: pinned packages, user 10001, venv) and pip installs with --no-index.
 # Needs root (or rootless podman), debootstrap, buildah, podman and pip. CI does not run it.
 # images/smoke.sh then runs each built image; images/README.md has the measured times and sizes.
 #   bash images/build.sh                        # all four images
@@ -107,6 +108,7 @@ for image in $IMAGES; do
     agent-openvino) from=$BASE_INTEL ;;
     *) from=$BASE ;;
   esac
+  cp "$ROOT/images/runtime.sh" "$WORK/context-$set/runtime.sh"  # the steps every image shares
   t=$(date +%s)
   # No layer cache: a cached pip layer would survive a new modelfleet wheel (buildah does not hash
   # the bind-mounted wheels), so every build installs the wheels it is given.

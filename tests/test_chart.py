@@ -270,9 +270,11 @@ def test_containerfile_passes_hadolint(containerfile: Path) -> None:
 @pytest.mark.parametrize("containerfile", CONTAINERFILES, ids=lambda p: p.parent.name)
 def test_containerfile_runs_as_non_root_with_oci_labels_and_checks_the_cli(containerfile: Path) -> None:
     text = containerfile.read_text()
-    assert "USER 10001:10001" in text and "modelfleet --help" in text and "--no-index" in text
+    assert "USER 10001:10001" in text and "sh /tmp/runtime.sh" in text and '"modelfleet==${VERSION}"' in text
     for label in ("title", "description", "version", "source", "licenses"):
         assert f"org.opencontainers.image.{label}=" in text
+    shared = (IMAGES / "runtime.sh").read_text()  # the steps every Containerfile runs
+    assert "useradd --uid 10001" in shared and "--no-index" in shared and "modelfleet --help" in shared
 
 
 @needs_helm
@@ -301,3 +303,8 @@ def test_image_scripts_parse_and_name_every_image(script: str) -> None:
     assert result.returncode == 0, result.stderr
     text = path.read_text()
     assert [p.parent.name for p in CONTAINERFILES if p.parent.name not in text] == []
+
+
+def test_the_shared_image_steps_parse_as_posix_sh() -> None:
+    result = subprocess.run(["sh", "-n", str(IMAGES / "runtime.sh")], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
