@@ -23,7 +23,7 @@ import functools
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -245,9 +245,11 @@ class QuantizedWeight(ABC):
             view = views[key] = self.expert(e)
         return view.matmul(x)
 
+    gathered_kernels: ClassVar[bool] = False  # the format has a gathered Triton kernel for CUDA banks
+
     def has_gathered_kernel(self, device: torch.device) -> bool:
         """Whether :meth:`gathered_matmul` runs on ``device`` (callers otherwise run experts grouped)."""
-        return False
+        return self.gathered_kernels and self.num_experts is not None and device.type == "cuda" and triton_available()
 
     def fused_bank(self) -> PackedBank | None:
         """The bank as the fused CUDA MoE kernels (:mod:`.triton_moe`) read it, once prepared for
@@ -257,7 +259,13 @@ class QuantizedWeight(ABC):
     def gathered_matmul(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
         """For a bank: out[p] = x[p // row_div] @ W[index[p]].T, [P, out], reading each pair's expert
         in place with no host synchronisation (so decode steps can be graph-captured)."""
-        raise FormatError(f"{self.format} has no gathered expert kernel on {x.device}")
+        if not (self.has_gathered_kernel(x.device) and self.device == x.device):
+            raise FormatError(f"{self.format} has no gathered expert kernel on {x.device}")
+        return self._gathered_kernel(x, index, row_div)
+
+    def _gathered_kernel(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
+        """The format's gathered CUDA kernel (formats with ``gathered_kernels`` implement it)."""
+        raise NotImplementedError
 
     def check_expert_index(self, e: int) -> None:
         if len(self.shape) != 3:

@@ -59,6 +59,7 @@ class Int4Weight(QuantizedWeight):
     """Asymmetric int4: w = (q - z) * s per group of 32 input values."""
 
     format = "int4"
+    gathered_kernels = True
     symmetric: ClassVar[bool] = False
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None):
@@ -262,12 +263,7 @@ class Int4Weight(QuantizedWeight):
             return triton_kernels.int4_matmul(x, codes, self.scales, self._cuda_zero_points(), nibble_major=major)
         return tiled_matmul(x, self.decode_columns, self.out_features)
 
-    def has_gathered_kernel(self, device: torch.device) -> bool:
-        return self.num_experts is not None and device.type == "cuda" and triton_available()
-
-    def gathered_matmul(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
-        if not (self.has_gathered_kernel(x.device) and self.device == x.device):
-            return super().gathered_matmul(x, index, row_div)
+    def _gathered_kernel(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
         from . import triton_kernels
 
         codes, major = self._cuda_codes()

@@ -37,6 +37,7 @@ KERNEL_K_MULTIPLE = 16  # _weight_int8pack_mm silently miscomputes (or crashes) 
 
 class Int8Weight(QuantizedWeight):
     format = "int8"
+    gathered_kernels = True
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         if codes.dtype != torch.int8 or codes.dim() not in (2, 3):
@@ -96,12 +97,7 @@ class Int8Weight(QuantizedWeight):
             return triton_kernels.int8_matmul(x, self.codes, self.scales)
         return tiled_matmul(x, self.decode_columns, self.out_features)
 
-    def has_gathered_kernel(self, device: torch.device) -> bool:
-        return self.num_experts is not None and device.type == "cuda" and triton_available()
-
-    def gathered_matmul(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
-        if not (self.has_gathered_kernel(x.device) and self.device == x.device):
-            return super().gathered_matmul(x, index, row_div)
+    def _gathered_kernel(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
         from . import triton_kernels
 
         return triton_kernels.int8_gemv(x, self.codes, self.scales, index, row_div)

@@ -102,6 +102,7 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
 
 class MXFP4Weight(QuantizedWeight):
     format = "mxfp4"
+    gathered_kernels = True
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor):
         if blocks.dtype != torch.uint8 or blocks.dim() not in (3, 4) or blocks.shape[-1] != BYTES_PER_BLOCK:
@@ -184,12 +185,7 @@ class MXFP4Weight(QuantizedWeight):
             return triton_kernels.mxfp4_matmul(x, codes, self.scales, nibble_major=major)
         return tiled_matmul(x, self.decode_columns, self.out_features)
 
-    def has_gathered_kernel(self, device: torch.device) -> bool:
-        return self.num_experts is not None and device.type == "cuda" and triton_available()
-
-    def gathered_matmul(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
-        if not (self.has_gathered_kernel(x.device) and self.device == x.device):
-            return super().gathered_matmul(x, index, row_div)
+    def _gathered_kernel(self, x: torch.Tensor, index: torch.Tensor, row_div: int) -> torch.Tensor:
         from . import triton_kernels
 
         codes, major = self._cuda_codes()
