@@ -9,11 +9,20 @@
 No float32 scratch buffers, memsets, conversions or separate activation and sum kernels: what
 the layer needs from the two matmuls comes out of their epilogues.
 
-Layout: a program is one warp on one row at a time (ROWS rows per program, autotuned), so every
-tensor shares one [CHUNK groups, 4 words] layout and nothing moves through shared memory. Codes
+Layout: every tensor is [groups, ..., 4 words] with the lanes of a warp along the groups (groups
+first, so triton's coalescing gives each lane whole 16-byte groups): ``moe_up`` is one warp on
+ROWS gate and ROWS up rows of a pair; ``moe_down`` has a warp per pair of the token (the
+[groups, pairs, ROWS, 4] tile puts warps along the pairs), summed across warps once at the end.
+A program loads all its rows' codes before any decode (``_after`` makes the decode depend on
+every loaded word: ptxas would otherwise issue each row's load just before its first use, one
+load in flight per warp), and the inputs once for all its rows. Codes
 are held in nibble-major order (``base.to_nibble_major``, built once when a bank is prepared
 for CUDA; the same bytes): nibble i of 32-bit word t of a group holds input 4i + t, so the
 inputs under nibble i of a lane's four words are four consecutive values (one 8-byte load).
+
+On Hopper and later both kernels are launched as programmatic dependents (PDL): ``moe_down``
+starts while ``moe_up`` finishes, issues its code loads, and waits only before reading the
+activations.
 
 Decoding without integer-to-float conversions (they run at a fraction of the FMA rate and bounded
 the per-matmul kernels of :mod:`.triton_kernels`): a shift puts nibbles 2i and 2i + 1 of a word
@@ -28,14 +37,14 @@ costs about 8 of float32's 24 bits on the even half: relative error ~1e-5 of the
 |x|-sum, far below a bf16 result's 4e-3, so these kernels serve bf16 and fp16 activations;
 float32 activations keep the exact per-matmul kernels.
 
-MXFP4 (E2M1 codes, E8M0 scale per 32): the magnitude bits m (3) go to float32 bits 22..24
-under exponent 124, giving f = 2^(e-3) (1 + m/2) for m = 2e + mantissa; min(f, 2f - 1/4) is
-then exactly |value| / 4 for every code (e = 0 included: 0 and 1/8), the sign bit flips x,
-and the 4 joins the E8M0 scale.
+MXFP4 (E2M1 codes, E8M0 scale per 32): nibbles i and i + 4 of a word become the two halves of
+a float16 pair (magnitude bits to 9..11, sign to 15): exactly 2^-14 times the E2M1 value for
+every code, subnormal ones included; one conversion each to float32 (HADD2.F32), and 2^14
+joins the E8M0 scale.
 
 Guarantees: results within the bf16 tolerance of exact decode followed by a float32 matmul;
 tested on a GPU and in triton's interpreter, never on the CPU-only CI. Measured (H200, Qwen3-30B-
-A3B layer, one row): 27% of copy bandwidth for int4, 21% for MXFP4 (``benchmarks/formats.py``).
+A3B layer, one row, both kernels): 40% of copy bandwidth for int4, 30% for MXFP4.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # MODELFLEET_TRITON_TUNE=0: a fixed configuration, no autotuning (fast start: tests, short runs)
@@ -86,60 +96,83 @@ class Activation:
 
 
 @triton.jit
-def _x_tiles(x_row, g, g_mask):
-    """The inputs of groups g as 8 float32 [CHUNK, 4] tiles, tile i = input 4i + t of word t."""
-    at = x_row + g[:, None] * 32 + tl.arange(0, 4)[None, :]
-    m = g_mask[:, None]
+def _after(magic, words, ROW_AXIS: tl.constexpr, WORD_AXIS: tl.constexpr):
+    """magic, unchanged (program_id(2) is 0: the grids have no third axis, but the compiler cannot
+    know), as a value that depends on every word of the tile: decoding then waits for all of
+    the tile's loads, so they are issued together. Otherwise ptxas issues each row's load just
+    before its first use, and a warp has one load in flight."""
+    dep = tl.xor_sum(tl.xor_sum(words, axis=WORD_AXIS, keep_dims=True), axis=ROW_AXIS, keep_dims=True)
+    return magic | (dep & tl.program_id(2))
+
+
+@triton.jit
+def _x_planes(x_row, gg, t, ok):
+    """The inputs of groups gg as 8 float32 tiles shaped like gg + t: tile i is input 4i + t of
+    word t of each group."""
+    at = x_row + gg * 32 + t
     return (
-        tl.load(at, mask=m, other=0.0).to(tl.float32),
-        tl.load(at + 4, mask=m, other=0.0).to(tl.float32),
-        tl.load(at + 8, mask=m, other=0.0).to(tl.float32),
-        tl.load(at + 12, mask=m, other=0.0).to(tl.float32),
-        tl.load(at + 16, mask=m, other=0.0).to(tl.float32),
-        tl.load(at + 20, mask=m, other=0.0).to(tl.float32),
-        tl.load(at + 24, mask=m, other=0.0).to(tl.float32),
-        tl.load(at + 28, mask=m, other=0.0).to(tl.float32),
+        tl.load(at, mask=ok, other=0.0).to(tl.float32),
+        tl.load(at + 4, mask=ok, other=0.0).to(tl.float32),
+        tl.load(at + 8, mask=ok, other=0.0).to(tl.float32),
+        tl.load(at + 12, mask=ok, other=0.0).to(tl.float32),
+        tl.load(at + 16, mask=ok, other=0.0).to(tl.float32),
+        tl.load(at + 20, mask=ok, other=0.0).to(tl.float32),
+        tl.load(at + 24, mask=ok, other=0.0).to(tl.float32),
+        tl.load(at + 28, mask=ok, other=0.0).to(tl.float32),
     )
 
 
 @triton.jit
-def _row_dot(
-    xs, x_lo, x_hi, words_row, scales_row, zeros_row, g, g_mask, magic,
-    HAS_ZEROS: tl.constexpr, MXFP4: tl.constexpr,
-):  # fmt: skip
-    """sum over groups g of W[row, group] . x[group]: a float32 scalar. words_row, scales_row and
-    zeros_row point at one row (masked rows pass an all-false g_mask)."""
-    words = tl.load(words_row + g[:, None] * 4 + tl.arange(0, 4)[None, :], mask=g_mask[:, None], other=0)
+def _x_sums(xs):
+    """Per group: the sums of the inputs under even and under odd nibbles (last axis kept, 1)."""
+    return (
+        tl.sum(xs[0] + xs[2] + xs[4] + xs[6], axis=-1, keep_dims=True),
+        tl.sum(xs[1] + xs[3] + xs[5] + xs[7], axis=-1, keep_dims=True),
+    )
+
+
+@triton.jit
+def _low_half(pair):
+    """The float16 in bits 0..15 of each int32, as float32."""
+    return pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _high_half(pair):
+    """The float16 in bits 16..31 of each int32, as float32."""
+    return (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _dot(
+    words, scales, zeros, xs, x_lo, x_hi, magic, HAS_ZEROS: tl.constexpr, MXFP4: tl.constexpr, GROUP_AXIS: tl.constexpr
+):
+    """sum over the groups (axis -2) of the rows' decoded words . x: words [.., G, 4] int32,
+    scales and zeros [.., G, 1] as loaded, xs / x_lo / x_hi broadcastable; [.., 1, 1] float32."""
     if MXFP4:
         acc = tl.zeros(words.shape, dtype=tl.float32)
-        for i in tl.static_range(8):  # nibble i (bits 4i..4i+3): magnitude to bits 22..24, sign to 31
-            m = words << (22 - 4 * i) if i < 6 else words >> (4 * i - 22)
-            f = ((m & 0x01C00000) | magic).to(tl.float32, bitcast=True)
-            quarter = tl.minimum(f, 2.0 * f - 0.25)  # |E2M1 value| / 4, exactly
-            signed_x = xs[i].to(tl.int32, bitcast=True) ^ ((words << (28 - 4 * i)) & -2147483648)
-            acc += quarter * signed_x.to(tl.float32, bitcast=True)
-        e = tl.load(scales_row + g, mask=g_mask, other=127).to(tl.int32)
+        for i in tl.static_range(4):  # nibbles i and i + 4 as the two halves of a float16 pair
+            mag = words << (9 - 4 * i) if i < 3 else words >> 3  # magnitude bits to 9..11 and 25..27
+            sign = words << (12 - 4 * i) if i < 3 else words  # sign bits to 15 and 31
+            half2 = (mag & 0x0E000E00) | (sign & -2147450880)  # 0x80008000
+            acc += _low_half(half2) * xs[i]
+            acc += _high_half(half2) * xs[i + 4]
+        e = scales.to(tl.int32)
         bits = tl.where(e == 0, 0x00400000, e << 23)  # 2^(e-127) as float32 bits; e = 0 is subnormal
-        return tl.sum(tl.sum(acc, axis=1) * bits.to(tl.float32, bitcast=True)) * 4.0
+        per_group = tl.sum(acc, axis=-1, keep_dims=True) * bits.to(tl.float32, bitcast=True) * 16384.0
+        return tl.sum(per_group, axis=GROUP_AXIS, keep_dims=True)
     acc_lo = tl.zeros(words.shape, dtype=tl.float32)  # sum (1 + q/256) x over even nibbles
     acc_hi = tl.zeros(words.shape, dtype=tl.float32)  # sum (1 + q/16) x over odd nibbles
     for i in tl.static_range(4):  # nibbles 2i (bits 8i..8i+3) and 2i + 1 to bits 15..18 and 19..22
         s = words << (15 - 8 * i) if i < 2 else words >> (8 * i - 15)
         acc_lo += ((s & 0x00078000) | magic).to(tl.float32, bitcast=True) * xs[2 * i]
         acc_hi += ((s & 0x00780000) | magic).to(tl.float32, bitcast=True) * xs[2 * i + 1]
-    qx = 256.0 * (tl.sum(acc_lo, axis=1) - x_lo) + 16.0 * (tl.sum(acc_hi, axis=1) - x_hi)
-    z = tl.load(zeros_row + g, mask=g_mask, other=8).to(tl.float32) if HAS_ZEROS else 8.0
+    lo = tl.sum(acc_lo, axis=-1, keep_dims=True)
+    hi = tl.sum(acc_hi, axis=-1, keep_dims=True)
+    qx = 256.0 * (lo - x_lo) + 16.0 * (hi - x_hi)
+    z = zeros.to(tl.float32) if HAS_ZEROS else 8.0
     qx -= z * (x_lo + x_hi)
-    return tl.sum(qx * tl.load(scales_row + g, mask=g_mask, other=0.0).to(tl.float32))
-
-
-@triton.jit
-def _x_sums(xs):
-    """Per group: the sums of the inputs under even and under odd nibbles, float32 [CHUNK]."""
-    return (
-        tl.sum(xs[0] + xs[2] + xs[4] + xs[6], axis=1),
-        tl.sum(xs[1] + xs[3] + xs[5] + xs[7], axis=1),
-    )
+    return tl.sum(qx * scales.to(tl.float32), axis=GROUP_AXIS, keep_dims=True)
 
 
 @triton.jit
@@ -148,46 +181,53 @@ def _moe_up_kernel(
     I, alpha, limit, magic,
     stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_om,
     TOP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, MXFP4: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair, block = tl.program_id(0), tl.program_id(1)
+    if PDL:  # x and index come from the kernels before; moe_down may start loading its codes
+        gdc_wait()
+        gdc_launch_dependents()
     expert = tl.load(index_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // TOP_K) * stride_xm
-    codes = codes_ptr + expert * stride_ce
-    scales = scales_ptr + expert * stride_se
-    zeros = zeros_ptr + expert * stride_ze
-    rn = block * ROWS + tl.arange(0, ROWS)
-    gate = tl.zeros((ROWS,), dtype=tl.float32)
-    up = tl.zeros((ROWS,), dtype=tl.float32)
+    n = block * ROWS + tl.arange(0, ROWS)[None, :, None]  # [1, ROWS, 1]: gate rows; up rows n + I
+    n_ok = n < I
+    g = tl.arange(0, CHUNK)[:, None, None]  # groups first: lanes go along them
+    t = tl.arange(0, 4)[None, None, :]
+    codes = codes_ptr + expert * stride_ce + n * stride_cn + t
+    scales = scales_ptr + expert * stride_se + n * stride_sn
+    zeros = zeros_ptr + expert * stride_ze + n * stride_zn
+    gate = tl.zeros((1, ROWS, 1), dtype=tl.float32)
+    up = tl.zeros((1, ROWS, 1), dtype=tl.float32)
     for g0 in tl.static_range(0, NUM_GROUPS, CHUNK):
-        g = g0 + tl.arange(0, CHUNK)
-        g_mask = g < NUM_GROUPS
-        xs = _x_tiles(x_row, g, g_mask)
+        gg = g0 + g
+        ok = (gg < NUM_GROUPS) & n_ok  # [CHUNK, ROWS, 1]
+        # every load of the chunk first, codes before the inputs (HBM before L2)
+        gate_w = tl.load(codes + gg * 4, mask=ok, other=0)
+        up_w = tl.load(codes + I * stride_cn + gg * 4, mask=ok, other=0)
+        go = gg
+        gate_s = tl.load(scales + go, mask=ok, other=0)
+        up_s = tl.load(scales + I * stride_sn + go, mask=ok, other=0)
+        if HAS_ZEROS:
+            gate_z = tl.load(zeros + go, mask=ok, other=8)
+            up_z = tl.load(zeros + I * stride_zn + go, mask=ok, other=8)
+        else:
+            gate_z = gate_s
+            up_z = up_s
+        xs = _x_planes(x_row, gg + t * 0, t, (gg < NUM_GROUPS) & (t < 4))  # [CHUNK, 1, 4]
         x_lo, x_hi = _x_sums(xs)
-        for r in tl.static_range(ROWS):
-            n = block * ROWS + r
-            m = g_mask & (n < I)
-            gate_r = _row_dot(
-                xs, x_lo, x_hi, codes + n * stride_cn, scales + n * stride_sn, zeros + n * stride_zn,
-                g, m, magic, HAS_ZEROS, MXFP4,
-            )  # fmt: skip
-            up_r = _row_dot(
-                xs, x_lo, x_hi, codes + (n + I) * stride_cn, scales + (n + I) * stride_sn,
-                zeros + (n + I) * stride_zn, g, m, magic, HAS_ZEROS, MXFP4,
-            )  # fmt: skip
-            gate = tl.where(rn == n, gate + gate_r, gate)
-            up = tl.where(rn == n, up + up_r, up)
-    n_mask = rn < I
+        loaded = _after(magic, gate_w ^ up_w, 1, 2)
+        gate += _dot(gate_w, gate_s, gate_z, xs, x_lo, x_hi, loaded, HAS_ZEROS, MXFP4, 0)
+        up += _dot(up_w, up_s, up_z, xs, x_lo, x_hi, loaded, HAS_ZEROS, MXFP4, 0)
     if HAS_BIAS:
-        gate += tl.load(bias_ptr + expert * stride_be + rn, mask=n_mask, other=0.0).to(tl.float32)
-        up += tl.load(bias_ptr + expert * stride_be + I + rn, mask=n_mask, other=0.0).to(tl.float32)
+        gate += tl.load(bias_ptr + expert * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptr + expert * stride_be + I + n, mask=n_ok, other=0.0).to(tl.float32)
     if ACT == 1:
         a = gate * tl.sigmoid(gate) * up
     else:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         a = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-    tl.store(out_ptr + pair * stride_om + rn, a.to(out_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(out_ptr + pair * stride_om + n, a.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -196,38 +236,44 @@ def _moe_down_kernel(
     N, magic,
     stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_wt, stride_om,
     TOP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, MXFP4: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     token, block = tl.program_id(0), tl.program_id(1)
-    rn = block * ROWS + tl.arange(0, ROWS)
-    n_mask = rn < N
-    out = tl.zeros((ROWS,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        pair = token * TOP_K + k
-        expert = tl.load(index_ptr + pair).to(tl.int64)
-        codes = codes_ptr + expert * stride_ce
-        scales = scales_ptr + expert * stride_se
-        zeros = zeros_ptr + expert * stride_ze
-        y = tl.zeros((ROWS,), dtype=tl.float32)
-        for g0 in tl.static_range(0, NUM_GROUPS, CHUNK):
-            g = g0 + tl.arange(0, CHUNK)
-            g_mask = g < NUM_GROUPS
-            xs = _x_tiles(a_ptr + pair * stride_am, g, g_mask)
-            x_lo, x_hi = _x_sums(xs)
-            for r in tl.static_range(ROWS):
-                n = block * ROWS + r
-                y_r = _row_dot(
-                    xs, x_lo, x_hi, codes + n * stride_cn, scales + n * stride_sn, zeros + n * stride_zn,
-                    g, g_mask & (n < N), magic, HAS_ZEROS, MXFP4,
-                )  # fmt: skip
-                y = tl.where(rn == n, y + y_r, y)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + expert * stride_be + rn, mask=n_mask, other=0.0).to(tl.float32)
-        out += tl.load(weight_ptr + token * stride_wt + k).to(tl.float32) * y
-    tl.store(out_ptr + token * stride_om + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    k = tl.arange(0, PAIRS)[None, :, None, None]  # [1, PAIRS, 1, 1]: the token's top_k, padded
+    k_ok = k < TOP_K
+    pair = token * TOP_K + k
+    expert = tl.load(index_ptr + pair, mask=k_ok, other=0).to(tl.int64)
+    n = block * ROWS + tl.arange(0, ROWS)[None, None, :, None]  # [1, 1, ROWS, 1]
+    n_ok = n < N
+    g = tl.arange(0, CHUNK)[:, None, None, None]  # groups first: lanes go along them
+    t = tl.arange(0, 4)[None, None, None, :]
+    codes = codes_ptr + expert * stride_ce + n * stride_cn + t
+    scales = scales_ptr + expert * stride_se + n * stride_sn
+    zeros = zeros_ptr + expert * stride_ze + n * stride_zn
+    y = tl.zeros((1, PAIRS, ROWS, 1), dtype=tl.float32)
+    for g0 in tl.static_range(0, NUM_GROUPS, CHUNK):
+        gg = g0 + g
+        ok = (gg < NUM_GROUPS) & n_ok & k_ok
+        w = tl.load(codes + gg * 4, mask=ok, other=0)
+        go = gg
+        s = tl.load(scales + go, mask=ok, other=0)
+        z = tl.load(zeros + go, mask=ok, other=8) if HAS_ZEROS else s
+        if PDL and g0 == 0:  # the codes are in flight; the activations are moe_up's output
+            gdc_wait()
+        xs = _x_planes(
+            a_ptr + pair * stride_am, gg + t * 0, t, (gg < NUM_GROUPS) & k_ok & (t < 4)
+        )  # [CHUNK, PAIRS, 1, 4]
+        x_lo, x_hi = _x_sums(xs)
+        y += _dot(w, s, z, xs, x_lo, x_hi, _after(magic, w, 2, 3), HAS_ZEROS, MXFP4, 0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + expert * stride_be + n, mask=n_ok & k_ok, other=0.0).to(tl.float32)
+    wk = tl.load(weight_ptr + token * stride_wt + k, mask=k_ok, other=0.0).to(tl.float32)
+    out = tl.sum(y * wk, axis=1, keep_dims=True)  # [1, 1, ROWS, 1]
+    tl.store(out_ptr + token * stride_om + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-_CONFIGS = [triton.Config({"ROWS": r}, num_warps=1) for r in (1, 2, 4)]  # one warp: no cross-warp sums
+_UP_CONFIGS = [triton.Config({"ROWS": r}, num_warps=1) for r in (1, 2, 4, 8)]
+_DOWN_CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8) for w in (2, 4, 8)]
 MAX_CHUNK = 64  # groups per load: 1 KB of codes per row
 
 
@@ -236,15 +282,16 @@ def _quick_bench(fn, quantiles):  # type: ignore[no-untyped-def]
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _tuned(kernel, key: list[str]):  # type: ignore[no-untyped-def]
+def _tuned(kernel, configs: list, key: list[str]):  # type: ignore[no-untyped-def]
     if not TUNED:
         return kernel
-    return triton.autotune(_CONFIGS, key=key, do_bench=_quick_bench)(kernel)
+    return triton.autotune(configs, key=key, do_bench=_quick_bench)(kernel)
 
 
-_up = _tuned(_moe_up_kernel, ["I", "TOP_K", "NUM_GROUPS", "HAS_ZEROS", "MXFP4", "HAS_BIAS", "ACT"])
-_down = _tuned(_moe_down_kernel, ["N", "TOP_K", "NUM_GROUPS", "HAS_ZEROS", "MXFP4", "HAS_BIAS"])
-_FIXED = {"ROWS": 2} if INTERPRETED else {} if TUNED else {"ROWS": 1, "num_warps": 1}
+_up = _tuned(_moe_up_kernel, _UP_CONFIGS, ["I", "TOP_K", "NUM_GROUPS", "HAS_ZEROS", "MXFP4", "HAS_BIAS", "ACT"])
+_down = _tuned(_moe_down_kernel, _DOWN_CONFIGS, ["N", "TOP_K", "NUM_GROUPS", "HAS_ZEROS", "MXFP4", "HAS_BIAS"])
+_UP_FIXED = {"ROWS": 2} if INTERPRETED else {} if TUNED else {"ROWS": 2, "num_warps": 1}
+_DOWN_FIXED = {"ROWS": 2} if INTERPRETED else {} if TUNED else {"ROWS": 2, "num_warps": 4}
 
 
 def _words(bank: PackedBank) -> torch.Tensor:
@@ -275,7 +322,6 @@ def _bank_launch(bank: PackedBank) -> tuple[tuple[torch.Tensor, ...], tuple[int,
         "HAS_ZEROS": bank.zeros is not None,
         "MXFP4": bank.mxfp4,
         "CHUNK": _chunk(bank),
-        **_FIXED,
     }
     return (words, bank.scales, zeros), (*strides, zeros.stride(0), zeros.stride(1)), meta
 
@@ -284,6 +330,13 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch
     if bias is None:
         return fallback, 0
     return bias, bias.stride(0)
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """Programmatic dependent launch (Hopper and later): each kernel may start while the one
+    before it finishes and waits (griddepcontrol.wait) only where it reads that kernel's output."""
+    on = not INTERPRETED and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
 
 
 def _check_bank(bank: PackedBank, what: str) -> None:
@@ -311,7 +364,7 @@ def moe_up(
         x, *tensors, flat, bias_t, out,
         inter, act.alpha, act.limit, _magic(bank),
         x.stride(0), *strides, stride_be, out.stride(0),
-        TOP_K=top_k, HAS_BIAS=bias is not None, ACT=act.kind, **meta,
+        TOP_K=top_k, HAS_BIAS=bias is not None, ACT=act.kind, **meta, **_UP_FIXED, **_pdl(x),
     )  # fmt: skip
     return out
 
@@ -336,6 +389,7 @@ def moe_down(
         a, *tensors, flat, weight, bias_t, out,
         n, _magic(bank),
         a.stride(0), *strides, stride_be, weight.stride(0), out.stride(0),
-        TOP_K=top_k, HAS_BIAS=bias is not None, **meta,
+        TOP_K=top_k, HAS_BIAS=bias is not None, PAIRS=triton.next_power_of_2(top_k), **meta, **_DOWN_FIXED,
+        **_pdl(a),
     )  # fmt: skip
     return out
