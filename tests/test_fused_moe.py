@@ -195,3 +195,38 @@ def test_the_per_matmul_kernels_read_nibble_major_codes_in_the_interpreter(name)
     else:
         y = triton_kernels.int4_matmul(rows, major[1], weight.scales[1], e_zeros, nibble_major=True)
     torch.testing.assert_close(y.double(), rows.double() @ decoded[1].T, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("name", FUSED)
+def test_the_fused_moe_kernels_loop_over_chunks_of_groups_in_the_interpreter(name):
+    """K = 2112 inputs is 66 groups: a chunk of 64 (a lane's two groups) and a masked one of 2."""
+    from modelfleet.engine.formats import triton_moe
+
+    k, rows, experts = 2112, 8, 3
+    gate_up = bank(name, (experts, 2 * rows, k), seed=8)
+    down = bank(name, (experts, rows, k), seed=9)
+    banks = []
+    for weight in (gate_up, down):
+        weight.to_nibble_major()  # type: ignore[attr-defined]
+        if isinstance(weight, MXFP4Weight):
+            banks.append(triton_moe.PackedBank(weight._major, weight.scales, None, mxfp4=True))
+        else:
+            assert isinstance(weight, Int4Weight)
+            zeros = None if weight.symmetric else weight.zero_points()
+            banks.append(triton_moe.PackedBank(weight._major_codes, weight.scales, zeros, mxfp4=False))
+    index = torch.tensor([[2, 0], [1, 2]])
+    weight = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+    x, a = torch.randn(2, k), torch.randn(4, k)
+    up = triton_moe.moe_up(x, index, banks[0], None, triton_moe.Activation(triton_moe.ACT_SILU))
+    h = torch.stack([gate_up.dequantize()[int(e)].double() @ x[p // 2].double() for p, e in enumerate(index.flatten())])
+    assert_tokens_close(up, silu_glu(h), tolerance=5e-5)
+    y = triton_moe.moe_down(a, index, weight, banks[1], None)
+    decoded = down.dequantize().double()
+    expected = torch.stack(
+        [
+            sum(float(weight[t, j]) * (decoded[int(index[t, j])] @ a[2 * t + j].double()) for j in range(2))
+            for t in range(2)
+        ]
+    )
+    assert_tokens_close(y, expected, tolerance=5e-5)

@@ -204,12 +204,11 @@ def _moe_up_kernel(
         # every load of the chunk first, codes before the inputs (HBM before L2)
         gate_w = tl.load(codes + gg * 4, mask=ok, other=0)
         up_w = tl.load(codes + I * stride_cn + gg * 4, mask=ok, other=0)
-        go = gg
-        gate_s = tl.load(scales + go, mask=ok, other=0)
-        up_s = tl.load(scales + I * stride_sn + go, mask=ok, other=0)
+        gate_s = tl.load(scales + gg, mask=ok, other=0)
+        up_s = tl.load(scales + I * stride_sn + gg, mask=ok, other=0)
         if HAS_ZEROS:
-            gate_z = tl.load(zeros + go, mask=ok, other=8)
-            up_z = tl.load(zeros + I * stride_zn + go, mask=ok, other=8)
+            gate_z = tl.load(zeros + gg, mask=ok, other=8)
+            up_z = tl.load(zeros + I * stride_zn + gg, mask=ok, other=8)
         else:
             gate_z = gate_s
             up_z = up_s
@@ -255,9 +254,8 @@ def _moe_down_kernel(
         gg = g0 + g
         ok = (gg < NUM_GROUPS) & n_ok & k_ok
         w = tl.load(codes + gg * 4, mask=ok, other=0)
-        go = gg
-        s = tl.load(scales + go, mask=ok, other=0)
-        z = tl.load(zeros + go, mask=ok, other=8) if HAS_ZEROS else s
+        s = tl.load(scales + gg, mask=ok, other=0)
+        z = tl.load(zeros + gg, mask=ok, other=8) if HAS_ZEROS else s
         if PDL and g0 == 0:  # the codes are in flight; the activations are moe_up's output
             gdc_wait()
         xs = _x_planes(
