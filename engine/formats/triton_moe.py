@@ -342,27 +342,45 @@ def _check_bank(bank: PackedBank, what: str) -> None:
         raise ValueError(f"{what}: codes {tuple(bank.codes.shape)} are not an [E, N, K/2] bank with K % 32 == 0")
 
 
+@dataclass(frozen=True)
+class _Call:
+    """What both kernels take from a bank, a routing and a bias: the flat expert index per pair,
+    top_k, the bank's tensors, strides and constants (``_bank_launch``), the bias (or a
+    placeholder) and its expert stride."""
+
+    flat: torch.Tensor
+    top_k: int
+    tensors: tuple[torch.Tensor, ...]
+    strides: tuple[int, ...]
+    meta: dict
+    bias: torch.Tensor
+    stride_be: int
+
+    @classmethod
+    def of(cls, bank: PackedBank, what: str, index: torch.Tensor, bias: torch.Tensor | None) -> _Call:
+        _check_bank(bank, what)
+        tensors, strides, meta = _bank_launch(bank)
+        bias_t, stride_be = _bias_args(bias, bank.scales)
+        return cls(index.reshape(-1), index.shape[1], tensors, strides, meta, bias_t, stride_be)
+
+
 def moe_up(
     x: torch.Tensor, index: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None, act: Activation
 ) -> torch.Tensor:
     """x [T, H] (bf16 or fp16), index [T, k] -> the pairs' activations [T*k, I] in x's dtype."""
-    _check_bank(bank, "gate_up")
-    tokens, top_k = index.shape
-    pairs, inter = tokens * top_k, bank.rows // 2
+    call = _Call.of(bank, "gate_up", index, bias)
+    pairs, inter = call.flat.numel(), bank.rows // 2
     x = x.contiguous()
-    flat = index.reshape(-1)
-    tensors, strides, meta = _bank_launch(bank)
-    bias_t, stride_be = _bias_args(bias, bank.scales)
     out = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
 
     def grid(meta: dict) -> tuple[int, int]:
         return (pairs, triton.cdiv(inter, meta["ROWS"]))
 
     _up[grid](
-        x, *tensors, flat, bias_t, out,
+        x, *call.tensors, call.flat, call.bias, out,
         inter, act.alpha, act.limit, _magic(bank),
-        x.stride(0), *strides, stride_be, out.stride(0),
-        TOP_K=top_k, HAS_BIAS=bias is not None, ACT=act.kind, **meta, **_UP_FIXED, **_pdl(x),
+        x.stride(0), *call.strides, call.stride_be, out.stride(0),
+        TOP_K=call.top_k, HAS_BIAS=bias is not None, ACT=act.kind, **call.meta, **_UP_FIXED, **_pdl(x),
     )  # fmt: skip
     return out
 
@@ -371,23 +389,19 @@ def moe_down(
     a: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """a [T*k, I], index and weight [T, k] -> sum_k weight * (a @ W_down[index].T + bias): [T, H]."""
-    _check_bank(bank, "down")
-    tokens, top_k = index.shape
-    n = bank.rows
+    call = _Call.of(bank, "down", index, bias)
+    tokens, n = index.shape[0], bank.rows
     a, weight = a.contiguous(), weight.contiguous()
-    flat = index.reshape(-1)
-    tensors, strides, meta = _bank_launch(bank)
-    bias_t, stride_be = _bias_args(bias, bank.scales)
     out = torch.empty((tokens, n), dtype=a.dtype, device=a.device)
 
     def grid(meta: dict) -> tuple[int, int]:
         return (tokens, triton.cdiv(n, meta["ROWS"]))
 
     _down[grid](
-        a, *tensors, flat, weight, bias_t, out,
+        a, *call.tensors, call.flat, weight, call.bias, out,
         n, _magic(bank),
-        a.stride(0), *strides, stride_be, weight.stride(0), out.stride(0),
-        TOP_K=top_k, HAS_BIAS=bias is not None, PAIRS=triton.next_power_of_2(top_k), **meta, **_DOWN_FIXED,
-        **_pdl(a),
+        a.stride(0), *call.strides, call.stride_be, weight.stride(0), out.stride(0),
+        TOP_K=call.top_k, HAS_BIAS=bias is not None, PAIRS=triton.next_power_of_2(call.top_k), **call.meta,
+        **_DOWN_FIXED, **_pdl(a),
     )  # fmt: skip
     return out
