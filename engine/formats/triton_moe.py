@@ -15,10 +15,10 @@ ROWS gate and ROWS up rows of a pair; ``moe_down`` has a warp per pair of the to
 [groups, pairs, ROWS, 4] tile puts warps along the pairs), summed across warps once at the end.
 A program loads all its rows' codes before any decode (``_after`` makes the decode depend on
 every loaded word: ptxas would otherwise issue each row's load just before its first use, one
-load in flight per warp), and the inputs once for all its rows. Codes
-are held in nibble-major order (``base.to_nibble_major``, built once when a bank is prepared
-for CUDA; the same bytes): nibble i of 32-bit word t of a group holds input 4i + t, so the
-inputs under nibble i of a lane's four words are four consecutive values (one 8-byte load).
+load in flight per warp), and the inputs once for all its rows. Codes are held in nibble-major
+order (``base.to_nibble_major``, built once when a bank is prepared for CUDA; the same bytes):
+nibble i of 32-bit word t of a group holds input 4i + t, so the inputs under nibble i of a
+lane's four words are four consecutive values (one 8-byte load).
 
 On Hopper and later both kernels are launched as programmatic dependents (PDL): ``moe_down``
 starts while ``moe_up`` finishes, issues its code loads, and waits only before reading the
@@ -43,7 +43,7 @@ every code, subnormal ones included; one conversion each to float32 (HADD2.F32),
 joins the E8M0 scale.
 
 Guarantees: results within the bf16 tolerance of exact decode followed by a float32 matmul;
-tested on a GPU and in triton's interpreter, never on the CPU-only CI. Measured (H200, Qwen3-30B-
+tested on a GPU, and in triton's interpreter (CI runs those tests on the CPU). Measured (H200, Qwen3-30B-
 A3B layer, one row, both kernels): 40% of copy bandwidth for int4, 32% for MXFP4.
 """
 
