@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from gpu_cases import cuda_matmul_cases, cuda_only
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from modelfleet.engine.formats import (
@@ -32,7 +33,6 @@ from modelfleet.engine.formats.base import triton_available
 
 QUANTIZED = ("int4", "int4_sym", "int8", "mxfp4")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -457,11 +457,7 @@ def test_corrupt_scales_tensors_are_refused_on_load():
 # --- GPU (Triton) -------------------------------------------------------------------------------
 
 
-@cuda_only
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 8, 64])
-@pytest.mark.parametrize("name", QUANTIZED)
+@cuda_matmul_cases(QUANTIZED)
 def test_cuda_kernels_match_the_exact_decode(name, rows, dtype):
     weight = weight_for(name, (200, 512)).to("cuda")
     x = torch.randn(rows, 512, device="cuda").to(dtype)

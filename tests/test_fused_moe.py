@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from gpu_cases import cuda_matmul_cases, cuda_only
 
 from modelfleet.engine.formats import Int4Weight, MXFP4Weight, QuantizedWeight, quantize
 from modelfleet.engine.formats.base import from_nibble_major, to_nibble_major, triton_available, unpack_nibbles
@@ -21,7 +22,6 @@ from modelfleet.engine.quantize import QuantizedExperts
 
 FUSED = ("int4", "int4_sym", "mxfp4")
 EXPERTS, HIDDEN, INTER, TOP_K = 6, 128, 96, 2  # INTER / 32 = 3 groups: a masked chunk
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
     reason="runs the Triton kernels on CPU only under TRITON_INTERPRET=1 with triton installed",
@@ -127,11 +127,7 @@ def test_the_fused_moe_kernels_match_the_exact_decode(name, act, biased, dtype, 
     assert_tokens_close(y, reference_moe(layer, x.float(), index, weight.to(dtype).float()))
 
 
-@cuda_only
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 8, 64])
-@pytest.mark.parametrize("name", FUSED)
+@cuda_matmul_cases(FUSED)
 def test_a_nibble_major_bank_runs_every_cuda_path(name, rows, dtype):
     """Once prepared for CUDA, a bank's gathered and per-expert matmuls read the nibble-major codes."""
     weight = bank(name, (EXPERTS, 200, 512), seed=5).to("cuda")
