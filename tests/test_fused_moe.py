@@ -116,8 +116,17 @@ ACTIVATIONS = {"silu": silu_glu, "gpt_oss": ClampedSwiGLU(alpha=1.702, limit=7.0
     [("silu", False, torch.bfloat16), ("gpt_oss", True, torch.bfloat16), ("silu", False, torch.float16)],
     ids=["silu-bf16", "gpt_oss-bias-bf16", "silu-fp16"],
 )
+@pytest.mark.parametrize("wide", [False, True], ids=["one-warp", "wide"])
 @pytest.mark.parametrize("name", FUSED)
-def test_the_fused_moe_kernels_match_the_exact_decode(name, act, biased, dtype, tokens):
+def test_the_fused_moe_kernels_match_the_exact_decode(name, wide, act, biased, dtype, tokens, monkeypatch):
+    from modelfleet.engine.formats import triton_moe
+
+    if triton_moe.TUNED:  # the autotuner picks moe_up's layout
+        if wide:
+            pytest.skip("autotuned (MODELFLEET_TRITON_TUNE unset): the tuner picks moe_up's layout")
+    else:
+        config = {"ROWS": 8, "WIDE": True, "num_warps": 4} if wide else {"ROWS": 2, "WIDE": False, "num_warps": 1}
+        monkeypatch.setattr(triton_moe, "_UP_FIXED", config)
     layer = moe_layer(name, ACTIVATIONS[act], biased, "cuda")
     index, weight = routing(tokens, seed=tokens)
     x = torch.randn(tokens, HIDDEN).to(dtype)
@@ -194,10 +203,15 @@ def test_the_per_matmul_kernels_read_nibble_major_codes_in_the_interpreter(name)
 
 
 @interpreted
+@pytest.mark.parametrize("wide", [False, True], ids=["one-warp", "wide"])
 @pytest.mark.parametrize("name", FUSED)
-def test_the_fused_moe_kernels_loop_over_chunks_of_groups_in_the_interpreter(name):
-    """K = 2112 inputs is 66 groups: a chunk of 64 (a lane's two groups) and a masked one of 2."""
+def test_the_fused_moe_kernels_loop_over_chunks_of_groups_in_the_interpreter(name, wide, monkeypatch):
+    """K = 2112 inputs is 66 groups: a chunk of 64 (a lane's two groups) and a masked one of 2; for
+    moe_up's wide programs (warps along the rows) chunks of 32: two pairs, the second pair's second
+    chunk absent."""
     from modelfleet.engine.formats import triton_moe
+
+    monkeypatch.setattr(triton_moe, "_UP_FIXED", {"ROWS": 4 if wide else 2, "WIDE": wide})
 
     k, rows, experts = 2112, 8, 3
     gate_up = bank(name, (experts, 2 * rows, k), seed=8)
@@ -213,7 +227,8 @@ def test_the_fused_moe_kernels_loop_over_chunks_of_groups_in_the_interpreter(nam
             banks.append(triton_moe.PackedBank(weight._major_codes, weight.scales, zeros, mxfp4=False))
     index = torch.tensor([[2, 0], [1, 2]])
     weight = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
-    x, a = torch.randn(2, k), torch.randn(4, k)
+    generator = torch.Generator().manual_seed(10)
+    x, a = torch.randn(2, k, generator=generator), torch.randn(4, k, generator=generator)
     up = triton_moe.moe_up(x, index, banks[0], None, triton_moe.Activation(triton_moe.ACT_SILU))
     h = torch.stack([gate_up.dequantize()[int(e)].double() @ x[p // 2].double() for p, e in enumerate(index.flatten())])
     assert_tokens_close(up, silu_glu(h), tolerance=5e-5)

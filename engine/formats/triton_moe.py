@@ -11,7 +11,8 @@ the layer needs from the two matmuls comes out of their epilogues.
 
 Layout: every tensor is [groups, ..., 4 words] with the lanes of a warp along the groups (groups
 first, so triton's coalescing gives each lane whole 16-byte groups): ``moe_up`` is one warp on
-ROWS gate and ROWS up rows of a pair; ``moe_down`` has a warp per pair of the token (the
+ROWS gate and ROWS up rows of a pair, or (WIDE) several warps along the rows with chunks of 32
+groups, so the lanes exhaust the groups and no sum crosses warps; ``moe_down`` has a warp per pair of the token (the
 [groups, pairs, ROWS, 4] tile puts warps along the pairs), summed across warps once at the end.
 A program loads all its rows' codes before any decode (``_after`` makes the decode depend on
 every loaded word: ptxas would otherwise issue each row's load just before its first use, one
@@ -44,7 +45,8 @@ joins the E8M0 scale.
 
 Guarantees: results within the bf16 tolerance of exact decode followed by a float32 matmul;
 tested on a GPU, and in triton's interpreter (CI runs those tests on the CPU). Measured (H200, Qwen3-30B-
-A3B layer, one row, both kernels): 40% of copy bandwidth for int4, 32% for MXFP4.
+A3B layer, one row, both kernels in a CUDA graph, the ``MEASURED`` configurations): 40% of copy
+bandwidth for int4, 34% for MXFP4.
 """
 
 from __future__ import annotations
@@ -176,12 +178,45 @@ def _dot(
 
 
 @triton.jit
+def _up_chunk_loads(
+    codes, scales, zeros, x_row, gg, t, n, n_ok, I, stride_cn, stride_sn, stride_zn,
+    NUM_GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, WIDE: tl.constexpr,
+):  # fmt: skip
+    """Every load of one chunk of groups gg for moe_up, codes first (HBM before L2): the gate and
+    up rows' words [C, ROWS, 4], scales and zero points [C, ROWS, 1], the input planes and sums.
+    WIDE (warps along the rows): each lane loads its own group's scale (xor with program_id(2),
+    0, hides the groups' contiguity, which would otherwise vectorize the load across lanes and
+    cost a layout conversion through shared memory), and the inputs through pointers broadcast
+    over the rows (one load per element, in the words' layout; a [C, 1, 4] tile would be spread
+    over all the warps' lanes and converted)."""
+    ok = (gg < NUM_GROUPS) & n_ok  # [C, ROWS, 1]
+    gate_w = tl.load(codes + gg * 4, mask=ok, other=0)
+    up_w = tl.load(codes + I * stride_cn + gg * 4, mask=ok, other=0)
+    sg = gg ^ tl.program_id(2) if WIDE else gg
+    gate_s = tl.load(scales + sg, mask=ok, other=0)
+    up_s = tl.load(scales + I * stride_sn + sg, mask=ok, other=0)
+    if HAS_ZEROS:
+        gate_z = tl.load(zeros + sg, mask=ok, other=8)
+        up_z = tl.load(zeros + I * stride_zn + sg, mask=ok, other=8)
+    else:
+        gate_z = gate_s
+        up_z = up_s
+    if WIDE:
+        xs = _x_planes(x_row, gg + t * 0 + n * 0, t, (gg < NUM_GROUPS) & (n >= 0))  # [C, ROWS, 4]
+    else:
+        xs = _x_planes(x_row, gg + t * 0, t, (gg < NUM_GROUPS) & (t < 4))  # [C, 1, 4]
+    x_lo, x_hi = _x_sums(xs)
+    return gate_w, up_w, gate_s, up_s, gate_z, up_z, xs, x_lo, x_hi
+
+
+@triton.jit
 def _moe_up_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, index_ptr, bias_ptr, out_ptr,
     I, alpha, limit, magic,
     stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_om,
     TOP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, MXFP4: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, WIDE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pair, block = tl.program_id(0), tl.program_id(1)
     if PDL:  # x and index come from the kernels before; moe_down may start loading its codes
@@ -191,32 +226,29 @@ def _moe_up_kernel(
     x_row = x_ptr + (pair // TOP_K) * stride_xm
     n = block * ROWS + tl.arange(0, ROWS)[None, :, None]  # [1, ROWS, 1]: gate rows; up rows n + I
     n_ok = n < I
-    g = tl.arange(0, CHUNK)[:, None, None]  # groups first: lanes go along them
+    # WIDE: several warps along the rows, so the lanes must exhaust a chunk's groups (at most 32)
+    C: tl.constexpr = 32 if WIDE and CHUNK > 32 else CHUNK
+    g = tl.arange(0, C)[:, None, None]  # groups first: lanes go along them
     t = tl.arange(0, 4)[None, None, :]
     codes = codes_ptr + expert * stride_ce + n * stride_cn + t
     scales = scales_ptr + expert * stride_se + n * stride_sn
     zeros = zeros_ptr + expert * stride_ze + n * stride_zn
     gate = tl.zeros((1, ROWS, 1), dtype=tl.float32)
     up = tl.zeros((1, ROWS, 1), dtype=tl.float32)
-    for g0 in tl.static_range(0, NUM_GROUPS, CHUNK):
-        gg = g0 + g
-        ok = (gg < NUM_GROUPS) & n_ok  # [CHUNK, ROWS, 1]
-        # every load of the chunk first, codes before the inputs (HBM before L2)
-        gate_w = tl.load(codes + gg * 4, mask=ok, other=0)
-        up_w = tl.load(codes + I * stride_cn + gg * 4, mask=ok, other=0)
-        gate_s = tl.load(scales + gg, mask=ok, other=0)
-        up_s = tl.load(scales + I * stride_sn + gg, mask=ok, other=0)
-        if HAS_ZEROS:
-            gate_z = tl.load(zeros + gg, mask=ok, other=8)
-            up_z = tl.load(zeros + I * stride_zn + gg, mask=ok, other=8)
-        else:
-            gate_z = gate_s
-            up_z = up_s
-        xs = _x_planes(x_row, gg + t * 0, t, (gg < NUM_GROUPS) & (t < 4))  # [CHUNK, 1, 4]
-        x_lo, x_hi = _x_sums(xs)
-        loaded = _after(magic, gate_w ^ up_w, 1, 2)
-        gate += _dot(gate_w, gate_s, gate_z, xs, x_lo, x_hi, loaded, HAS_ZEROS, MXFP4, 0)
-        up += _dot(up_w, up_s, up_z, xs, x_lo, x_hi, loaded, HAS_ZEROS, MXFP4, 0)
+    for g0 in tl.static_range(0, NUM_GROUPS, 2 * C):  # two chunks' loads in flight together
+        ca = _up_chunk_loads(codes, scales, zeros, x_row, g0 + g, t, n, n_ok, I, stride_cn, stride_sn, stride_zn,
+                            NUM_GROUPS, HAS_ZEROS, WIDE)  # fmt: skip
+        words = ca[0] ^ ca[1]
+        if g0 + C < NUM_GROUPS:
+            cb = _up_chunk_loads(codes, scales, zeros, x_row, g0 + C + g, t, n, n_ok, I, stride_cn, stride_sn,
+                                stride_zn, NUM_GROUPS, HAS_ZEROS, WIDE)  # fmt: skip
+            words = words ^ cb[0] ^ cb[1]
+        loaded = _after(magic, words, 1, 2)
+        gate += _dot(ca[0], ca[2], ca[4], ca[6], ca[7], ca[8], loaded, HAS_ZEROS, MXFP4, 0)
+        up += _dot(ca[1], ca[3], ca[5], ca[6], ca[7], ca[8], loaded, HAS_ZEROS, MXFP4, 0)
+        if g0 + C < NUM_GROUPS:
+            gate += _dot(cb[0], cb[2], cb[4], cb[6], cb[7], cb[8], loaded, HAS_ZEROS, MXFP4, 0)
+            up += _dot(cb[1], cb[3], cb[5], cb[6], cb[7], cb[8], loaded, HAS_ZEROS, MXFP4, 0)
     if HAS_BIAS:
         gate += tl.load(bias_ptr + expert * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
         up += tl.load(bias_ptr + expert * stride_be + I + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -270,7 +302,9 @@ def _moe_down_kernel(
     tl.store(out_ptr + token * stride_om + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-_UP_CONFIGS = [triton.Config({"ROWS": r}, num_warps=1) for r in (1, 2, 4, 8)]
+_UP_CONFIGS = [triton.Config({"ROWS": r, "WIDE": False}, num_warps=1) for r in (1, 2, 4, 8)] + [
+    triton.Config({"ROWS": r, "WIDE": True}, num_warps=w) for r, w in ((8, 2), (8, 4), (16, 4), (16, 8))
+]
 _DOWN_CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8) for w in (2, 4, 8)]
 MAX_CHUNK = 64  # groups per load: 1 KB of codes per row
 
@@ -288,7 +322,16 @@ def _tuned(kernel, configs: list, key: list[str]):  # type: ignore[no-untyped-de
 
 _up = _tuned(_moe_up_kernel, _UP_CONFIGS, ["I", "TOP_K", "NUM_GROUPS", "HAS_ZEROS", "MXFP4", "HAS_BIAS", "ACT"])
 _down = _tuned(_moe_down_kernel, _DOWN_CONFIGS, ["N", "TOP_K", "NUM_GROUPS", "HAS_ZEROS", "MXFP4", "HAS_BIAS"])
-_UP_FIXED = {"ROWS": 2} if INTERPRETED else {} if TUNED else {"ROWS": 2, "num_warps": 1}
+# (moe_up, moe_down) configurations measured for the pair in a CUDA graph, by (compute capability
+# major, MXFP4): ``benchmarks/tune_fused_moe.py`` sweeps them (H200, Qwen3-30B-A3B layer, one
+# row). Triton's autotuner times each kernel alone between eager launches, where launch noise
+# decides at a few microseconds and the kernels' overlap (PDL) is not seen; it serves devices
+# without an entry.
+MEASURED: dict[tuple[int, bool], tuple[dict, dict]] = {
+    (9, False): ({"ROWS": 4, "WIDE": False, "num_warps": 1}, {"ROWS": 8, "num_warps": 8}),
+    (9, True): ({"ROWS": 16, "WIDE": True, "num_warps": 4}, {"ROWS": 4, "num_warps": 4}),
+}
+_UP_FIXED = {"ROWS": 2, "WIDE": False} if INTERPRETED else {} if TUNED else {"ROWS": 2, "WIDE": False, "num_warps": 1}
 _DOWN_FIXED = {"ROWS": 2} if INTERPRETED else {} if TUNED else {"ROWS": 2, "num_warps": 4}
 
 
@@ -328,6 +371,16 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch
     if bias is None:
         return fallback, 0
     return bias, bias.stride(0)
+
+
+def _launch(x: torch.Tensor, bank: PackedBank, which: int):  # type: ignore[no-untyped-def]
+    """The kernel (0: moe_up, 1: moe_down) and its launch configuration for x's device: the
+    measured pair configuration when there is one, else the autotuner or the fixed one."""
+    if TUNED:
+        measured = MEASURED.get((torch.cuda.get_device_capability(x.device)[0], bank.mxfp4))
+        if measured is not None:
+            return (_moe_up_kernel, _moe_down_kernel)[which], measured[which]
+    return (_up, _down)[which], (_UP_FIXED, _DOWN_FIXED)[which]
 
 
 def _pdl(x: torch.Tensor) -> dict:
@@ -376,11 +429,12 @@ def moe_up(
     def grid(meta: dict) -> tuple[int, int]:
         return (pairs, triton.cdiv(inter, meta["ROWS"]))
 
-    _up[grid](
+    kernel, config = _launch(x, bank, 0)
+    kernel[grid](
         x, *call.tensors, call.flat, call.bias, out,
         inter, act.alpha, act.limit, _magic(bank),
         x.stride(0), *call.strides, call.stride_be, out.stride(0),
-        TOP_K=call.top_k, HAS_BIAS=bias is not None, ACT=act.kind, **call.meta, **_UP_FIXED, **_pdl(x),
+        TOP_K=call.top_k, HAS_BIAS=bias is not None, ACT=act.kind, **call.meta, **config, **_pdl(x),
     )  # fmt: skip
     return out
 
@@ -397,11 +451,12 @@ def moe_down(
     def grid(meta: dict) -> tuple[int, int]:
         return (tokens, triton.cdiv(n, meta["ROWS"]))
 
-    _down[grid](
+    kernel, config = _launch(a, bank, 1)
+    kernel[grid](
         a, *call.tensors, call.flat, weight, call.bias, out,
         n, _magic(bank),
         a.stride(0), *call.strides, call.stride_be, weight.stride(0), out.stride(0),
         TOP_K=call.top_k, HAS_BIAS=bias is not None, PAIRS=triton.next_power_of_2(call.top_k), **call.meta,
-        **_DOWN_FIXED, **_pdl(a),
+        **config, **_pdl(a),
     )  # fmt: skip
     return out
