@@ -241,3 +241,29 @@ def test_the_fused_moe_kernels_loop_over_chunks_of_groups_in_the_interpreter(nam
         ]
     )
     assert_tokens_close(y, expected, tolerance=5e-5)
+
+
+@interpreted
+def test_the_measured_launch_configurations_fit_the_kernels_in_the_interpreter():
+    """The measured (moe_up, moe_down) configurations name the kernels' own parameters with
+    values their layouts need; a slip there would only show on the GPUs they are for. Checked
+    where triton is installed (the interpreter run)."""
+    from modelfleet.engine.formats import triton_moe
+
+    launch = {"num_warps"}
+    up_params = set(triton_moe._moe_up_kernel.arg_names) | launch
+    down_params = set(triton_moe._moe_down_kernel.arg_names) | launch
+    assert triton_moe.MEASURED, "no measured configurations"
+    for (major, mxfp4), (up, down) in triton_moe.MEASURED.items():
+        where = f"MEASURED[({major}, {mxfp4})]"
+        assert major >= 7 and isinstance(mxfp4, bool), where
+        assert set(up) == {"ROWS", "WIDE", "num_warps"} <= up_params, f"{where}: moe_up keys {sorted(up)}"
+        assert set(down) == {"ROWS", "num_warps"} <= down_params, f"{where}: moe_down keys {sorted(down)}"
+        for config in (up, down):
+            for key in ("ROWS", "num_warps"):
+                value = config[key]
+                assert value >= 1 and value & (value - 1) == 0, f"{where}: {key} {value} is not a power of two"
+        if up["WIDE"]:  # warps go along the rows: at least one row per warp
+            assert up["ROWS"] >= up["num_warps"] > 1, f"{where}: WIDE moe_up needs ROWS >= num_warps > 1, got {up}"
+        else:
+            assert up["num_warps"] == 1, f"{where}: a one-warp moe_up with {up['num_warps']} warps"
