@@ -61,7 +61,7 @@ import triton.testing
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# MODELFLEET_TRITON_TUNE=0: a fixed configuration, no autotuning (fast start: tests, short runs)
+# MODELFLEET_TRITON_TUNE=0: one fixed configuration (no measured table, no autotuning; fast start: tests, short runs)
 TUNED = not INTERPRETED and os.environ.get("MODELFLEET_TRITON_TUNE", "1") != "0"
 
 ACT_SILU, ACT_CLAMPED_SWIGLU = 1, 2
