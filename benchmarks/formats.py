@@ -17,7 +17,11 @@ Modes: ``eager`` launches every kernel from Python per step (wall time includes 
 replays one graph per decode step of the whole model (so no host launch gap between steps).
 Effective GB/s = format bytes of the weights the step uses (codes, scales, zero points: not the
 kernels' private layouts) / step time; the bound beside it is the same run's copy bandwidth
-(bytes read + written by a large tensor copy). A bank is built by
+(bytes read + written by a large tensor copy). ``expert-kernels`` in graph mode also gets the
+read bound of its routing (``read_bound.py``): the time to read the slabs the kernels read, with
+no arithmetic, in two launches as the fused pair runs (``read_ms``) and in one (``read_one_ms``);
+``share_of_read`` = read_ms / time_ms, how close the kernels come to their own launch structure's
+floor. A bank is built by
 quantizing a few distinct experts and replicating their storage (every expert still owns its
 memory, so caches see the full bank); values do not change kernel speed.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -146,9 +151,13 @@ class Result:
     copy_gb_per_s: float = 0.0
     share_of_copy_bw: float = 0.0
     speedup_vs_bf16: float = 0.0
+    read_ms: float = float("nan")  # expert-kernels, graph: the routed slabs read in two launches
+    read_one_ms: float = float("nan")  # ... and in one launch
+    share_of_read: float = float("nan")  # read_ms / time_ms
 
     def __post_init__(self) -> None:
         self.gb_per_s = self.weights_mb / self.time_ms
+        self.share_of_read = self.read_ms / self.time_ms
 
 
 def timings(steps: list[Callable[[], object]], device: str, capturable: bool = True) -> dict[str, float]:
@@ -210,6 +219,39 @@ def expert_kernels(
     return expert_gemv(x, layer.gate_up, flat, TOP_K), expert_gemv(a, layer.down, flat, 1)
 
 
+def bank_slabs(layer: torch.nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """The [E, ...] tensors the expert kernels read for each routed expert, gate_up's and down's:
+    the fused kernels' banks (codes, scales, zero points) or the plain weights; None for the
+    gathered quantized matmuls (int8), whose layouts this benchmark does not read."""
+    if isinstance(layer, QuantizedExperts):
+        fused = layer.fused_kernels(x)
+        if fused is None:
+            return None
+        banks = fused[:2]
+        return tuple([t for t in (b.codes, b.scales, b.zeros) if t is not None] for b in banks)  # type: ignore[return-value]
+    assert isinstance(layer, Experts)
+    return [layer.gate_up], [layer.down]
+
+
+def _read_bound():  # type: ignore[no-untyped-def]
+    """benchmarks/read_bound.py, loaded by path (it needs triton: CUDA runs only)."""
+    path = Path(__file__).with_name("read_bound.py")
+    spec = importlib.util.spec_from_file_location("read_bound", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_times(slabs: tuple[list[torch.Tensor], list[torch.Tensor]], routings: list) -> tuple[float, float]:
+    """Graph ms per step of reading the routed slabs: two launches (gate_up's, then down's), and one."""
+    reader = _read_bound().SlabReader
+    up, down, both = reader(slabs[0]), reader(slabs[1]), reader(slabs[0] + slabs[1])
+    split = [partial(lambda i: (up(i), down(i)), index) for index, _ in routings]
+    one = [partial(both, index) for index, _ in routings]
+    return timings(split, "cuda")["graph"], timings(one, "cuda")["graph"]
+
+
 def bench_expert_kernels(fmt: str, experts: int, rows_list: list[int]) -> list[Result]:
     """CUDA only: the expert kernels of an MoE step alone (see ``expert_kernels``), without
     routing: what the kernels themselves reach against the bandwidth bound."""
@@ -226,10 +268,16 @@ def bench_expert_kernels(fmt: str, experts: int, rows_list: list[int]) -> list[R
         steps = [partial(expert_kernels, layer, x, a, index, weight) for index, weight in routings]
         used = statistics.mean(index.unique().numel() * per_expert for index, _ in routings)
         with torch.inference_mode():
+            slabs = bank_slabs(layer, x)
+            read = read_times(slabs, routings) if slabs is not None else (float("nan"),) * 2
             for mode, ms in timings(steps, "cuda").items():
                 per_param = per_expert * experts / params
                 workload = f"expert-kernels-{experts}x{TOP_K}"
-                results.append(Result("cuda", workload, fmt, rows, mode, per_param, used / 1e6, ms))
+                split, one = read if mode == "graph" else (float("nan"),) * 2
+                result = Result(
+                    "cuda", workload, fmt, rows, mode, per_param, used / 1e6, ms, read_ms=split, read_one_ms=one
+                )
+                results.append(result)
     return results
 
 

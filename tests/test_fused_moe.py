@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from gpu_cases import cuda_matmul_cases, cuda_only
@@ -267,3 +268,49 @@ def test_the_measured_launch_configurations_fit_the_kernels_in_the_interpreter()
             assert up["ROWS"] >= up["num_warps"] > 1, f"{where}: WIDE moe_up needs ROWS >= num_warps > 1, got {up}"
         else:
             assert up["num_warps"] == 1, f"{where}: a one-warp moe_up with {up['num_warps']} warps"
+
+
+def _read_bound_module():  # type: ignore[no-untyped-def]
+    """benchmarks/read_bound.py (the formats benchmark's read bound), loaded by path."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "read_bound.py"
+    spec = importlib.util.spec_from_file_location("read_bound", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_read_bound_reads_each_routed_slab(device: str) -> None:
+    """Every program folds (xor) its 16 KB chunk of one routed expert's slab of one tensor: the
+    folds equal the same chunks' folds taken in torch, so the bound reads exactly those bytes."""
+    read_bound = _read_bound_module()
+    generator = torch.Generator().manual_seed(7)
+    tensors = [
+        torch.randint(-(2**31), 2**31 - 1, (6, 3, 1000), generator=generator, dtype=torch.int32),  # 1 chunk, masked
+        torch.randn(6, 100, 100, generator=generator).half(),  # 5000 words: 2 chunks
+        torch.randint(0, 256, (6, 10, 40), generator=generator, dtype=torch.uint8),  # 100 words
+    ]
+    index = torch.tensor([[4, 1], [1, 5]])
+    reader = read_bound.SlabReader([t.to(device) for t in tensors])
+    folds = reader(index.to(device))[: index.numel() * reader.chunks].cpu().view(index.numel(), reader.chunks)
+    chunk = read_bound.CHUNK
+    for p, expert in enumerate(index.flatten().tolist()):
+        expected = []
+        for t in tensors:
+            words = read_bound.slab_words(t)[expert]
+            words = torch.cat([words, words.new_zeros(-words.numel() % chunk)]).view(-1, chunk)
+            expected += np.bitwise_xor.reduce(words.numpy(), axis=1).tolist()
+        assert folds[p].tolist() == expected, p
+
+
+@interpreted
+def test_the_read_bound_reads_each_routed_slab_in_the_interpreter():
+    check_read_bound_reads_each_routed_slab("cpu")
+
+
+@cuda_only
+def test_the_read_bound_reads_each_routed_slab_on_the_gpu():
+    check_read_bound_reads_each_routed_slab("cuda")
