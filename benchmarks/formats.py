@@ -19,7 +19,8 @@ Effective GB/s = format bytes of the weights the step uses (codes, scales, zero 
 kernels' private layouts) / step time; the bound beside it is the same run's copy bandwidth
 (bytes read + written by a large tensor copy). ``expert-kernels`` in graph mode also gets the
 read bound of its routing (``read_bound.py``): the time to read the slabs the kernels read, with
-no arithmetic, in two launches as the fused pair runs (``read_ms``) and in one (``read_one_ms``);
+no arithmetic, in two launches made as the fused pair's are (``read_ms``) and in one
+(``read_one_ms``);
 ``share_of_read`` = read_ms / time_ms, how close the kernels come to their own launch structure's
 floor. A bank is built by
 quantizing a few distinct experts and replicating their storage (every expert still owns its
@@ -244,9 +245,10 @@ def _read_bound():  # type: ignore[no-untyped-def]
 
 
 def read_times(slabs: tuple[list[torch.Tensor], list[torch.Tensor]], routings: list) -> tuple[float, float]:
-    """Graph ms per step of reading the routed slabs: two launches (gate_up's, then down's), and one."""
+    """Graph ms per step of reading the routed slabs: two launches (gate_up's, then down's, which
+    issues its loads before waiting for gate_up's), and one."""
     reader = _read_bound().SlabReader
-    up, down, both = reader(slabs[0]), reader(slabs[1]), reader(slabs[0] + slabs[1])
+    up, down, both = reader(slabs[0]), reader(slabs[1], wait_late=True), reader(slabs[0] + slabs[1])
     split = [partial(lambda i: (up(i), down(i)), index) for index, _ in routings]
     one = [partial(both, index) for index, _ in routings]
     return timings(split, "cuda")["graph"], timings(one, "cuda")["graph"]
