@@ -47,7 +47,8 @@ UP = [
     (16, True, 4),
     (16, True, 8),
 ]
-DOWN = [(2, 4), (4, 4), (4, 8), (8, 4), (8, 8)]
+# moe_down: (ROWS, warps, CHUNK: groups per load, 0 for the bank's own; see triton_moe._down_meta)
+DOWN = [(2, 4, 0), (4, 2, 0), (4, 4, 0), (4, 8, 0), (8, 4, 0), (8, 8, 0), (4, 2, 8), (4, 4, 8), (8, 4, 8)]
 
 
 def pair_step(triton_moe, x, index, weight, gate_up, down, activation):  # type: ignore[no-untyped-def]
@@ -100,9 +101,9 @@ def main() -> None:
             x = torch.randn(rows, fb.HIDDEN, device="cuda").to(torch.bfloat16)
             used = statistics.mean(i.unique().numel() * per_expert for i, _ in routings)
             results = []
-            for (u_rows, wide, u_warps), (d_rows, d_warps) in itertools.product(UP, DOWN):
+            for (u_rows, wide, u_warps), (d_rows, d_warps, chunk) in itertools.product(UP, DOWN):
                 up = {"ROWS": u_rows, "WIDE": wide, "num_warps": u_warps}
-                dn = {"ROWS": d_rows, "num_warps": d_warps}
+                dn = {"ROWS": d_rows, "num_warps": d_warps} | ({"CHUNK": chunk} if chunk else {})
                 triton_moe.MEASURED[key] = (up, dn)
                 steps = [partial(pair_step, triton_moe, x, i, w, gate_up, down, activation) for i, w in routings]
                 with torch.inference_mode():
@@ -114,12 +115,12 @@ def main() -> None:
                 triton_moe.MEASURED[key] = kept
             results.sort(key=lambda r: r[0])
             print(f"\n{fmt}, {rows} row(s): {len(results)} pairs, fastest first")
-            print(f"  {'us':>6} {'% copy':>7}  moe_up (ROWS, WIDE, warps)   moe_down (ROWS, warps)")
+            print(f"  {'us':>6} {'% copy':>7}  moe_up (ROWS, WIDE, warps)   moe_down (ROWS, warps, CHUNK)")
             for us, up, dn in results:
                 share = 100 * used / (us * 1e-6) / 1e9 / bandwidth
                 print(
                     f"  {us:6.1f} {share:6.1f}%  ({up['ROWS']:2d}, {up['WIDE']!s:5}, {up['num_warps']})"
-                    f"{'':16}({dn['ROWS']}, {dn['num_warps']})"
+                    f"{'':16}({dn['ROWS']}, {dn['num_warps']}, {dn.get('CHUNK', '-')})"
                 )
             best_us, up, dn = results[0]
             current = "none" if kept is None else f"{kept}"

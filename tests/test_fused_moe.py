@@ -245,6 +245,43 @@ def test_the_fused_moe_kernels_loop_over_chunks_of_groups_in_the_interpreter(nam
 
 
 @interpreted
+@pytest.mark.parametrize("name", FUSED)
+def test_moe_down_takes_a_configured_chunk_of_groups_in_the_interpreter(name, monkeypatch):
+    """768 inputs are 24 groups: the bank's one chunk of 32 (8 masked) or, configured, three
+    chunks of 8 whose codes are all loaded before the wait; both give the exact-decode sums. A
+    chunk that does not divide the groups, or would need more than MAX_DOWN_CHUNKS loads, falls
+    back to the bank's."""
+    from modelfleet.engine.formats import triton_moe
+
+    k, rows, experts = 768, 8, 3
+    down = bank(name, (experts, rows, k), seed=11)
+    down.to_nibble_major()  # type: ignore[attr-defined]
+    if isinstance(down, MXFP4Weight):
+        packed = triton_moe.PackedBank(down._major, down.scales, None, mxfp4=True)
+    else:
+        assert isinstance(down, Int4Weight)
+        zeros = None if down.symmetric else down.zero_points()
+        packed = triton_moe.PackedBank(down._major_codes, down.scales, zeros, mxfp4=False)
+    meta = triton_moe._bank_launch(packed)[2]
+    assert triton_moe._down_meta(packed, meta, {"CHUNK": 8})["EARLY"] == 3
+    assert triton_moe._down_meta(packed, meta, {"CHUNK": 16}) == {**meta, "CHUNK": 32, "EARLY": 1}  # 24 % 16
+    assert triton_moe._down_meta(packed, meta, {"CHUNK": 4})["CHUNK"] == 32  # 6 loads
+    index = torch.tensor([[2, 0], [1, 2]])
+    weight = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+    a = torch.randn(4, k, generator=torch.Generator().manual_seed(12))
+    decoded = down.dequantize().double()
+    expected = torch.stack(
+        [
+            sum(float(weight[t, j]) * (decoded[int(index[t, j])] @ a[2 * t + j].double()) for j in range(2))
+            for t in range(2)
+        ]
+    )
+    for config in ({"ROWS": 2}, {"ROWS": 2, "CHUNK": 8}):
+        monkeypatch.setattr(triton_moe, "_DOWN_FIXED", config)
+        assert_tokens_close(triton_moe.moe_down(a, index, weight, packed, None), expected, tolerance=5e-5)
+
+
+@interpreted
 def test_the_measured_launch_configurations_fit_the_kernels_in_the_interpreter():
     """The measured (moe_up, moe_down) configurations name the kernels' own parameters with
     values their layouts need; a slip there would only show on the GPUs they are for. Checked
@@ -259,9 +296,12 @@ def test_the_measured_launch_configurations_fit_the_kernels_in_the_interpreter()
         where = f"MEASURED[({major}, {mxfp4})]"
         assert major >= 7 and isinstance(mxfp4, bool), where
         assert set(up) == {"ROWS", "WIDE", "num_warps"} <= up_params, f"{where}: moe_up keys {sorted(up)}"
-        assert set(down) == {"ROWS", "num_warps"} <= down_params, f"{where}: moe_down keys {sorted(down)}"
+        assert {"ROWS", "num_warps"} <= set(down) <= {"ROWS", "num_warps", "CHUNK"}, f"{where}: moe_down {down}"
+        assert set(down) <= down_params, f"{where}: moe_down keys {sorted(down)}"
         for config in (up, down):
-            for key in ("ROWS", "num_warps"):
+            for key in ("ROWS", "num_warps", "CHUNK"):
+                if key not in config:
+                    continue
                 value = config[key]
                 assert value >= 1 and value & (value - 1) == 0, f"{where}: {key} {value} is not a power of two"
         if up["WIDE"]:  # warps go along the rows: at least one row per warp
