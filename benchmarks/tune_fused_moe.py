@@ -104,7 +104,7 @@ def main() -> None:
             for (u_rows, wide, u_warps), (d_rows, d_warps, chunk) in itertools.product(UP, DOWN):
                 up = {"ROWS": u_rows, "WIDE": wide, "num_warps": u_warps}
                 dn = {"ROWS": d_rows, "num_warps": d_warps} | ({"CHUNK": chunk} if chunk else {})
-                triton_moe.MEASURED[key] = (up, dn)
+                triton_moe.MEASURED[key] = [(rows, up, dn)]
                 steps = [partial(pair_step, triton_moe, x, i, w, gate_up, down, activation) for i, w in routings]
                 with torch.inference_mode():
                     us = graph_us(steps, fb)
@@ -124,7 +124,7 @@ def main() -> None:
                 )
             best_us, up, dn = results[0]
             current = "none" if kept is None else f"{kept}"
-            print(f"  best for MEASURED[{key}]: ({up}, {dn}); the entry now: {current}")
+            print(f"  best for MEASURED[{key}] up to {rows} token(s): ({rows}, {up}, {dn}); the entries now: {current}")
 
 
 if __name__ == "__main__":

@@ -292,22 +292,40 @@ def test_the_measured_launch_configurations_fit_the_kernels_in_the_interpreter()
     up_params = set(triton_moe._moe_up_kernel.arg_names) | launch
     down_params = set(triton_moe._moe_down_kernel.arg_names) | launch
     assert triton_moe.MEASURED, "no measured configurations"
-    for (major, mxfp4), (up, down) in triton_moe.MEASURED.items():
-        where = f"MEASURED[({major}, {mxfp4})]"
-        assert major >= 7 and isinstance(mxfp4, bool), where
-        assert set(up) == {"ROWS", "WIDE", "num_warps"} <= up_params, f"{where}: moe_up keys {sorted(up)}"
-        assert {"ROWS", "num_warps"} <= set(down) <= {"ROWS", "num_warps", "CHUNK"}, f"{where}: moe_down {down}"
-        assert set(down) <= down_params, f"{where}: moe_down keys {sorted(down)}"
-        for config in (up, down):
-            for key in ("ROWS", "num_warps", "CHUNK"):
-                if key not in config:
-                    continue
-                value = config[key]
-                assert value >= 1 and value & (value - 1) == 0, f"{where}: {key} {value} is not a power of two"
-        if up["WIDE"]:  # warps go along the rows: at least one row per warp
-            assert up["ROWS"] >= up["num_warps"] > 1, f"{where}: WIDE moe_up needs ROWS >= num_warps > 1, got {up}"
-        else:
-            assert up["num_warps"] == 1, f"{where}: a one-warp moe_up with {up['num_warps']} warps"
+    for (major, mxfp4), entries in triton_moe.MEASURED.items():
+        bounds = [bound for bound, _, _ in entries]
+        assert bounds and bounds == sorted(set(bounds)) and bounds[0] >= 1, f"token bounds {bounds}"
+        for bound, up, down in entries:
+            where = f"MEASURED[({major}, {mxfp4})], up to {bound} tokens"
+            assert major >= 7 and isinstance(mxfp4, bool), where
+            assert set(up) == {"ROWS", "WIDE", "num_warps"} <= up_params, f"{where}: moe_up keys {sorted(up)}"
+            assert {"ROWS", "num_warps"} <= set(down) <= {"ROWS", "num_warps", "CHUNK"}, f"{where}: moe_down {down}"
+            assert set(down) <= down_params, f"{where}: moe_down keys {sorted(down)}"
+            for config in (up, down):
+                for key in ("ROWS", "num_warps", "CHUNK"):
+                    if key not in config:
+                        continue
+                    value = config[key]
+                    assert value >= 1 and value & (value - 1) == 0, f"{where}: {key} {value} is not a power of two"
+            if up["WIDE"]:  # warps go along the rows: at least one row per warp
+                assert up["ROWS"] >= up["num_warps"] > 1, f"{where}: WIDE moe_up needs ROWS >= num_warps > 1, got {up}"
+            else:
+                assert up["num_warps"] == 1, f"{where}: a one-warp moe_up with {up['num_warps']} warps"
+
+
+@interpreted
+def test_the_measured_configurations_are_chosen_by_token_count_in_the_interpreter(monkeypatch):
+    """The first entry whose token bound covers the step, the last beyond every bound, none for a
+    device without entries."""
+    from modelfleet.engine.formats import triton_moe
+
+    one, eight = ({"ROWS": 1}, {"ROWS": 2}), ({"ROWS": 4}, {"ROWS": 8})
+    monkeypatch.setattr(triton_moe, "MEASURED", {(9, True): [(1, *one), (8, *eight)]})
+    assert triton_moe.measured_configs(9, True, 1) == one
+    assert triton_moe.measured_configs(9, True, 2) == eight
+    assert triton_moe.measured_configs(9, True, 64) == eight
+    assert triton_moe.measured_configs(9, False, 1) is None
+    assert triton_moe.measured_configs(8, True, 1) is None
 
 
 def _read_bound_module():  # type: ignore[no-untyped-def]

@@ -46,8 +46,8 @@ joins the E8M0 scale.
 Guarantees: results within the bf16 tolerance of exact decode followed by a float32 matmul;
 tested on a GPU, and in triton's interpreter (CI runs those tests on the CPU). Measured (H200, Qwen3-30B-
 A3B layer, both kernels in a CUDA graph, the ``MEASURED`` configurations): one row, 41% of copy
-bandwidth for int4, 34% for MXFP4; eight rows, 51% for int4 (moe_down in chunks of 8 groups),
-37% for MXFP4.
+bandwidth for int4, 34% for MXFP4; eight rows, 51% for int4 and 43% for MXFP4 (moe_down in
+chunks of 8 groups).
 """
 
 from __future__ import annotations
@@ -341,15 +341,20 @@ def _tuned(kernel, configs: list, key: list[str]):  # type: ignore[no-untyped-de
 _up = _tuned(_moe_up_kernel, _UP_CONFIGS, ["I", "TOP_K", "NUM_GROUPS", "HAS_ZEROS", "MXFP4", "HAS_BIAS", "ACT"])
 _down = _tuned(_moe_down_kernel, _DOWN_CONFIGS, ["N", "TOP_K", "NUM_GROUPS", "HAS_ZEROS", "MXFP4", "HAS_BIAS"])
 # (moe_up, moe_down) configurations measured for the pair in a CUDA graph, by (compute capability
-# major, MXFP4): ``benchmarks/tune_fused_moe.py`` sweeps them (H200, Qwen3-30B-A3B layer, one
-# row). A moe_down CHUNK (groups per load) applies where it divides the bank's groups into at
-# most MAX_DOWN_CHUNKS loads (``_down_meta``): 768 inputs are 24 groups, whose one padded chunk
-# of 32 idles a quarter of the lanes. Triton's autotuner times each kernel alone between eager launches, where launch noise
-# decides at a few microseconds and the kernels' overlap (PDL) is not seen; it serves devices
-# without an entry.
-MEASURED: dict[tuple[int, bool], tuple[dict, dict]] = {
-    (9, False): ({"ROWS": 4, "WIDE": False, "num_warps": 1}, {"ROWS": 4, "num_warps": 2, "CHUNK": 8}),
-    (9, True): ({"ROWS": 16, "WIDE": True, "num_warps": 4}, {"ROWS": 4, "num_warps": 4}),
+# major, MXFP4) and token count: entries (up to this many tokens, moe_up's, moe_down's), ascending,
+# the last one serving larger counts too, as vLLM keys its tuned fused-MoE configurations by batch
+# size. ``benchmarks/tune_fused_moe.py --rows ...`` sweeps them (H200, Qwen3-30B-A3B layer). A
+# moe_down CHUNK (groups per load) applies where it divides the bank's groups into at most
+# MAX_DOWN_CHUNKS loads (``_down_meta``): 768 inputs are 24 groups, whose one padded chunk of 32
+# idles a quarter of the lanes. Triton's autotuner times each kernel alone between eager launches,
+# where launch noise decides at a few microseconds and the kernels' overlap (PDL) is not seen; it
+# serves devices without an entry.
+MEASURED: dict[tuple[int, bool], list[tuple[int, dict, dict]]] = {
+    (9, False): [(8, {"ROWS": 4, "WIDE": False, "num_warps": 1}, {"ROWS": 4, "num_warps": 2, "CHUNK": 8})],
+    (9, True): [
+        (1, {"ROWS": 16, "WIDE": True, "num_warps": 4}, {"ROWS": 4, "num_warps": 4}),
+        (8, {"ROWS": 8, "WIDE": True, "num_warps": 4}, {"ROWS": 4, "num_warps": 2, "CHUNK": 8}),
+    ],
 }
 _UP_FIXED = {"ROWS": 2, "WIDE": False} if INTERPRETED else {} if TUNED else {"ROWS": 2, "WIDE": False, "num_warps": 1}
 _DOWN_FIXED = {"ROWS": 2} if INTERPRETED else {} if TUNED else {"ROWS": 2, "num_warps": 4}
@@ -406,11 +411,22 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch
     return bias, bias.stride(0)
 
 
-def _launch(x: torch.Tensor, bank: PackedBank, which: int):  # type: ignore[no-untyped-def]
-    """The kernel (0: moe_up, 1: moe_down) and its launch configuration for x's device: the
-    measured pair configuration when there is one, else the autotuner or the fixed one."""
+def measured_configs(major: int, mxfp4: bool, tokens: int) -> tuple[dict, dict] | None:
+    """The measured (moe_up, moe_down) configurations for a step of ``tokens`` tokens: the first
+    entry whose token bound covers them, else the last; None without an entry."""
+    entries = MEASURED.get((major, mxfp4))
+    if not entries:
+        return None
+    up, down = next(((u, d) for bound, u, d in entries if tokens <= bound), entries[-1][1:])
+    return up, down
+
+
+def _launch(x: torch.Tensor, bank: PackedBank, which: int, tokens: int):  # type: ignore[no-untyped-def]
+    """The kernel (0: moe_up, 1: moe_down) and its launch configuration for x's device and the
+    step's token count: the measured pair configuration when there is one, else the autotuner or
+    the fixed one."""
     if TUNED:
-        measured = MEASURED.get((torch.cuda.get_device_capability(x.device)[0], bank.mxfp4))
+        measured = measured_configs(torch.cuda.get_device_capability(x.device)[0], bank.mxfp4, tokens)
         if measured is not None:
             return (_moe_up_kernel, _moe_down_kernel)[which], measured[which]
     return (_up, _down)[which], (_UP_FIXED, _DOWN_FIXED)[which]
@@ -462,7 +478,7 @@ def moe_up(
     def grid(meta: dict) -> tuple[int, int]:
         return (pairs, triton.cdiv(inter, meta["ROWS"]))
 
-    kernel, config = _launch(x, bank, 0)
+    kernel, config = _launch(x, bank, 0, index.shape[0])
     kernel[grid](
         x, *call.tensors, call.flat, call.bias, out,
         inter, act.alpha, act.limit, _magic(bank),
@@ -484,7 +500,7 @@ def moe_down(
     def grid(meta: dict) -> tuple[int, int]:
         return (tokens, triton.cdiv(n, meta["ROWS"]))
 
-    kernel, config = _launch(a, bank, 1)
+    kernel, config = _launch(a, bank, 1, tokens)
     kernel[grid](
         a, *call.tensors, call.flat, weight, call.bias, out,
         n, _magic(bank),
