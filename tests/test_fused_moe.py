@@ -264,6 +264,7 @@ def test_moe_down_takes_a_configured_chunk_of_groups_in_the_interpreter(name, mo
         packed = triton_moe.PackedBank(down._major_codes, down.scales, zeros, mxfp4=False)
     meta = triton_moe._bank_launch(packed)[2]
     assert triton_moe._down_meta(packed, meta, {"CHUNK": 8})["EARLY"] == 3
+    assert triton_moe._down_meta(packed, meta, {"ROWS": 2}) == {**meta, "ROWS": 2, "EARLY": 1}  # the bank's chunk
     assert triton_moe._down_meta(packed, meta, {"CHUNK": 16}) == {**meta, "CHUNK": 32, "EARLY": 1}  # 24 % 16
     assert triton_moe._down_meta(packed, meta, {"CHUNK": 4})["CHUNK"] == 32  # 6 loads
     index = torch.tensor([[2, 0], [1, 2]])

@@ -382,8 +382,8 @@ def _down_meta(bank: PackedBank, meta: dict, config: dict) -> dict:
     replaces the bank's where it splits the groups exactly into at most MAX_DOWN_CHUNKS loads, and
     then every chunk's codes are loaded before the wait (EARLY); otherwise the first chunk's."""
     merged = {**meta, **config, "EARLY": 1}
-    groups, chunk = meta["NUM_GROUPS"], config.get("CHUNK", meta["CHUNK"])
-    if groups % chunk or groups // chunk > MAX_DOWN_CHUNKS or chunk > meta["CHUNK"]:
+    groups, chunk = meta["NUM_GROUPS"], config.get("CHUNK")
+    if chunk is None or groups % chunk or groups // chunk > MAX_DOWN_CHUNKS or chunk > meta["CHUNK"]:
         merged["CHUNK"] = meta["CHUNK"]
     else:
         merged["EARLY"] = groups // chunk
