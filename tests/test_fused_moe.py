@@ -137,6 +137,72 @@ def test_the_fused_moe_kernels_match_the_exact_decode(name, wide, act, biased, d
     assert_tokens_close(y, reference_moe(layer, x.float(), index, weight.to(dtype).float()))
 
 
+def mxfp4_layer(experts: int, hidden: int, inter: int, activation, biased: bool) -> QuantizedExperts:
+    generator = torch.Generator().manual_seed(11)
+    gate_up = bank("mxfp4", (experts, 2 * inter, hidden), seed=12).to("cuda")
+    down = bank("mxfp4", (experts, hidden, inter), seed=13).to("cuda")
+    if not biased:
+        return QuantizedExperts(gate_up, down, None, None, activation)
+    gate_up_bias = (torch.randn(experts, 2 * inter, generator=generator) * 0.1).cuda()
+    return QuantizedExperts(
+        gate_up, down, gate_up_bias, torch.randn(experts, hidden, generator=generator).cuda(), activation
+    )
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize(("hidden", "top_k"), [(512, 2), (1024, 8)], ids=["2-warp-up", "4-warp-up-top8"])
+@pytest.mark.parametrize(
+    ("act", "biased", "dtype", "scale"),
+    [
+        ("silu", False, torch.bfloat16, 1.0),
+        ("gpt_oss", True, torch.bfloat16, 1.0),
+        ("silu", False, torch.float16, 1.0),
+        ("silu", False, torch.bfloat16, 3e5),
+    ],
+    ids=["silu-bf16", "gpt_oss-bias-bf16", "silu-fp16", "inputs-past-f16-range"],
+)
+def test_the_tensor_core_mxfp4_kernels_match_the_exact_decode(hidden, top_k, act, biased, dtype, scale, monkeypatch):
+    """One-token MXFP4 steps on Hopper run on tensor cores (mma_moe): against the float64 exact
+    decode, and against the Triton kernels on the same step; inputs beyond f16's range are scaled
+    per warp."""
+    from modelfleet.engine.formats import mma_moe
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the tensor-core MXFP4 kernels run on compute capability 9 (Hopper)")
+    layer = mxfp4_layer(8, hidden, 256, ACTIVATIONS[act], biased)
+    generator = torch.Generator().manual_seed(hidden + top_k)
+    index = torch.randperm(8, generator=generator)[:top_k][None]
+    weight = torch.softmax(torch.randn(1, top_k, generator=generator), dim=-1).to(dtype)
+    x = (torch.randn(1, hidden, generator=generator) * scale).to(dtype)
+    gate_up, down, _ = layer.fused_kernels(x.cuda())
+    assert mma_moe.up_applies(x.cuda(), index.cuda(), gate_up) and mma_moe.down_applies(x.cuda(), index.cuda(), down)
+    y = layer(x.cuda(), index.cuda(), weight.cuda())
+    assert y.dtype == dtype and y.shape == (1, hidden)
+    assert_tokens_close(y, reference_moe(layer, x.float(), index, weight.float()))
+    monkeypatch.setattr(mma_moe, "MAX_TOKENS", 0)  # the Triton kernels on the same step
+    assert not mma_moe.up_applies(x.cuda(), index.cuda(), gate_up)
+    assert_tokens_close(y, layer(x.cuda(), index.cuda(), weight.cuda()).double().cpu())
+
+
+@cuda_only
+@pytest.mark.gpu
+def test_the_tensor_core_mxfp4_kernels_leave_other_shapes_to_triton():
+    """Groups that do not split into chunks of 8 (hidden 2880, GPT-OSS's) or more tokens than
+    MAX_TOKENS run on the Triton kernels, with the same results."""
+    from modelfleet.engine.formats import mma_moe
+
+    layer = mxfp4_layer(4, 2880, 256, silu_glu, False)
+    x = torch.randn(1, 2880).to(torch.bfloat16).cuda()
+    index = torch.tensor([[0, 3]]).cuda()
+    gate_up, down, _ = layer.fused_kernels(x)
+    assert not mma_moe.up_applies(x, index, gate_up)  # 90 groups
+    assert not mma_moe.down_applies(x.repeat(mma_moe.MAX_TOKENS + 1, 1), index.repeat(mma_moe.MAX_TOKENS + 1, 1), down)
+    weight = torch.tensor([[0.75, 0.25]]).to(torch.bfloat16)
+    y = layer(x, index, weight.cuda())
+    assert_tokens_close(y, reference_moe(layer, x.float().cpu(), index.cpu(), weight.float()))
+
+
 @cuda_matmul_cases(FUSED)
 def test_a_nibble_major_bank_runs_every_cuda_path(name, rows, dtype):
     """Once prepared for CUDA, a bank's gathered and per-expert matmuls read the nibble-major codes."""

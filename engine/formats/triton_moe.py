@@ -47,7 +47,8 @@ Guarantees: results within the bf16 tolerance of exact decode followed by a floa
 tested on a GPU, and in triton's interpreter (CI runs those tests on the CPU). Measured (H200, Qwen3-30B-
 A3B layer, both kernels in a CUDA graph, the ``MEASURED`` configurations): one row, 41% of copy
 bandwidth for int4, 34% for MXFP4; eight rows, 51% for int4 and 43% for MXFP4 (moe_down in
-chunks of 8 groups).
+chunks of 8 groups). MXFP4 steps of one or two tokens on Hopper run on tensor cores instead
+(:mod:`.mma_moe`: 39% at one row).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ import triton
 import triton.language as tl
 import triton.testing
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import mma_moe
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # MODELFLEET_TRITON_TUNE=0: one fixed configuration (no measured table, no autotuning; fast start: tests, short runs)
@@ -469,8 +472,11 @@ class _Call:
 def moe_up(
     x: torch.Tensor, index: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None, act: Activation
 ) -> torch.Tensor:
-    """x [T, H] (bf16 or fp16), index [T, k] -> the pairs' activations [T*k, I] in x's dtype."""
+    """x [T, H] (bf16 or fp16), index [T, k] -> the pairs' activations [T*k, I] in x's dtype.
+    MXFP4 steps of one token on Hopper run on tensor cores (:mod:`.mma_moe`)."""
     call = _Call.of(bank, "gate_up", index, bias)
+    if not INTERPRETED and mma_moe.up_applies(x, index, bank):
+        return mma_moe.moe_up(x, index, bank, bias, act)
     pairs, inter = call.flat.numel(), bank.rows // 2
     x = x.contiguous()
     out = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
@@ -491,8 +497,11 @@ def moe_up(
 def moe_down(
     a: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """a [T*k, I], index and weight [T, k] -> sum_k weight * (a @ W_down[index].T + bias): [T, H]."""
+    """a [T*k, I], index and weight [T, k] -> sum_k weight * (a @ W_down[index].T + bias): [T, H].
+    MXFP4 steps of one token on Hopper run on tensor cores (:mod:`.mma_moe`)."""
     call = _Call.of(bank, "down", index, bias)
+    if not INTERPRETED and mma_moe.down_applies(a, index, bank):
+        return mma_moe.moe_down(a, index, weight, bank, bias)
     tokens, n = index.shape[0], bank.rows
     a, weight = a.contiguous(), weight.contiguous()
     out = torch.empty((tokens, n), dtype=a.dtype, device=a.device)

@@ -1,0 +1,382 @@
+"""MXFP4 decode steps of a quantized MoE bank on tensor cores (Hopper): the fused pair of
+:mod:`.triton_moe` (``moe_up``: gate and up rows of each (token, expert) pair, bias, GLU;
+``moe_down``: the token's pairs summed with their router weights), as Gluon kernels whose dot
+products run on ``mma.sync.m16n8k16`` (f16 in, float32 accumulate), reading the banks exactly as
+the Triton kernels hold them (nibble-major codes, E8M0 scales [E, N, G]): no second layout.
+
+Why: MXFP4's CUDA-core decode (two conversions and two FMAs per pair of nibbles) costs ~5.4
+instructions per nibble and bounded the one-token step (moe_up alone 12.8 us of a 14.1 us pair,
+7.1 us without its decode). Here a pair of nibbles costs two shifts, an AND and a LOP3 to become
+an exact f16 pair, and the MACs go to the tensor cores (~2.1 instructions per nibble).
+
+Mapping (the hardware's m16n8k16 fragments, lane = 4 g + t): a warp computes a 16-row tile; lane
+(g, t) holds word t of each 32-input group for rows g and g + 8. In nibble-major order
+(:func:`.base.to_nibble_major`) nibble i of word t is input 4i + t, and the committed shift trick
+turns nibbles i and i + 4 (inputs 4i + t and 4i + 16 + t) into one f16 pair equal to exactly
+2^-14 x their E2M1 values (magnitude bits to 9..11, sign to 15, per half). So a group is two
+k-tiles: tile 0 takes nibble pairs (0, 4) and (1, 5) of rows g and g + 8 as A registers 0..3,
+tile 1 takes (2, 6) and (3, 7), and B holds the same inputs, (x[4i + t], x[4i + 16 + t]) in f16.
+Each D row is the group's sum; times 2^(e - 127) (its E8M0 scale) and 2^14, folded in float32.
+Every D column is the same product (B's columns are equal): c0 and c2 are rows g and g + 8.
+
+Loads: each lane reads whole 16-byte groups (4 rows x 128 contiguous bytes per instruction), and
+a layout conversion through shared memory hands lane (g, t) its words (loading them in fragment
+order directly, 16 bytes per row per instruction, made moe_up 20% slower). The inputs of a
+group are loaded and converted once, by the lanes g = group % 8, and fetched by ``shfl``.
+
+Inputs in f16: x is scaled by 2^-k per warp, k > 0 only when the warp's largest |x| reaches
+2^15 (so nothing overflows f16; the scale is undone exactly in the fold). Inputs below 2^-14
+(x 2^k) lose bits as f16 subnormals: absolute error below 2^-25 x 2^k per input.
+
+Measured (H200, Qwen3-30B-A3B-shaped layer in MXFP4, the pair in a CUDA graph, against the
+Triton kernels in the same run): one token 12.4 us against 14.1 us (38% of copy bandwidth
+against 34%), two tokens 22.7 against 23.8 us; at four and eight the Triton pair is faster
+(40.0 against 42.0 us, 71.9 against 78.1), hence ``MAX_TOKENS``.
+
+Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks whose groups split into
+chunks of 8 (hidden and expert width multiples of 256) and rows into tiles (expert width a
+multiple of 8, hidden of 16), top_k a power of two up to 8, and token counts up to
+``MAX_TOKENS`` (``up_applies``, ``down_applies``); elsewhere the Triton kernels run. The kernels
+use inline PTX (mma, shfl), so they run only on the GPU, not in triton's interpreter.
+"""
+
+# The kernels grow tuples of tensors in static loops (ws = ws + (load,)), which mypy types as the
+# empty tuple they start as.
+# mypy: disable-error-code="assignment,misc"
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from .triton_moe import Activation, PackedBank
+
+try:  # Gluon ships with triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # pragma: no cover - older triton: the Triton kernels serve every case
+    gluon = None
+
+MAX_TOKENS = 2  # measured: faster than the Triton pair at one and two tokens, slower from four
+CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
+GC = tl.constexpr(CHUNK)
+
+# nibbles i and i + 4 of word w -> the f16 pair (2^-14 x E2M1) in register a
+_PAIR = [
+    "shl.b32 x, {w}, 9;  shl.b32 y, {w}, 12; and.b32 y, y, 0x80008000; lop3.b32 {a}, x, 0x0e000e00, y, 0xea;",
+    "shl.b32 x, {w}, 5;  shl.b32 y, {w}, 8;  and.b32 y, y, 0x80008000; lop3.b32 {a}, x, 0x0e000e00, y, 0xea;",
+    "shl.b32 x, {w}, 1;  shl.b32 y, {w}, 4;  and.b32 y, y, 0x80008000; lop3.b32 {a}, x, 0x0e000e00, y, 0xea;",
+    "shr.u32 x, {w}, 3;  and.b32 y, {w}, 0x80008000; lop3.b32 {a}, x, 0x0e000e00, y, 0xea;",
+]
+_MMA = (
+    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};"
+)
+# byte gi of a row's 8 scale bytes -> 2^(e - 127) as float32 (e = 0: 2^-127, subnormal)
+_SCALE = """
+    mov.b64 {{lo, hi}}, {e}; selp.b32 sel, lo, hi, q; shr.u32 sel, sel, sh; and.b32 sel, sel, 0xff;
+    shl.b32 sel, sel, 23; max.u32 sel, sel, 0x00400000; mov.b32 {s}, sel;"""
+# one group of a 16-row tile: $0, $1 the sums of rows g and g + 8 (scaled); $2, $3 word t of rows
+# g and g + 8; $4..$7 this lane's own group's input pairs (the asm takes group gi's from lane
+# 4 gi + t); $8, $9 the rows' 8 scale bytes of the chunk; $10 2^(14 + k); $11 gi
+GROUP_ASM = tl.constexpr(
+    """{
+    .reg .b32 a0, a1, a2, a3, x, y, sh, zt, p0, p1, p2, p3, za, lo, hi, sel;
+    .reg .f32 d0, d1, d2, d3, s0, s1;
+    .reg .pred q;
+    mov.u32 sh, %laneid; and.b32 sh, sh, 3; shl.b32 zt, $11, 2; add.u32 zt, zt, sh;
+    shfl.sync.idx.b32 p0, $4, zt, 0x1f, 0xffffffff; shfl.sync.idx.b32 p1, $5, zt, 0x1f, 0xffffffff;
+    shfl.sync.idx.b32 p2, $6, zt, 0x1f, 0xffffffff; shfl.sync.idx.b32 p3, $7, zt, 0x1f, 0xffffffff;
+    mov.b32 za, 0;
+    """
+    + " ".join((_PAIR[0].format(w="$2", a="a0"), _PAIR[0].format(w="$3", a="a1")))
+    + " ".join((_PAIR[1].format(w="$2", a="a2"), _PAIR[1].format(w="$3", a="a3")))
+    + "\n    "
+    + _MMA.format(b0="p0", b1="p1", c="za, za, za, za")
+    + "\n    "
+    + " ".join((_PAIR[2].format(w="$2", a="a0"), _PAIR[2].format(w="$3", a="a1")))
+    + " ".join((_PAIR[3].format(w="$2", a="a2"), _PAIR[3].format(w="$3", a="a3")))
+    + "\n    "
+    + _MMA.format(b0="p2", b1="p3", c="d0, d1, d2, d3")
+    + """
+    setp.lt.u32 q, $11, 4; and.b32 sh, $11, 3; shl.b32 sh, sh, 3;"""
+    + _SCALE.format(e="$8", s="s0")
+    + _SCALE.format(e="$9", s="s1")
+    + """
+    mul.f32 d0, d0, s0; mul.f32 $0, d0, $10;
+    mul.f32 d2, d2, s1; mul.f32 $1, d2, $10;
+}"""
+)
+GROUP_CONSTRAINTS = tl.constexpr("=f,=f,r,r,r,r,r,r,l,l,f,r")
+# 8 inputs x[4i + t] (i = 0..7, bf16 or f16) -> 4 f16 pairs (x[4i + t], x[4i + 16 + t]) x scale
+_PACK = """{{
+    .reg .f32 f0, f1;
+    cvt.f32.{t} f0, $4; cvt.f32.{t} f1, $8;  mul.f32 f0, f0, $12; mul.f32 f1, f1, $12; cvt.rn.f16x2.f32 $0, f1, f0;
+    cvt.f32.{t} f0, $5; cvt.f32.{t} f1, $9;  mul.f32 f0, f0, $12; mul.f32 f1, f1, $12; cvt.rn.f16x2.f32 $1, f1, f0;
+    cvt.f32.{t} f0, $6; cvt.f32.{t} f1, $10; mul.f32 f0, f0, $12; mul.f32 f1, f1, $12; cvt.rn.f16x2.f32 $2, f1, f0;
+    cvt.f32.{t} f0, $7; cvt.f32.{t} f1, $11; mul.f32 f0, f0, $12; mul.f32 f1, f1, $12; cvt.rn.f16x2.f32 $3, f1, f0;
+}}"""
+PACK_BF16 = tl.constexpr(_PACK.format(t="bf16"))
+PACK_F16 = tl.constexpr(_PACK.format(t="f16"))
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _gdc_wait():
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gdc_launch_dependents():
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+    @gluon.jit
+    def _axes(W: gl.constexpr, L: gl.constexpr):
+        """aranges along the 4 dims of L: [W, 1, 1, 1], [1, 8, 1, 1], [1, 1, GC, 1], [1, 1, 1, 4]."""
+        a0 = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        a1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        a2 = gl.arange(0, GC, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))
+        a3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))
+        w = gl.expand_dims(gl.expand_dims(gl.expand_dims(a0, 1), 2), 3)
+        g = gl.expand_dims(gl.expand_dims(gl.expand_dims(a1, 0), 2), 3)
+        q = gl.expand_dims(gl.expand_dims(gl.expand_dims(a2, 0), 1), 3)
+        t = gl.expand_dims(gl.expand_dims(gl.expand_dims(a3, 0), 1), 2)
+        return w, g, q, t
+
+    @gluon.jit
+    def _inputs(x_at):
+        """The 8 inputs x[4i + t] of the lane's own group (x_at: its group's input t)."""
+        return (
+            gl.load(x_at), gl.load(x_at + 4), gl.load(x_at + 8), gl.load(x_at + 12),
+            gl.load(x_at + 16), gl.load(x_at + 20), gl.load(x_at + 24), gl.load(x_at + 28),
+        )  # fmt: skip
+
+    @gluon.jit
+    def _magnitude(xs):
+        """The largest |x| of the 8 inputs as its bits (ordered as integers), exponent at bit 7
+        (bf16) or 10 (f16)."""
+        m = xs[0].to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF
+        for i in gl.static_range(1, 8):
+            m = gl.maximum(m, xs[i].to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF)
+        return m
+
+    @gluon.jit
+    def _input_scale(m, F16: gl.constexpr):
+        """2^-k and 2^(14 + k) (float32), k the smallest shift that keeps |x| 2^-k below 2^15."""
+        k = m * 0 if F16 else gl.maximum((m >> 7) - 141, 0)  # f16 inputs are finite f16 already
+        return ((127 - k) << 23).to(gl.float32, bitcast=True), ((141 + k) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _pack(xs, scale, F16: gl.constexpr):
+        ins = [xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], scale]
+        return gl.inline_asm_elementwise(
+            PACK_F16 if F16 else PACK_BF16, "=r,=r,=r,=r,h,h,h,h,h,h,h,h,f", ins,
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _tile_sums(ws_a, ws_b, es_a, es_b, xss, w, g, gi, t, CHUNKS: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr):
+        """Rows g and g + 8 of each warp's 16-row tile summed over its CHUNKS chunks of groups
+        ([W, 8, 1, 4] each): ws_* the chunks' code words as loaded (converted here to lane (g, t)'s
+        words), es_* the rows' scale bytes, xss the lane's own group's inputs per chunk."""
+        m = _magnitude(xss[0])
+        for c in gl.static_range(1, CHUNKS):
+            m = gl.maximum(m, _magnitude(xss[c]))
+        m = gl.max(gl.max(m, axis=3, keep_dims=True), axis=1, keep_dims=True)  # per warp
+        xscale, fac = _input_scale(m, F16)
+        xscale = xscale + 0.0 * (g + t)
+        fac = fac + 0.0 * (g + gi + t)
+        for c in gl.static_range(CHUNKS):
+            p = _pack(xss[c], xscale, F16)
+            wa = gl.convert_layout(ws_a[c], LF)
+            wb = gl.convert_layout(ws_b[c], LF)
+            ins = [wa, wb, p[0], p[1], p[2], p[3], es_a[c], es_b[c], fac, gi + 0 * (g + t + w)]
+            pa, pb = gl.inline_asm_elementwise(
+                GROUP_ASM, GROUP_CONSTRAINTS, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=1
+            )
+            if c == 0:
+                acc_a = gl.sum(pa, axis=2, keep_dims=True)
+                acc_b = gl.sum(pb, axis=2, keep_dims=True)
+            else:
+                acc_a += gl.sum(pa, axis=2, keep_dims=True)
+                acc_b += gl.sum(pb, axis=2, keep_dims=True)
+        return acc_a, acc_b
+
+    @gluon.jit
+    def _act(gate, up, alpha, limit, ACT: gl.constexpr):
+        if ACT == 1:
+            return gate / (1.0 + gl.exp(-gate)) * up
+        gate = gl.minimum(gate, limit)
+        up = gl.minimum(gl.maximum(up, -limit), limit)
+        return (up + 1.0) * gate / (1.0 + gl.exp(-alpha * gate))
+
+    @gluon.jit
+    def _mma_up_kernel(
+        x_ptr, codes_ptr, scales_ptr, index_ptr, bias_ptr, out_ptr, I, alpha, limit,
+        stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_be, stride_om,
+        TOP_K: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+        F16: gl.constexpr, PDL: gl.constexpr,
+    ):  # fmt: skip
+        """Program (pair, 8 intermediate rows): tile rows g = gate rows, g + 8 = the same up rows;
+        WARPS warps split the groups."""
+        GW: gl.constexpr = G // WARPS  # groups per warp
+        LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [WARPS, 1, 1, 1], [3, 1, 2, 0])
+        LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+        pair = gl.program_id(0)
+        mt = gl.program_id(1)
+        if PDL:  # x and index come from the kernels before; moe_down may start loading its codes
+            _gdc_wait()
+            _gdc_launch_dependents()
+        expert = gl.load(index_ptr + pair).to(gl.int64)
+        lw, lg, lq, lj = _axes(WARPS, LL)  # loads: whole groups, 128 contiguous bytes per row
+        at = codes_ptr + expert * stride_ce + (mt * 8 + lg) * stride_cn + (lw * GW + lq) * 4 + lj
+        w, g, gi, t = _axes(WARPS, LF)
+        g0 = w * GW
+        rows = scales_ptr + expert * stride_se + (mt * 8 + g) * stride_sn
+        sw = rows.to(gl.pointer_type(gl.int64), bitcast=True)
+        x_at = x_ptr + (pair // TOP_K) * stride_xm + (g0 + g) * 32 + t
+        ws_g = ()
+        ws_u = ()
+        es_g = ()
+        es_u = ()
+        xss = ()
+        for c in gl.static_range(GW // GC):  # every load before the first decode
+            ws_g = ws_g + (gl.load(at + c * GC * 4),)
+            ws_u = ws_u + (gl.load(at + I * stride_cn + c * GC * 4),)
+            es_g = es_g + (gl.load(sw + (g0 + c * GC) // 8),)
+            es_u = es_u + (gl.load(sw + (I * stride_sn + g0 + c * GC) // 8),)
+            xss = xss + (_inputs(x_at + c * GC * 32),)
+        acc_g, acc_u = _tile_sums(ws_g, ws_u, es_g, es_u, xss, w, g, gi, t, GW // GC, F16, LF)
+        gate = gl.sum(acc_g, axis=0)  # [8, 1, 4]: lanes (g, t) hold gate / up row 8 mt + g
+        up = gl.sum(acc_u, axis=0)
+        row = mt * 8 + gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0
+        lead = gl.sum(t, axis=0) == 0
+        if HAS_BIAS:
+            gate += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
+            up += gl.load(bias_ptr + expert * stride_be + I + row).to(gl.float32)
+        a = _act(gate, up, alpha, limit, ACT)
+        gl.store(out_ptr + pair * stride_om + row, a.to(out_ptr.dtype.element_ty), mask=lead)
+
+    @gluon.jit
+    def _mma_down_kernel(
+        a_ptr, codes_ptr, scales_ptr, index_ptr, weight_ptr, bias_ptr, out_ptr,
+        stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_be, stride_wt, stride_om,
+        TOP_K: gl.constexpr, G: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr,
+    ):  # fmt: skip
+        """Program (token, 16 output rows); warp k = the token's pair k, summed across warps."""
+        LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [TOP_K, 1, 1, 1], [3, 1, 2, 0])
+        LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [TOP_K, 1, 1, 1], [3, 2, 1, 0])
+        token = gl.program_id(0)
+        mt = gl.program_id(1)
+        lk, lg, lq, lj = _axes(TOP_K, LL)
+        l_expert = gl.load(index_ptr + token * TOP_K + lk).to(gl.int64)
+        at = codes_ptr + l_expert * stride_ce + (mt * 16 + lg) * stride_cn + lq * 4 + lj
+        k, g, gi, t = _axes(TOP_K, LF)
+        pair = token * TOP_K + k
+        expert = gl.load(index_ptr + pair).to(gl.int64)
+        rows = scales_ptr + expert * stride_se + (mt * 16 + g) * stride_sn
+        sw = rows.to(gl.pointer_type(gl.int64), bitcast=True)
+        ws_g = ()
+        ws_h = ()
+        es_g = ()
+        es_h = ()
+        for c in gl.static_range(G // GC):  # every code word in flight before the wait
+            ws_g = ws_g + (gl.load(at + c * GC * 4),)
+            ws_h = ws_h + (gl.load(at + 8 * stride_cn + c * GC * 4),)
+            es_g = es_g + (gl.load(sw + c),)
+            es_h = es_h + (gl.load(sw + c + stride_sn),)
+        if PDL:  # the activations are moe_up's output
+            _gdc_wait()
+        a_at = a_ptr + pair * stride_am + g * 32 + t
+        xss = ()
+        for c in gl.static_range(G // GC):
+            xss = xss + (_inputs(a_at + c * GC * 32),)
+        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, G // GC, F16, LF)  # per pair
+        row = mt * 16 + g + t * 0  # [1, 8, 1, 4]
+        if HAS_BIAS:
+            acc_g += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
+            acc_h += gl.load(bias_ptr + expert * stride_be + row + 8).to(gl.float32)
+        wk = gl.load(weight_ptr + token * stride_wt + k).to(gl.float32)
+        y_g = gl.sum(acc_g * wk, axis=0)  # [8, 1, 4]
+        y_h = gl.sum(acc_h * wk, axis=0)
+        o = out_ptr + token * stride_om + mt * 16 + gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0
+        lead = gl.sum(t, axis=0) == 0
+        gl.store(o, y_g.to(out_ptr.dtype.element_ty), mask=lead)
+        gl.store(o + 8, y_h.to(out_ptr.dtype.element_ty), mask=lead)
+
+
+def _up_warps(groups: int) -> int:
+    """moe_up's warps: 4 where the groups split into 4 x whole chunks (measured fastest), else 2, 1."""
+    return next(w for w in (4, 2, 1) if groups % (CHUNK * w) == 0)
+
+
+def _serves(x: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
+    """What both kernels need of a step: a Hopper GPU, bf16/fp16 activations, few tokens, an
+    MXFP4 bank, top_k a power of two up to 8 (warps and lanes are laid out by it)."""
+    if gluon is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or not bank.mxfp4:
+        return False
+    tokens, top_k = index.shape
+    return tokens <= MAX_TOKENS and top_k in (1, 2, 4, 8) and torch.cuda.get_device_capability(x.device)[0] == 9
+
+
+def up_applies(x: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
+    """Whether :func:`moe_up` serves this gate_up bank: inputs in whole chunks of 8 groups (hidden
+    a multiple of 256), gate and up rows in tiles of 8 (expert width a multiple of 8)."""
+    inter = bank.rows // 2
+    return (
+        _serves(x, index, bank) and bank.in_features % (32 * CHUNK) == 0 and bank.rows == 2 * inter and inter % 8 == 0
+    )
+
+
+def down_applies(a: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
+    """Whether :func:`moe_down` serves this down bank: expert width a multiple of 256, hidden of 16."""
+    return _serves(a, index, bank) and bank.in_features % (32 * CHUNK) == 0 and bank.rows % 16 == 0
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    if codes.stride(-1) != 1 or codes.data_ptr() % 16:
+        codes = codes.contiguous()
+    return codes.view(torch.int32)
+
+
+def moe_up(
+    x: torch.Tensor, index: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None, act: Activation
+) -> torch.Tensor:
+    """As :func:`.triton_moe.moe_up` (x [T, H], index [T, k] -> activations [T*k, I]); see ``up_applies``."""
+    tokens, top_k = index.shape
+    inter = bank.rows // 2
+    words, scales, x = _words(bank.codes), bank.scales.contiguous(), x.contiguous()
+    out = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    bias_t = scales if bias is None else bias
+    warps = _up_warps(bank.in_features // 32)
+    _mma_up_kernel[(tokens * top_k, inter // 8)](
+        x, words, scales, index.reshape(-1), bias_t, out, inter, act.alpha, act.limit,
+        x.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
+        0 if bias is None else bias.stride(0), out.stride(0),
+        TOP_K=top_k, G=bank.in_features // 32, WARPS=warps, ACT=act.kind, HAS_BIAS=bias is not None,
+        F16=x.dtype == torch.float16, PDL=True, num_warps=warps, launch_pdl=True,
+    )  # fmt: skip
+    return out
+
+
+def moe_down(
+    a: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """As :func:`.triton_moe.moe_down` (a [T*k, I] -> [T, H]); see ``down_applies``."""
+    tokens, top_k = index.shape
+    words, scales = _words(bank.codes), bank.scales.contiguous()
+    a, weight = a.contiguous(), weight.contiguous()
+    out = torch.empty((tokens, bank.rows), dtype=a.dtype, device=a.device)
+    bias_t = scales if bias is None else bias
+    _mma_down_kernel[(tokens, bank.rows // 16)](
+        a, words, scales, index.reshape(-1), weight, bias_t, out,
+        a.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
+        0 if bias is None else bias.stride(0), weight.stride(0), out.stride(0),
+        TOP_K=top_k, G=bank.in_features // 32, HAS_BIAS=bias is not None, F16=a.dtype == torch.float16,
+        PDL=True, num_warps=top_k, launch_pdl=True,
+    )  # fmt: skip
+    return out
