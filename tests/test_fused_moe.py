@@ -151,7 +151,11 @@ def mxfp4_layer(experts: int, hidden: int, inter: int, activation, biased: bool)
 
 @cuda_only
 @pytest.mark.gpu
-@pytest.mark.parametrize(("hidden", "top_k"), [(512, 2), (1024, 8)], ids=["2-warp-up", "4-warp-up-top8"])
+@pytest.mark.parametrize(
+    ("hidden", "inter", "top_k"),
+    [(512, 256, 2), (1024, 256, 8), (2880, 352, 4)],
+    ids=["2-warp-up", "4-warp-up-top8", "gpt-oss-hidden-masked-chunks"],
+)
 @pytest.mark.parametrize(
     ("act", "biased", "dtype", "scale"),
     [
@@ -162,15 +166,17 @@ def mxfp4_layer(experts: int, hidden: int, inter: int, activation, biased: bool)
     ],
     ids=["silu-bf16", "gpt_oss-bias-bf16", "silu-fp16", "inputs-past-f16-range"],
 )
-def test_the_tensor_core_mxfp4_kernels_match_the_exact_decode(hidden, top_k, act, biased, dtype, scale, monkeypatch):
+def test_the_tensor_core_mxfp4_kernels_match_the_exact_decode(
+    hidden, inter, top_k, act, biased, dtype, scale, monkeypatch
+):
     """One-token MXFP4 steps on Hopper run on tensor cores (mma_moe): against the float64 exact
     decode, and against the Triton kernels on the same step; inputs beyond f16's range are scaled
-    per warp."""
+    per warp; group counts that are not whole chunks of 8 (90 and 11 here) are masked."""
     from modelfleet.engine.formats import mma_moe
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the tensor-core MXFP4 kernels run on compute capability 9 (Hopper)")
-    layer = mxfp4_layer(8, hidden, 256, ACTIVATIONS[act], biased)
+    layer = mxfp4_layer(8, hidden, inter, ACTIVATIONS[act], biased)
     generator = torch.Generator().manual_seed(hidden + top_k)
     index = torch.randperm(8, generator=generator)[:top_k][None]
     weight = torch.softmax(torch.randn(1, top_k, generator=generator), dim=-1).to(dtype)
@@ -187,20 +193,21 @@ def test_the_tensor_core_mxfp4_kernels_match_the_exact_decode(hidden, top_k, act
 
 @cuda_only
 @pytest.mark.gpu
-def test_the_tensor_core_mxfp4_kernels_leave_other_shapes_to_triton():
-    """Groups that do not split into chunks of 8 (hidden 2880, GPT-OSS's) or more tokens than
-    MAX_TOKENS run on the Triton kernels, with the same results."""
+def test_the_tensor_core_mxfp4_kernels_leave_other_steps_to_triton():
+    """A top_k that is not a power of two, or more tokens than MAX_TOKENS, run on the Triton
+    kernels, with the same results."""
     from modelfleet.engine.formats import mma_moe
 
-    layer = mxfp4_layer(4, 2880, 256, silu_glu, False)
-    x = torch.randn(1, 2880).to(torch.bfloat16).cuda()
-    index = torch.tensor([[0, 3]]).cuda()
-    gate_up, down, _ = layer.fused_kernels(x)
-    assert not mma_moe.up_applies(x, index, gate_up)  # 90 groups
-    assert not mma_moe.down_applies(x.repeat(mma_moe.MAX_TOKENS + 1, 1), index.repeat(mma_moe.MAX_TOKENS + 1, 1), down)
-    weight = torch.tensor([[0.75, 0.25]]).to(torch.bfloat16)
-    y = layer(x, index, weight.cuda())
-    assert_tokens_close(y, reference_moe(layer, x.float().cpu(), index.cpu(), weight.float()))
+    layer = mxfp4_layer(4, 512, 256, silu_glu, False)
+    for tokens, top_k in ((1, 3), (mma_moe.MAX_TOKENS + 1, 2)):
+        x = torch.randn(tokens, 512).to(torch.bfloat16)
+        index = torch.stack([torch.randperm(4)[:top_k] for _ in range(tokens)])
+        weight = torch.softmax(torch.randn(tokens, top_k), dim=-1).to(torch.bfloat16)
+        gate_up, down, _ = layer.fused_kernels(x.cuda())
+        assert not mma_moe.up_applies(x.cuda(), index.cuda(), gate_up)
+        assert not mma_moe.down_applies(x.cuda(), index.cuda(), down)
+        y = layer(x.cuda(), index.cuda(), weight.cuda())
+        assert_tokens_close(y, reference_moe(layer, x.float(), index, weight.float()))
 
 
 @cuda_matmul_cases(FUSED)

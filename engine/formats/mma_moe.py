@@ -31,12 +31,12 @@ Inputs in f16: x is scaled by 2^-k per warp, k > 0 only when the warp's largest 
 Measured (H200, Qwen3-30B-A3B-shaped layer in MXFP4, the pair in a CUDA graph, against the
 Triton kernels in the same run): one token 12.4 us against 14.1 us (38% of copy bandwidth
 against 34%), two tokens 22.7 against 23.8 us; at four and eight the Triton pair is faster
-(40.0 against 42.0 us, 71.9 against 78.1), hence ``MAX_TOKENS``.
+(40.0 against 42.0 us, 71.9 against 78.1), hence ``MAX_TOKENS``. A GPT-OSS-20B-shaped layer
+(hidden 2880 = 90 groups, top-4, clamped SwiGLU, biases): 42.4 us against 50.0 us at one token.
 
-Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks whose groups split into
-chunks of 8 (hidden and expert width multiples of 256) and rows into tiles (expert width a
-multiple of 8, hidden of 16), top_k a power of two up to 8, and token counts up to
-``MAX_TOKENS`` (``up_applies``, ``down_applies``); elsewhere the Triton kernels run. The kernels
+Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
+last chunk of 8 groups is masked, as GPT-OSS's 90 need), top_k a power of two up to 8, and token
+counts up to ``MAX_TOKENS`` (``up_applies``, ``down_applies``); elsewhere the Triton kernels run. The kernels
 use inline PTX (mma, shfl), so they run only on the GPU, not in triton's interpreter.
 """
 
@@ -74,15 +74,23 @@ _PAIR = [
 _MMA = (
     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};"
 )
-# byte gi of a row's 8 scale bytes -> 2^(e - 127) as float32 (e = 0: 2^-127, subnormal)
-_SCALE = """
+# an E8M0 scale byte -> 2^(e - 127) as float32 (e = 0: 2^-127, subnormal): from a row's 8 bytes of
+# the chunk (byte gi: q = gi < 4, sh = 8 (gi % 4)) or from the byte itself
+_SCALE_OF_8 = """
     mov.b64 {{lo, hi}}, {e}; selp.b32 sel, lo, hi, q; shr.u32 sel, sel, sh; and.b32 sel, sel, 0xff;
     shl.b32 sel, sel, 23; max.u32 sel, sel, 0x00400000; mov.b32 {s}, sel;"""
-# one group of a 16-row tile: $0, $1 the sums of rows g and g + 8 (scaled); $2, $3 word t of rows
-# g and g + 8; $4..$7 this lane's own group's input pairs (the asm takes group gi's from lane
-# 4 gi + t); $8, $9 the rows' 8 scale bytes of the chunk; $10 2^(14 + k); $11 gi
-GROUP_ASM = tl.constexpr(
-    """{
+_SCALE_OF_1 = """
+    shl.b32 sel, {e}, 23; max.u32 sel, sel, 0x00400000; mov.b32 {s}, sel;"""
+
+
+def _group_asm(of_8: bool) -> str:
+    """One group of a 16-row tile: $0, $1 the sums of rows g and g + 8 (scaled); $2, $3 word t of
+    rows g and g + 8; $4..$7 this lane's own group's input pairs (the asm takes group gi's from
+    lane 4 gi + t); $8, $9 the rows' scales (their 8 bytes of the chunk, or the group's byte);
+    $10 2^(14 + k); $11 gi."""
+    scale = _SCALE_OF_8 if of_8 else _SCALE_OF_1
+    return (
+        """{
     .reg .b32 a0, a1, a2, a3, x, y, sh, zt, p0, p1, p2, p3, za, lo, hi, sel;
     .reg .f32 d0, d1, d2, d3, s0, s1;
     .reg .pred q;
@@ -91,25 +99,30 @@ GROUP_ASM = tl.constexpr(
     shfl.sync.idx.b32 p2, $6, zt, 0x1f, 0xffffffff; shfl.sync.idx.b32 p3, $7, zt, 0x1f, 0xffffffff;
     mov.b32 za, 0;
     """
-    + " ".join((_PAIR[0].format(w="$2", a="a0"), _PAIR[0].format(w="$3", a="a1")))
-    + " ".join((_PAIR[1].format(w="$2", a="a2"), _PAIR[1].format(w="$3", a="a3")))
-    + "\n    "
-    + _MMA.format(b0="p0", b1="p1", c="za, za, za, za")
-    + "\n    "
-    + " ".join((_PAIR[2].format(w="$2", a="a0"), _PAIR[2].format(w="$3", a="a1")))
-    + " ".join((_PAIR[3].format(w="$2", a="a2"), _PAIR[3].format(w="$3", a="a3")))
-    + "\n    "
-    + _MMA.format(b0="p2", b1="p3", c="d0, d1, d2, d3")
-    + """
+        + " ".join((_PAIR[0].format(w="$2", a="a0"), _PAIR[0].format(w="$3", a="a1")))
+        + " ".join((_PAIR[1].format(w="$2", a="a2"), _PAIR[1].format(w="$3", a="a3")))
+        + "\n    "
+        + _MMA.format(b0="p0", b1="p1", c="za, za, za, za")
+        + "\n    "
+        + " ".join((_PAIR[2].format(w="$2", a="a0"), _PAIR[2].format(w="$3", a="a1")))
+        + " ".join((_PAIR[3].format(w="$2", a="a2"), _PAIR[3].format(w="$3", a="a3")))
+        + "\n    "
+        + _MMA.format(b0="p2", b1="p3", c="d0, d1, d2, d3")
+        + """
     setp.lt.u32 q, $11, 4; and.b32 sh, $11, 3; shl.b32 sh, sh, 3;"""
-    + _SCALE.format(e="$8", s="s0")
-    + _SCALE.format(e="$9", s="s1")
-    + """
+        + scale.format(e="$8", s="s0")
+        + scale.format(e="$9", s="s1")
+        + """
     mul.f32 d0, d0, s0; mul.f32 $0, d0, $10;
     mul.f32 d2, d2, s1; mul.f32 $1, d2, $10;
 }"""
-)
-GROUP_CONSTRAINTS = tl.constexpr("=f,=f,r,r,r,r,r,r,l,l,f,r")
+    )
+
+
+GROUP_ASM_OF_8 = tl.constexpr(_group_asm(True))
+GROUP_ASM_OF_1 = tl.constexpr(_group_asm(False))
+CONSTRAINTS_OF_8 = tl.constexpr("=f,=f,r,r,r,r,r,r,l,l,f,r")
+CONSTRAINTS_OF_1 = tl.constexpr("=f,=f,r,r,r,r,r,r,r,r,f,r")
 # 8 inputs x[4i + t] (i = 0..7, bf16 or f16) -> 4 f16 pairs (x[4i + t], x[4i + 16 + t]) x scale
 _PACK = """{{
     .reg .f32 f0, f1;
@@ -148,11 +161,14 @@ if gluon is not None:
         return w, g, q, t
 
     @gluon.jit
-    def _inputs(x_at):
-        """The 8 inputs x[4i + t] of the lane's own group (x_at: its group's input t)."""
+    def _inputs(x_at, ok):
+        """The 8 inputs x[4i + t] of the lane's own group (x_at: its group's input t; 0 past the
+        last group)."""
         return (
-            gl.load(x_at), gl.load(x_at + 4), gl.load(x_at + 8), gl.load(x_at + 12),
-            gl.load(x_at + 16), gl.load(x_at + 20), gl.load(x_at + 24), gl.load(x_at + 28),
+            gl.load(x_at, mask=ok, other=0.0), gl.load(x_at + 4, mask=ok, other=0.0),
+            gl.load(x_at + 8, mask=ok, other=0.0), gl.load(x_at + 12, mask=ok, other=0.0),
+            gl.load(x_at + 16, mask=ok, other=0.0), gl.load(x_at + 20, mask=ok, other=0.0),
+            gl.load(x_at + 24, mask=ok, other=0.0), gl.load(x_at + 28, mask=ok, other=0.0),
         )  # fmt: skip
 
     @gluon.jit
@@ -179,10 +195,45 @@ if gluon is not None:
         )  # fmt: skip
 
     @gluon.jit
-    def _tile_sums(ws_a, ws_b, es_a, es_b, xss, w, g, gi, t, CHUNKS: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr):
+    def _chunk_loads(
+        at, b_words, st, b_bytes, s8, a8, b8, lgg, x_at, x_group, G: gl.constexpr, CHUNKS: gl.constexpr, WITH_X: gl.constexpr
+    ):  # fmt: skip
+        """Every chunk's code words (rows a at ``at``, rows b ``b_words`` further) and scales: for
+        rows of whole chunks (G % 8 == 0) each row's 8 bytes of a chunk in one load (int64 pointer
+        s8, rows a and b a8 and b8 bytes further), else a byte per group (rows a at ``st``, b
+        ``b_bytes`` further), 0
+        past the last group as are the codes. lgg: the loads' groups of chunk 0. WITH_X: also
+        each chunk's inputs of the lane's own group (x_at, x_group: its input t and group in
+        chunk 0)."""
+        ws_a = ()
+        ws_b = ()
+        es_a = ()
+        es_b = ()
+        xss = ()
+        for c in gl.static_range(CHUNKS):
+            ok = lgg + c * GC < G
+            ws_a = ws_a + (gl.load(at + c * GC * 4, mask=ok, other=0),)
+            ws_b = ws_b + (gl.load(at + b_words + c * GC * 4, mask=ok, other=0),)
+            if G % GC == 0:
+                es_a = es_a + (gl.load(s8 + (a8 + c * GC) // 8),)
+                es_b = es_b + (gl.load(s8 + (b8 + c * GC) // 8),)
+            else:
+                es_a = es_a + (gl.load(st + c * GC, mask=ok, other=0).to(gl.int32),)
+                es_b = es_b + (gl.load(st + b_bytes + c * GC, mask=ok, other=0).to(gl.int32),)
+            if WITH_X:
+                xss = xss + (_inputs(x_at + c * GC * 32, x_group + c * GC < G),)
+        return ws_a, ws_b, es_a, es_b, xss
+
+    @gluon.jit
+    def _tile_sums(
+        ws_a, ws_b, es_a, es_b, xss, w, g, gi, t,
+        CHUNKS: gl.constexpr, ALIGNED: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr,
+    ):  # fmt: skip
         """Rows g and g + 8 of each warp's 16-row tile summed over its CHUNKS chunks of groups
         ([W, 8, 1, 4] each): ws_* the chunks' code words as loaded (converted here to lane (g, t)'s
-        words), es_* the rows' scale bytes, xss the lane's own group's inputs per chunk."""
+        words), es_* the rows' scales (ALIGNED: each row's 8 bytes of the chunk, one 8-byte load
+        per lane; else byte per group, as loaded, converted here too), xss the lane's own group's
+        inputs per chunk."""
         m = _magnitude(xss[0])
         for c in gl.static_range(1, CHUNKS):
             m = gl.maximum(m, _magnitude(xss[c]))
@@ -194,10 +245,18 @@ if gluon is not None:
             p = _pack(xss[c], xscale, F16)
             wa = gl.convert_layout(ws_a[c], LF)
             wb = gl.convert_layout(ws_b[c], LF)
-            ins = [wa, wb, p[0], p[1], p[2], p[3], es_a[c], es_b[c], fac, gi + 0 * (g + t + w)]
-            pa, pb = gl.inline_asm_elementwise(
-                GROUP_ASM, GROUP_CONSTRAINTS, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=1
-            )
+            if ALIGNED:
+                ins = [wa, wb, p[0], p[1], p[2], p[3], es_a[c], es_b[c], fac, gi + 0 * (g + t + w)]
+                pa, pb = gl.inline_asm_elementwise(
+                    GROUP_ASM_OF_8, CONSTRAINTS_OF_8, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=1
+                )
+            else:
+                ea = gl.convert_layout(es_a[c], LF)
+                eb = gl.convert_layout(es_b[c], LF)
+                ins = [wa, wb, p[0], p[1], p[2], p[3], ea, eb, fac, gi + 0 * (g + t + w)]
+                pa, pb = gl.inline_asm_elementwise(
+                    GROUP_ASM_OF_1, CONSTRAINTS_OF_1, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=1
+                )
             if c == 0:
                 acc_a = gl.sum(pa, axis=2, keep_dims=True)
                 acc_b = gl.sum(pb, axis=2, keep_dims=True)
@@ -218,12 +277,12 @@ if gluon is not None:
     def _mma_up_kernel(
         x_ptr, codes_ptr, scales_ptr, index_ptr, bias_ptr, out_ptr, I, alpha, limit,
         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_be, stride_om,
-        TOP_K: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-        F16: gl.constexpr, PDL: gl.constexpr,
+        TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
+        HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr,
     ):  # fmt: skip
         """Program (pair, 8 intermediate rows): tile rows g = gate rows, g + 8 = the same up rows;
-        WARPS warps split the groups."""
-        GW: gl.constexpr = G // WARPS  # groups per warp
+        WARPS warps split the G groups, CHW chunks of 8 each (the last may run past G: masked)."""
+        GW: gl.constexpr = CHW * GC  # groups per warp
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [WARPS, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
         pair = gl.program_id(0)
@@ -233,24 +292,18 @@ if gluon is not None:
             _gdc_launch_dependents()
         expert = gl.load(index_ptr + pair).to(gl.int64)
         lw, lg, lq, lj = _axes(WARPS, LL)  # loads: whole groups, 128 contiguous bytes per row
-        at = codes_ptr + expert * stride_ce + (mt * 8 + lg) * stride_cn + (lw * GW + lq) * 4 + lj
+        lgg = lw * GW + lq  # [W, 1, GC, 1]: the load's groups of chunk 0
+        at = codes_ptr + expert * stride_ce + (mt * 8 + lg) * stride_cn + lgg * 4 + lj
+        st = scales_ptr + expert * stride_se + (mt * 8 + lg) * stride_sn + lgg  # [W, 8, GC, 1]
         w, g, gi, t = _axes(WARPS, LF)
         g0 = w * GW
+        x_at = x_ptr + (pair // TOP_K) * stride_xm + (g0 + g) * 32 + t
         rows = scales_ptr + expert * stride_se + (mt * 8 + g) * stride_sn
         sw = rows.to(gl.pointer_type(gl.int64), bitcast=True)
-        x_at = x_ptr + (pair // TOP_K) * stride_xm + (g0 + g) * 32 + t
-        ws_g = ()
-        ws_u = ()
-        es_g = ()
-        es_u = ()
-        xss = ()
-        for c in gl.static_range(GW // GC):  # every load before the first decode
-            ws_g = ws_g + (gl.load(at + c * GC * 4),)
-            ws_u = ws_u + (gl.load(at + I * stride_cn + c * GC * 4),)
-            es_g = es_g + (gl.load(sw + (g0 + c * GC) // 8),)
-            es_u = es_u + (gl.load(sw + (I * stride_sn + g0 + c * GC) // 8),)
-            xss = xss + (_inputs(x_at + c * GC * 32),)
-        acc_g, acc_u = _tile_sums(ws_g, ws_u, es_g, es_u, xss, w, g, gi, t, GW // GC, F16, LF)
+        ws_g, ws_u, es_g, es_u, xss = _chunk_loads(
+            at, I * stride_cn, st, I * stride_sn, sw, g0, I * stride_sn + g0, lgg, x_at, g0 + g, G, CHW, True
+        )  # every load before the first decode: the up rows are I rows further
+        acc_g, acc_u = _tile_sums(ws_g, ws_u, es_g, es_u, xss, w, g, gi, t, CHW, G % GC == 0, F16, LF)
         gate = gl.sum(acc_g, axis=0)  # [8, 1, 4]: lanes (g, t) hold gate / up row 8 mt + g
         up = gl.sum(acc_u, axis=0)
         row = mt * 8 + gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0
@@ -272,30 +325,26 @@ if gluon is not None:
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [TOP_K, 1, 1, 1], [3, 2, 1, 0])
         token = gl.program_id(0)
         mt = gl.program_id(1)
+        CH: gl.constexpr = (G + GC - 1) // GC  # chunks (the last may run past G: masked)
         lk, lg, lq, lj = _axes(TOP_K, LL)
         l_expert = gl.load(index_ptr + token * TOP_K + lk).to(gl.int64)
         at = codes_ptr + l_expert * stride_ce + (mt * 16 + lg) * stride_cn + lq * 4 + lj
+        st = scales_ptr + l_expert * stride_se + (mt * 16 + lg) * stride_sn + lq  # [K, 8, GC, 1]
         k, g, gi, t = _axes(TOP_K, LF)
         pair = token * TOP_K + k
         expert = gl.load(index_ptr + pair).to(gl.int64)
         rows = scales_ptr + expert * stride_se + (mt * 16 + g) * stride_sn
         sw = rows.to(gl.pointer_type(gl.int64), bitcast=True)
-        ws_g = ()
-        ws_h = ()
-        es_g = ()
-        es_h = ()
-        for c in gl.static_range(G // GC):  # every code word in flight before the wait
-            ws_g = ws_g + (gl.load(at + c * GC * 4),)
-            ws_h = ws_h + (gl.load(at + 8 * stride_cn + c * GC * 4),)
-            es_g = es_g + (gl.load(sw + c),)
-            es_h = es_h + (gl.load(sw + c + stride_sn),)
+        ws_g, ws_h, es_g, es_h, _ = _chunk_loads(
+            at, 8 * stride_cn, st, 8 * stride_sn, sw, 0, 8 * stride_sn, lq, sw, 0, G, CH, False
+        )  # every code word in flight before the wait: rows g + 8 are 8 rows further
         if PDL:  # the activations are moe_up's output
             _gdc_wait()
         a_at = a_ptr + pair * stride_am + g * 32 + t
         xss = ()
-        for c in gl.static_range(G // GC):
-            xss = xss + (_inputs(a_at + c * GC * 32),)
-        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, G // GC, F16, LF)  # per pair
+        for c in gl.static_range(CH):
+            xss = xss + (_inputs(a_at + c * GC * 32, g + c * GC < G),)
+        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, CH, G % GC == 0, F16, LF)  # per pair
         row = mt * 16 + g + t * 0  # [1, 8, 1, 4]
         if HAS_BIAS:
             acc_g += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
@@ -310,8 +359,9 @@ if gluon is not None:
 
 
 def _up_warps(groups: int) -> int:
-    """moe_up's warps: 4 where the groups split into 4 x whole chunks (measured fastest), else 2, 1."""
-    return next(w for w in (4, 2, 1) if groups % (CHUNK * w) == 0)
+    """moe_up's warps: 4 where the chunks of 8 groups split evenly over 4 (measured fastest), else 2, 1."""
+    chunks = -(-groups // CHUNK)
+    return next(w for w in (4, 2, 1) if chunks % w == 0)
 
 
 def _serves(x: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
@@ -324,17 +374,15 @@ def _serves(x: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
 
 
 def up_applies(x: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
-    """Whether :func:`moe_up` serves this gate_up bank: inputs in whole chunks of 8 groups (hidden
-    a multiple of 256), gate and up rows in tiles of 8 (expert width a multiple of 8)."""
+    """Whether :func:`moe_up` serves this gate_up bank: gate and up rows in tiles of 8 (expert
+    width a multiple of 8)."""
     inter = bank.rows // 2
-    return (
-        _serves(x, index, bank) and bank.in_features % (32 * CHUNK) == 0 and bank.rows == 2 * inter and inter % 8 == 0
-    )
+    return _serves(x, index, bank) and bank.rows == 2 * inter and inter % 8 == 0
 
 
 def down_applies(a: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
-    """Whether :func:`moe_down` serves this down bank: expert width a multiple of 256, hidden of 16."""
-    return _serves(a, index, bank) and bank.in_features % (32 * CHUNK) == 0 and bank.rows % 16 == 0
+    """Whether :func:`moe_down` serves this down bank: output rows in tiles of 16 (hidden a multiple of 16)."""
+    return _serves(a, index, bank) and bank.rows % 16 == 0
 
 
 def _words(codes: torch.Tensor) -> torch.Tensor:
@@ -352,12 +400,13 @@ def moe_up(
     words, scales, x = _words(bank.codes), bank.scales.contiguous(), x.contiguous()
     out = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     bias_t = scales if bias is None else bias
-    warps = _up_warps(bank.in_features // 32)
+    groups = bank.in_features // 32
+    warps = _up_warps(groups)
     _mma_up_kernel[(tokens * top_k, inter // 8)](
         x, words, scales, index.reshape(-1), bias_t, out, inter, act.alpha, act.limit,
         x.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
         0 if bias is None else bias.stride(0), out.stride(0),
-        TOP_K=top_k, G=bank.in_features // 32, WARPS=warps, ACT=act.kind, HAS_BIAS=bias is not None,
+        TOP_K=top_k, G=groups, CHW=-(-groups // CHUNK) // warps, WARPS=warps, ACT=act.kind, HAS_BIAS=bias is not None,
         F16=x.dtype == torch.float16, PDL=True, num_warps=warps, launch_pdl=True,
     )  # fmt: skip
     return out
