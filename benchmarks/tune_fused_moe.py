@@ -3,7 +3,9 @@ moe_down) of one decode step of a Qwen3-30B-A3B-shaped layer (hidden 2048, exper
 128 experts, top-8), 16 steps with different routings in one CUDA graph, so launch gaps and the
 kernels' overlap (programmatic dependent launch) count as they do in decode. Prints every pair's
 time and share of the same run's copy bandwidth, and the best pair per format as the entry for
-``engine.formats.triton_moe.MEASURED``.
+``engine.formats.triton_moe.MEASURED``. MXFP4 steps of up to ``mma_moe.MAX_TOKENS`` tokens run on
+the tensor-core kernels on Hopper (:mod:`engine.formats.mma_moe`, no launch configuration): the
+sweep turns them off to time the Triton pairs, and prints the tensor-core pair beside them.
 
 Triton's autotuner cannot do this: it times each kernel alone, between eager launches, with the
 same weights every time (in L2 after the first), where at a few microseconds per kernel launch
@@ -77,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_fused_moe needs a CUDA GPU: the fused kernels are Triton kernels for CUDA")
-    from modelfleet.engine.formats import triton_moe
+    from modelfleet.engine.formats import mma_moe, triton_moe
 
     if not triton_moe.TUNED:
         raise SystemExit("unset MODELFLEET_TRITON_TUNE=0: it pins one configuration, so there is nothing to sweep")
@@ -101,18 +103,30 @@ def main() -> None:
             x = torch.randn(rows, fb.HIDDEN, device="cuda").to(torch.bfloat16)
             used = statistics.mean(i.unique().numel() * per_expert for i, _ in routings)
             results = []
-            for (u_rows, wide, u_warps), (d_rows, d_warps, chunk) in itertools.product(UP, DOWN):
-                up = {"ROWS": u_rows, "WIDE": wide, "num_warps": u_warps}
-                dn = {"ROWS": d_rows, "num_warps": d_warps} | ({"CHUNK": chunk} if chunk else {})
-                triton_moe.MEASURED[key] = [(rows, up, dn)]
-                steps = [partial(pair_step, triton_moe, x, i, w, gate_up, down, activation) for i, w in routings]
-                with torch.inference_mode():
-                    us = graph_us(steps, fb)
-                results.append((us, up, dn))
+            mma_tokens, mma_moe.MAX_TOKENS = mma_moe.MAX_TOKENS, 0  # the Triton kernels for every step
+            try:
+                for (u_rows, wide, u_warps), (d_rows, d_warps, chunk) in itertools.product(UP, DOWN):
+                    up = {"ROWS": u_rows, "WIDE": wide, "num_warps": u_warps}
+                    dn = {"ROWS": d_rows, "num_warps": d_warps} | ({"CHUNK": chunk} if chunk else {})
+                    triton_moe.MEASURED[key] = [(rows, up, dn)]
+                    steps = [partial(pair_step, triton_moe, x, i, w, gate_up, down, activation) for i, w in routings]
+                    with torch.inference_mode():
+                        us = graph_us(steps, fb)
+                    results.append((us, up, dn))
+            finally:
+                mma_moe.MAX_TOKENS = mma_tokens
             if kept is None:
                 triton_moe.MEASURED.pop(key)
             else:
                 triton_moe.MEASURED[key] = kept
+            steps = [partial(pair_step, triton_moe, x, i, w, gate_up, down, activation) for i, w in routings]
+            if mma_moe.up_applies(x, routings[0][0], gate_up) or mma_moe.down_applies(x, routings[0][0], down):
+                with torch.inference_mode():
+                    tensor_core_us = graph_us(steps, fb)
+                share = 100 * used / (tensor_core_us * 1e-6) / 1e9 / bandwidth
+                print(
+                    f"\n{fmt}, {rows} row(s): the tensor-core pair (mma_moe, what runs) {tensor_core_us:.1f} us, {share:.1f}%"
+                )
             results.sort(key=lambda r: r[0])
             print(f"\n{fmt}, {rows} row(s): {len(results)} pairs, fastest first")
             print(f"  {'us':>6} {'% copy':>7}  moe_up (ROWS, WIDE, warps)   moe_down (ROWS, warps, CHUNK)")
