@@ -210,6 +210,87 @@ def test_the_tensor_core_mxfp4_kernels_leave_other_steps_to_triton():
         assert_tokens_close(y, reference_moe(layer, x.float(), index, weight.float()))
 
 
+def run_ptx(text: str, regs: dict) -> dict:
+    """A model of the few PTX integer instructions the tensor-core kernels' decode uses (shl, shr,
+    and, lop3, mov of a b64 into two b32, setp.lt, selp, max; 32-bit unsigned), run over ``text``
+    with ``regs`` (names or $n -> int) as inputs; returns the registers."""
+    regs = dict(regs)
+
+    def value(operand: str) -> int:
+        operand = operand.strip()
+        return regs[operand] if operand in regs else int(operand, 0) & 0xFFFFFFFF
+
+    for statement in filter(None, (part.strip() for part in text.split(";"))):
+        op, _, rest = statement.partition(" ")
+        if op == "mov.b64":
+            pair, source = rest.split("}")
+            lo, hi = (name.strip() for name in pair.strip(" {").split(","))
+            regs[lo], regs[hi] = value(source.strip(" ,")) & 0xFFFFFFFF, value(source.strip(" ,")) >> 32
+            continue
+        dst, *args = (operand.strip() for operand in rest.split(","))
+        if op == "shl.b32":
+            regs[dst] = (value(args[0]) << value(args[1])) & 0xFFFFFFFF
+        elif op == "shr.u32":
+            regs[dst] = value(args[0]) >> value(args[1])
+        elif op == "and.b32":
+            regs[dst] = value(args[0]) & value(args[1])
+        elif op == "max.u32":
+            regs[dst] = max(value(args[0]), value(args[1]))
+        elif op == "setp.lt.u32":
+            regs[dst] = int(value(args[0]) < value(args[1]))
+        elif op == "selp.b32":
+            regs[dst] = value(args[0]) if regs[args[2]] else value(args[1])
+        elif op == "mov.b32":
+            regs[dst] = value(args[0])
+        elif op == "lop3.b32":
+            a, b, c, lut = (value(arg) for arg in args)
+            regs[dst] = _lop3(a, b, c, lut)
+        else:
+            raise AssertionError(f"no model of {op}")
+    return regs
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """LOP3.LUT: bit i of the result is bit (4 a_i + 2 b_i + c_i) of lut (a = 0xF0, b = 0xCC, c = 0xAA)."""
+    return sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i for i in range(32))
+
+
+def e2m1(code: int) -> float:
+    """The OCP MX spec's E2M1: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0."""
+    exponent, mantissa = (code >> 1) & 3, code & 1
+    magnitude = mantissa * 0.5 if exponent == 0 else 2.0 ** (exponent - 1) * (1 + mantissa / 2)
+    return -magnitude if code & 8 else magnitude
+
+
+def test_the_tensor_core_decode_makes_exact_f16_pairs_in_a_ptx_model():
+    """mma_moe's A registers: nibbles i and i + 4 of a code word become one f16 pair equal to
+    2^-14 x their E2M1 values, for every code in either half (the asm text the GPU runs, in a model
+    of its integer instructions)."""
+    mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
+    f16 = {c: int(np.array(e2m1(c) * 2.0**-14, dtype=np.float16).view(np.uint16)) for c in range(16)}
+    words = [sum(((k + j * 5 + (k >> 4) * 3) % 16) << (4 * j) for j in range(8)) for k in range(256)]
+    for i, text in enumerate(mma_moe._PAIR):
+        for w in words:
+            a = run_ptx(text.format(w="$2", a="a"), {"$2": w})["a"]
+            assert a & 0xFFFF == f16[(w >> 4 * i) & 15], (i, hex(w))
+            assert a >> 16 == f16[(w >> (4 * i + 16)) & 15], (i, hex(w))
+
+
+def test_the_tensor_core_scales_are_exact_powers_of_two_in_a_ptx_model():
+    """mma_moe's E8M0 scales: byte gi of a row's 8 bytes (or the byte alone) becomes float32
+    2^(e - 127), e = 0 included (2^-127, subnormal)."""
+    mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
+    setup = "setp.lt.u32 q, $11, 4; and.b32 sh, $11, 3; shl.b32 sh, sh, 3;"  # as _group_asm computes them
+    for e in range(255):
+        expected = int(np.array(2.0 ** (e - 127), dtype=np.float32).view(np.uint32))
+        assert run_ptx(mma_moe._SCALE_OF_1.format(e="$8", s="s"), {"$8": e})["s"] == expected, e
+        for gi in range(8):
+            row = sum(((e + 37 * j) % 255 if j != gi else e) << (8 * j) for j in range(8))
+            regs = run_ptx(setup + mma_moe._SCALE_OF_8.format(e="$8", s="s"), {"$8": row, "$11": gi})
+            assert regs["s"] == expected, (e, gi)
+    assert "setp.lt.u32 q, $11, 4; and.b32 sh, $11, 3; shl.b32 sh, sh, 3;" in mma_moe._group_asm(True)
+
+
 @cuda_matmul_cases(FUSED)
 def test_a_nibble_major_bank_runs_every_cuda_path(name, rows, dtype):
     """Once prepared for CUDA, a bank's gathered and per-expert matmuls read the nibble-major codes."""
