@@ -211,17 +211,26 @@ def test_the_tensor_core_mxfp4_kernels_leave_other_steps_to_triton():
 
 
 def run_ptx(text: str, regs: dict) -> dict:
-    """A model of the few PTX integer instructions the tensor-core kernels' decode uses (shl, shr,
-    and, lop3, mov of a b64 into two b32, setp.lt, selp, max; 32-bit unsigned), run over ``text``
-    with ``regs`` (names or $n -> int) as inputs; returns the registers."""
+    """A model of the few PTX instructions the tensor-core kernels' decode uses (integer: shl, shr,
+    and, lop3, mov of a b64 into two b32, setp.lt, selp, max, 32-bit unsigned; float: cvt.f32 of
+    bf16 / f16, mul.f32, cvt.rn.f16x2.f32, on bit patterns), run over ``text`` with ``regs``
+    (names or $n -> int) as inputs; returns the registers."""
     regs = dict(regs)
+
+    def f32(bits: int) -> np.ndarray:
+        return np.array(bits, dtype=np.uint32).view(np.float32)
+
+    def f16_bits(value: np.ndarray) -> int:
+        return int(np.array(value, dtype=np.float32).astype(np.float16).view(np.uint16))
 
     def value(operand: str) -> int:
         operand = operand.strip()
         return regs[operand] if operand in regs else int(operand, 0) & 0xFFFFFFFF
 
-    for statement in filter(None, (part.strip() for part in text.split(";"))):
+    for statement in filter(None, (part.strip(" \n{}") for part in text.split(";"))):
         op, _, rest = statement.partition(" ")
+        if op == ".reg":
+            continue
         if op == "mov.b64":
             pair, source = rest.split("}")
             lo, hi = (name.strip() for name in pair.strip(" {").split(","))
@@ -242,6 +251,17 @@ def run_ptx(text: str, regs: dict) -> dict:
             regs[dst] = value(args[0]) if regs[args[2]] else value(args[1])
         elif op == "mov.b32":
             regs[dst] = value(args[0])
+        elif op in ("cvt.f32.bf16", "cvt.f32.f16"):
+            bits = value(args[0])
+            regs[dst] = (
+                bits << 16
+                if op.endswith("bf16")
+                else int(np.array(bits, np.uint16).view(np.float16).astype(np.float32).view(np.uint32))
+            )
+        elif op == "mul.f32":
+            regs[dst] = int((f32(value(args[0])) * f32(value(args[1]))).view(np.uint32))
+        elif op == "cvt.rn.f16x2.f32":
+            regs[dst] = f16_bits(f32(value(args[0]))) << 16 | f16_bits(f32(value(args[1])))
         elif op == "lop3.b32":
             a, b, c, lut = (value(arg) for arg in args)
             regs[dst] = _lop3(a, b, c, lut)
@@ -274,6 +294,29 @@ def test_the_tensor_core_decode_makes_exact_f16_pairs_in_a_ptx_model():
             a = run_ptx(text.format(w="$2", a="a"), {"$2": w})["a"]
             assert a & 0xFFFF == f16[(w >> 4 * i) & 15], (i, hex(w))
             assert a >> 16 == f16[(w >> (4 * i + 16)) & 15], (i, hex(w))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_the_tensor_core_inputs_pair_as_the_codes_do_in_a_ptx_model(kind):
+    """mma_moe's B registers: a lane's 8 inputs x[4i + t] (i = 0..7), times the warp's 2^-k, become
+    the f16 pairs (x[4i + t], x[4i + 16 + t]) for i = 0..3, low half first, as the A registers
+    pair nibbles i and i + 4; rounded to nearest even."""
+    mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
+    text = (mma_moe.PACK_BF16 if kind == "bf16" else mma_moe.PACK_F16).value
+    generator = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    for k in (0, 3):
+        x = (torch.randn(8, generator=generator) * 4).to(dtype)
+        x[5] = 2.0**-20  # an f16 subnormal once converted
+        bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
+        scale = 2.0**-k
+        regs = {f"${4 + i}": int(bits[i]) for i in range(8)}
+        regs["$12"] = int(np.array(scale, dtype=np.float32).view(np.uint32))
+        out = run_ptx(text, regs)
+        for i in range(4):
+            lo = np.array(float(x[i]) * scale, dtype=np.float32).astype(np.float16)
+            hi = np.array(float(x[i + 4]) * scale, dtype=np.float32).astype(np.float16)
+            assert out[f"${i}"] == int(hi.view(np.uint16)) << 16 | int(lo.view(np.uint16)), (kind, k, i)
 
 
 def test_the_tensor_core_scales_are_exact_powers_of_two_in_a_ptx_model():
