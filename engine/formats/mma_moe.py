@@ -201,10 +201,9 @@ if gluon is not None:
         """Every chunk's code words (rows a at ``at``, rows b ``b_words`` further) and scales: for
         rows of whole chunks (G % 8 == 0) each row's 8 bytes of a chunk in one load (int64 pointer
         s8, rows a and b a8 and b8 bytes further), else a byte per group (rows a at ``st``, b
-        ``b_bytes`` further), 0
-        past the last group as are the codes. lgg: the loads' groups of chunk 0. WITH_X: also
-        each chunk's inputs of the lane's own group (x_at, x_group: its input t and group in
-        chunk 0)."""
+        ``b_bytes`` further), 0 past the last group as are the codes. lgg: the loads' groups of
+        chunk 0. WITH_X: also each chunk's inputs of the lane's own group (x_at, x_group: its input
+        t and group in chunk 0)."""
         ws_a = ()
         ws_b = ()
         es_a = ()
