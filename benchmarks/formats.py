@@ -214,8 +214,7 @@ def expert_kernels(
             from modelfleet.engine.formats import triton_moe
 
             gate_up, down, act = fused
-            h = triton_moe.moe_up(x, index, gate_up, None, triton_moe.Activation(*act))
-            return triton_moe.moe_down(h, index, weight, down, None)
+            return triton_moe.moe_pair(x, index, weight, gate_up, down, None, None, triton_moe.Activation(*act))
         return layer.gate_up.gathered_matmul(x, flat, TOP_K), layer.down.gathered_matmul(a, flat, 1)
     return expert_gemv(x, layer.gate_up, flat, TOP_K), expert_gemv(a, layer.down, flat, 1)
 

@@ -54,9 +54,8 @@ DOWN = [(2, 4, 0), (4, 2, 0), (4, 4, 0), (4, 8, 0), (8, 4, 0), (8, 8, 0), (4, 2,
 
 
 def pair_step(triton_moe, x, index, weight, gate_up, down, activation):  # type: ignore[no-untyped-def]
-    """One decode step of the layer's experts: the two fused kernels."""
-    a = triton_moe.moe_up(x, index, gate_up, None, activation)
-    return triton_moe.moe_down(a, index, weight, down, None)
+    """One decode step of the layer's experts: the two fused kernels, as the engine runs them."""
+    return triton_moe.moe_pair(x, index, weight, gate_up, down, None, None, activation)
 
 
 def graph_us(steps: list, fb) -> float:  # type: ignore[no-untyped-def]

@@ -130,8 +130,8 @@ class QuantizedExperts(nn.Module):
             from .formats import triton_moe
 
             gate_up, down, act = fused
-            a = triton_moe.moe_up(x, index, gate_up, self.gate_up_bias, triton_moe.Activation(*act))
-            return triton_moe.moe_down(a, index, weight, down, self.down_bias)
+            activation = triton_moe.Activation(*act)
+            return triton_moe.moe_pair(x, index, weight, gate_up, down, self.gate_up_bias, self.down_bias, activation)
         flat = index.reshape(-1)
         h = self.gate_up.gathered_matmul(x, flat, index.shape[1])  # [T*k, 2I]
         if self.gate_up_bias is not None:

@@ -9,6 +9,7 @@ scale gives errors of order 1).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -193,6 +194,39 @@ def test_the_tensor_core_mxfp4_kernels_match_the_exact_decode(
 
 @cuda_only
 @pytest.mark.gpu
+@pytest.mark.parametrize(("tokens", "top_k"), [(2, 8), (8, 4)])
+@pytest.mark.parametrize(
+    ("act", "biased", "dtype"), [("silu", False, torch.bfloat16), ("gpt_oss", True, torch.float16)]
+)
+def test_the_tensor_core_pair_passes_its_activations_t_major(tokens, top_k, act, biased, dtype):
+    """moe_pair on tensor cores: moe_up stores the activations t-major (exactly ``t_major`` of the
+    plain order), moe_down reads them so to the same result bit for bit, and the step matches the
+    float64 exact decode, up to MAX_TOKENS tokens (GPT-OSS's 90 groups: masked chunks)."""
+    from modelfleet.engine.formats import mma_moe, triton_moe
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the tensor-core MXFP4 kernels run on compute capability 9 (Hopper)")
+    layer = mxfp4_layer(8, 2880, 352, ACTIVATIONS[act], biased)
+    generator = torch.Generator().manual_seed(tokens * top_k)
+    index = torch.stack([torch.randperm(8, generator=generator)[:top_k] for _ in range(tokens)])
+    weight = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=-1).to(dtype)
+    x = torch.randn(tokens, 2880, generator=generator).to(dtype).cuda()
+    gate_up, down, kind = layer.fused_kernels(x)
+    assert tokens <= mma_moe.MAX_TOKENS and mma_moe.up_applies(x, index.cuda(), gate_up)
+    act_ = triton_moe.Activation(*kind)
+    bias_up, bias_down = layer.gate_up_bias, layer.down_bias
+    plain = mma_moe.moe_up(x, index.cuda(), gate_up, bias_up, act_)
+    stored = mma_moe.moe_up(x, index.cuda(), gate_up, bias_up, act_, t_major=True)
+    assert torch.equal(stored, mma_moe.t_major(plain))
+    y = mma_moe.moe_down(stored, index.cuda(), weight.cuda(), down, bias_down, t_major=True)
+    assert torch.equal(y, mma_moe.moe_down(plain, index.cuda(), weight.cuda(), down, bias_down))
+    pair = triton_moe.moe_pair(x, index.cuda(), weight.cuda(), gate_up, down, bias_up, bias_down, act_)
+    assert torch.equal(pair, y) and torch.equal(layer(x, index.cuda(), weight.cuda()), y)
+    assert_tokens_close(y, reference_moe(layer, x.float().cpu(), index, weight.float()))
+
+
+@cuda_only
+@pytest.mark.gpu
 def test_the_tensor_core_mxfp4_kernels_leave_other_steps_to_triton():
     """A top_k that is not a power of two, or more tokens than MAX_TOKENS, run on the Triton
     kernels, with the same results."""
@@ -212,9 +246,10 @@ def test_the_tensor_core_mxfp4_kernels_leave_other_steps_to_triton():
 
 def run_ptx(text: str, regs: dict) -> dict:
     """A model of the few PTX instructions the tensor-core kernels' decode uses (integer: shl, shr,
-    and, lop3, mov of a b64 into two b32, setp.lt, selp, max, 32-bit unsigned; float: cvt.f32 of
-    bf16 / f16, mul.f32, cvt.rn.f16x2.f32, on bit patterns), run over ``text`` with ``regs``
-    (names or $n -> int) as inputs; returns the registers."""
+    and, lop3, mov of a b64 into two b32 or of a b32 into two b16, setp.lt, selp, max of u32, u16
+    and u16x2, cvt.u32.u16; float: cvt.f32 of bf16 / f16, mul.f32, cvt.rn.f16x2.f32, on bit
+    patterns), run over ``text`` with ``regs`` (names or $n -> int) as inputs; returns the
+    registers."""
     regs = dict(regs)
 
     def f32(bits: int) -> np.ndarray:
@@ -231,10 +266,11 @@ def run_ptx(text: str, regs: dict) -> dict:
         op, _, rest = statement.partition(" ")
         if op == ".reg":
             continue
-        if op == "mov.b64":
+        if op in ("mov.b64", "mov.b32") and rest.lstrip().startswith("{"):  # unpack into two halves
             pair, source = rest.split("}")
             lo, hi = (name.strip() for name in pair.strip(" {").split(","))
-            regs[lo], regs[hi] = value(source.strip(" ,")) & 0xFFFFFFFF, value(source.strip(" ,")) >> 32
+            bits, half = value(source.strip(" ,")), 32 if op == "mov.b64" else 16
+            regs[lo], regs[hi] = bits & ((1 << half) - 1), bits >> half
             continue
         dst, *args = (operand.strip() for operand in rest.split(","))
         if op == "shl.b32":
@@ -243,8 +279,13 @@ def run_ptx(text: str, regs: dict) -> dict:
             regs[dst] = value(args[0]) >> value(args[1])
         elif op == "and.b32":
             regs[dst] = value(args[0]) & value(args[1])
-        elif op == "max.u32":
+        elif op in ("max.u32", "max.u16"):
             regs[dst] = max(value(args[0]), value(args[1]))
+        elif op == "max.u16x2":
+            a, b = value(args[0]), value(args[1])
+            regs[dst] = max(a & 0xFFFF, b & 0xFFFF) | max(a >> 16, b >> 16) << 16
+        elif op == "cvt.u32.u16":
+            regs[dst] = value(args[0]) & 0xFFFF
         elif op == "setp.lt.u32":
             regs[dst] = int(value(args[0]) < value(args[1]))
         elif op == "selp.b32":
@@ -317,6 +358,32 @@ def test_the_tensor_core_inputs_pair_as_the_codes_do_in_a_ptx_model(kind):
             lo = np.array(float(x[i]) * scale, dtype=np.float32).astype(np.float16)
             hi = np.array(float(x[i + 4]) * scale, dtype=np.float32).astype(np.float16)
             assert out[f"${i}"] == int(hi.view(np.uint16)) << 16 | int(lo.view(np.uint16)), (kind, k, i)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_the_tensor_core_inputs_pair_the_same_from_t_major_activations_in_a_ptx_model(kind):
+    """moe_down's B registers from activations stored t-major (``mma_moe.t_major``): a lane's two
+    8-byte loads (four words of x'[8t .. 8t + 7]) pack into the same f16 pairs as its 8 inputs
+    x[4i + t] do, and give the same largest |x| (the warp's input scale)."""
+    mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
+    pack, pack_words = (
+        (mma_moe.PACK_BF16, mma_moe.PACK_W_BF16) if kind == "bf16" else (mma_moe.PACK_F16, mma_moe.PACK_W_F16)
+    )
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    generator = torch.Generator().manual_seed(5)
+    a = (torch.randn(2, 64, generator=generator) * 3).to(dtype)  # two pairs' activations, two groups
+    bits = a.view(torch.int16).to(torch.int32) & 0xFFFF
+    stored = mma_moe.t_major(a).view(torch.int16).to(torch.int32) & 0xFFFF
+    scale = int(np.array(0.5, dtype=np.float32).view(np.uint32))
+    for pair, group, t in itertools.product(range(2), range(2), range(4)):
+        x = [int(bits[pair, 32 * group + 4 * i + t]) for i in range(8)]  # the lane's 8 inputs
+        lane = stored[pair, 32 * group + 8 * t : 32 * group + 8 * t + 8].tolist()  # its 16 contiguous bytes
+        words = {f"${4 + j}": lane[2 * j] | lane[2 * j + 1] << 16 for j in range(4)}
+        expected = run_ptx(pack.value, {**{f"${4 + i}": x[i] for i in range(8)}, "$12": scale})
+        got = run_ptx(pack_words.value, {**words, "$8": scale})
+        assert [got[f"${i}"] for i in range(4)] == [expected[f"${i}"] for i in range(4)], (kind, pair, group, t)
+        magnitude = run_ptx(mma_moe.MAGNITUDE_W.value, {f"${1 + j}": words[f"${4 + j}"] for j in range(4)})["$0"]
+        assert magnitude == max(v & 0x7FFF for v in x), (kind, pair, group, t)
 
 
 def test_the_tensor_core_scales_are_exact_powers_of_two_in_a_ptx_model():

@@ -28,11 +28,16 @@ Inputs in f16: x is scaled by 2^-k per warp, k > 0 only when the warp's largest 
 2^15 (so nothing overflows f16; the scale is undone exactly in the fold). Inputs below 2^-14
 (x 2^k) lose bits as f16 subnormals: absolute error below 2^-25 x 2^k per input.
 
+Between the two kernels (:func:`.triton_moe.moe_pair`) the activations travel t-major
+(:func:`t_major`: within each group of 32, input 4i + t at 8t + i), so a moe_down lane reads its
+8 inputs of a group in two 8-byte loads rather than eight 2-byte ones on the few lines every CTA
+reads.
+
 Measured (H200, Qwen3-30B-A3B-shaped layer in MXFP4, the pair in a CUDA graph, against the
-Triton kernels in the same run): one token 12.4 us against 14.1 us (38% of copy bandwidth
-against 34%), two tokens 22.7 against 23.8 us; at four and eight the Triton pair is faster
-(40.0 against 42.0 us, 71.9 against 78.1), hence ``MAX_TOKENS``. A GPT-OSS-20B-shaped layer
-(hidden 2880 = 90 groups, top-4, clamped SwiGLU, biases): 42.4 us against 50.0 us at one token.
+Triton kernels in the same run): one token 11.9 us against 14.0 us (40% of copy bandwidth
+against 34%), two 19.5-20.0 against 24.0 us, four 35.8-36.2 against 40.2, eight 65.5 against
+71.7, hence ``MAX_TOKENS``. A GPT-OSS-20B-shaped layer (hidden 2880 = 90 groups, top-4, clamped
+SwiGLU, biases): 40.4 us against 50.2 us at one token, 73.7 against 115.0 at two.
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need), top_k a power of two up to 8, and token
@@ -60,7 +65,7 @@ try:  # Gluon ships with triton >= 3.5
 except ImportError:  # pragma: no cover - older triton: the Triton kernels serve every case
     gluon = None
 
-MAX_TOKENS = 2  # measured: faster than the Triton pair at one and two tokens, slower from four
+MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton pair at 1, 2, 4 and 8 tokens
 CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
 
@@ -133,6 +138,26 @@ _PACK = """{{
 }}"""
 PACK_BF16 = tl.constexpr(_PACK.format(t="bf16"))
 PACK_F16 = tl.constexpr(_PACK.format(t="f16"))
+# the same from activations stored t-major (``t_major``: x'[8t + i] = x[4i + t] in each group of
+# 32), as the lane's 4 words w_j = (x'[8t + 2j], x'[8t + 2j + 1]) = (x[8j + t], x[8j + 4 + t]):
+# pair i = (x[4i + t], x[4i + 16 + t]) is half i % 2 of w_(i / 2) and of w_(i / 2 + 2)
+_PACK_W = """{{
+    .reg .f32 f0, f1; .reg .b16 a0, a1, a2, a3, b0, b1, b2, b3;
+    mov.b32 {{a0, a1}}, $4; mov.b32 {{a2, a3}}, $5; mov.b32 {{b0, b1}}, $6; mov.b32 {{b2, b3}}, $7;
+    cvt.f32.{t} f0, a0; cvt.f32.{t} f1, b0; mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; cvt.rn.f16x2.f32 $0, f1, f0;
+    cvt.f32.{t} f0, a1; cvt.f32.{t} f1, b1; mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; cvt.rn.f16x2.f32 $1, f1, f0;
+    cvt.f32.{t} f0, a2; cvt.f32.{t} f1, b2; mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; cvt.rn.f16x2.f32 $2, f1, f0;
+    cvt.f32.{t} f0, a3; cvt.f32.{t} f1, b3; mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; cvt.rn.f16x2.f32 $3, f1, f0;
+}}"""
+PACK_W_BF16 = tl.constexpr(_PACK_W.format(t="bf16"))
+PACK_W_F16 = tl.constexpr(_PACK_W.format(t="f16"))
+# the largest |x| of a lane's 4 words (8 bf16 / f16 inputs) as bits, as ``_magnitude`` computes it
+MAGNITUDE_W = tl.constexpr("""{
+    .reg .b32 m, n; .reg .b16 lo, hi;
+    and.b32 m, $1, 0x7fff7fff; and.b32 n, $2, 0x7fff7fff; max.u16x2 m, m, n;
+    and.b32 n, $3, 0x7fff7fff; max.u16x2 m, m, n; and.b32 n, $4, 0x7fff7fff; max.u16x2 m, m, n;
+    mov.b32 {lo, hi}, m; max.u16 lo, lo, hi; cvt.u32.u16 $0, lo;
+}""")
 
 
 if gluon is not None:
@@ -172,6 +197,14 @@ if gluon is not None:
         )  # fmt: skip
 
     @gluon.jit
+    def _input_words(at, ok):
+        """The lane's 4 words of t-major inputs (at: an int64 pointer to x'[8t] of its group; 0 past
+        the last group): two 8-byte loads instead of eight 2-byte ones."""
+        v0 = gl.load(at, mask=ok, other=0)
+        v1 = gl.load(at + 1, mask=ok, other=0)
+        return (v0.to(gl.int32), (v0 >> 32).to(gl.int32), v1.to(gl.int32), (v1 >> 32).to(gl.int32))
+
+    @gluon.jit
     def _magnitude(xs):
         """The largest |x| of the 8 inputs as its bits (ordered as integers), exponent at bit 7
         (bf16) or 10 (f16)."""
@@ -185,6 +218,19 @@ if gluon is not None:
         """2^-k and 2^(14 + k) (float32), k the smallest shift that keeps |x| 2^-k below 2^15."""
         k = m * 0 if F16 else gl.maximum((m >> 7) - 141, 0)  # f16 inputs are finite f16 already
         return ((127 - k) << 23).to(gl.float32, bitcast=True), ((141 + k) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _magnitude_of_words(ws):
+        return gl.inline_asm_elementwise(
+            MAGNITUDE_W, "=r,r,r,r,r", [ws[0], ws[1], ws[2], ws[3]], dtype=gl.int32, is_pure=True, pack=1
+        )
+
+    @gluon.jit
+    def _pack_words(ws, scale, F16: gl.constexpr):
+        return gl.inline_asm_elementwise(
+            PACK_W_F16 if F16 else PACK_W_BF16, "=r,=r,=r,=r,r,r,r,r,f", [ws[0], ws[1], ws[2], ws[3], scale],
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
 
     @gluon.jit
     def _pack(xs, scale, F16: gl.constexpr):
@@ -226,22 +272,27 @@ if gluon is not None:
     @gluon.jit
     def _tile_sums(
         ws_a, ws_b, es_a, es_b, xss, w, g, gi, t,
-        CHUNKS: gl.constexpr, ALIGNED: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr,
+        CHUNKS: gl.constexpr, ALIGNED: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr, WORDS: gl.constexpr = False,
     ):  # fmt: skip
         """Rows g and g + 8 of each warp's 16-row tile summed over its CHUNKS chunks of groups
         ([W, 8, 1, 4] each): ws_* the chunks' code words as loaded (converted here to lane (g, t)'s
         words), es_* the rows' scales (ALIGNED: each row's 8 bytes of the chunk, one 8-byte load
         per lane; else byte per group, as loaded, converted here too), xss the lane's own group's
-        inputs per chunk."""
-        m = _magnitude(xss[0])
-        for c in gl.static_range(1, CHUNKS):
-            m = gl.maximum(m, _magnitude(xss[c]))
+        inputs per chunk (WORDS: as :func:`_input_words` loads them)."""
+        if WORDS:
+            m = _magnitude_of_words(xss[0])
+            for c in gl.static_range(1, CHUNKS):
+                m = gl.maximum(m, _magnitude_of_words(xss[c]))
+        else:
+            m = _magnitude(xss[0])
+            for c in gl.static_range(1, CHUNKS):
+                m = gl.maximum(m, _magnitude(xss[c]))
         m = gl.max(gl.max(m, axis=3, keep_dims=True), axis=1, keep_dims=True)  # per warp
         xscale, fac = _input_scale(m, F16)
         xscale = xscale + 0.0 * (g + t)
         fac = fac + 0.0 * (g + gi + t)
         for c in gl.static_range(CHUNKS):
-            p = _pack(xss[c], xscale, F16)
+            p = _pack_words(xss[c], xscale, F16) if WORDS else _pack(xss[c], xscale, F16)
             wa = gl.convert_layout(ws_a[c], LF)
             wb = gl.convert_layout(ws_b[c], LF)
             if ALIGNED:
@@ -277,10 +328,11 @@ if gluon is not None:
         x_ptr, codes_ptr, scales_ptr, index_ptr, bias_ptr, out_ptr, I, alpha, limit,
         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_be, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
-        HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr,
+        HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, T_MAJOR: gl.constexpr,
     ):  # fmt: skip
         """Program (pair, 8 intermediate rows): tile rows g = gate rows, g + 8 = the same up rows;
-        WARPS warps split the G groups, CHW chunks of 8 each (the last may run past G: masked)."""
+        WARPS warps split the G groups, CHW chunks of 8 each (the last may run past G: masked).
+        T_MAJOR: activations stored t-major (see :func:`t_major`)."""
         GW: gl.constexpr = CHW * GC  # groups per warp
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [WARPS, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
@@ -311,6 +363,9 @@ if gluon is not None:
             gate += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
             up += gl.load(bias_ptr + expert * stride_be + I + row).to(gl.float32)
         a = _act(gate, up, alpha, limit, ACT)
+        if T_MAJOR:  # row n = 32 q + 4 i + t of a group goes to 32 q + 8 t + i (8 mt: a multiple of 8)
+            lg = gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0
+            row = (mt // 4) * 32 + (lg % 4) * 8 + (mt % 4) * 2 + lg // 4
         gl.store(out_ptr + pair * stride_om + row, a.to(out_ptr.dtype.element_ty), mask=lead)
 
     @gluon.jit
@@ -318,8 +373,10 @@ if gluon is not None:
         a_ptr, codes_ptr, scales_ptr, index_ptr, weight_ptr, bias_ptr, out_ptr,
         stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_be, stride_wt, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr,
+        T_MAJOR: gl.constexpr,
     ):  # fmt: skip
-        """Program (token, 16 output rows); warp k = the token's pair k, summed across warps."""
+        """Program (token, 16 output rows); warp k = the token's pair k, summed across warps.
+        T_MAJOR: the activations come t-major (two 8-byte loads per lane and chunk)."""
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [TOP_K, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [TOP_K, 1, 1, 1], [3, 2, 1, 0])
         token = gl.program_id(0)
@@ -339,11 +396,16 @@ if gluon is not None:
         )  # every code word in flight before the wait: rows g + 8 are 8 rows further
         if PDL:  # the activations are moe_up's output
             _gdc_wait()
-        a_at = a_ptr + pair * stride_am + g * 32 + t
         xss = ()
-        for c in gl.static_range(CH):
-            xss = xss + (_inputs(a_at + c * GC * 32, g + c * GC < G),)
-        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, CH, G % GC == 0, F16, LF)  # per pair
+        if T_MAJOR:
+            a_at = (a_ptr + pair * stride_am + g * 32 + 8 * t).to(gl.pointer_type(gl.int64), bitcast=True)
+            for c in gl.static_range(CH):
+                xss = xss + (_input_words(a_at + c * GC * 8, g + c * GC < G),)
+        else:
+            a_at = a_ptr + pair * stride_am + g * 32 + t
+            for c in gl.static_range(CH):
+                xss = xss + (_inputs(a_at + c * GC * 32, g + c * GC < G),)
+        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, CH, G % GC == 0, F16, LF, T_MAJOR)
         row = mt * 16 + g + t * 0  # [1, 8, 1, 4]
         if HAS_BIAS:
             acc_g += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
@@ -390,10 +452,26 @@ def _words(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(torch.int32)
 
 
+def t_major(a: torch.Tensor) -> torch.Tensor:
+    """Activations [P, I] in the order ``moe_up(t_major=True)`` stores them: within each group of
+    32, input 4i + t (nibble i of code word t, nibble-major) at 8t + i, so a lane's 8 inputs of a
+    group are 16 contiguous bytes (two 8-byte loads for moe_down instead of eight 2-byte ones on
+    the few lines of the activations)."""
+    pairs, inter = a.shape
+    return a.reshape(pairs, inter // 32, 8, 4).transpose(-1, -2).reshape(pairs, inter)
+
+
 def moe_up(
-    x: torch.Tensor, index: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None, act: Activation
+    x: torch.Tensor,
+    index: torch.Tensor,
+    bank: PackedBank,
+    bias: torch.Tensor | None,
+    act: Activation,
+    t_major: bool = False,
 ) -> torch.Tensor:
-    """As :func:`.triton_moe.moe_up` (x [T, H], index [T, k] -> activations [T*k, I]); see ``up_applies``."""
+    """As :func:`.triton_moe.moe_up` (x [T, H], index [T, k] -> activations [T*k, I]); see
+    ``up_applies``. t_major: the activations stored as :func:`t_major` orders them, for
+    ``moe_down(t_major=True)``."""
     tokens, top_k = index.shape
     inter = bank.rows // 2
     words, scales, x = _words(bank.codes), bank.scales.contiguous(), x.contiguous()
@@ -406,15 +484,21 @@ def moe_up(
         x.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
         0 if bias is None else bias.stride(0), out.stride(0),
         TOP_K=top_k, G=groups, CHW=-(-groups // CHUNK) // warps, WARPS=warps, ACT=act.kind, HAS_BIAS=bias is not None,
-        F16=x.dtype == torch.float16, PDL=True, num_warps=warps, launch_pdl=True,
+        F16=x.dtype == torch.float16, PDL=True, T_MAJOR=t_major, num_warps=warps, launch_pdl=True,
     )  # fmt: skip
     return out
 
 
 def moe_down(
-    a: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None
+    a: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    bank: PackedBank,
+    bias: torch.Tensor | None,
+    t_major: bool = False,
 ) -> torch.Tensor:
-    """As :func:`.triton_moe.moe_down` (a [T*k, I] -> [T, H]); see ``down_applies``."""
+    """As :func:`.triton_moe.moe_down` (a [T*k, I] -> [T, H]); see ``down_applies``. t_major: a
+    as ``moe_up(t_major=True)`` stores it."""
     tokens, top_k = index.shape
     words, scales = _words(bank.codes), bank.scales.contiguous()
     a, weight = a.contiguous(), weight.contiguous()
@@ -425,6 +509,6 @@ def moe_down(
         a.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
         0 if bias is None else bias.stride(0), weight.stride(0), out.stride(0),
         TOP_K=top_k, G=bank.in_features // 32, HAS_BIAS=bias is not None, F16=a.dtype == torch.float16,
-        PDL=True, num_warps=top_k, launch_pdl=True,
+        PDL=True, T_MAJOR=t_major, num_warps=top_k, launch_pdl=True,
     )  # fmt: skip
     return out

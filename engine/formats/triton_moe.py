@@ -47,8 +47,8 @@ Guarantees: results within the bf16 tolerance of exact decode followed by a floa
 tested on a GPU, and in triton's interpreter (CI runs those tests on the CPU). Measured (H200, Qwen3-30B-
 A3B layer, both kernels in a CUDA graph, the ``MEASURED`` configurations): one row, 41% of copy
 bandwidth for int4, 34% for MXFP4; eight rows, 51% for int4 and 43% for MXFP4 (moe_down in
-chunks of 8 groups). MXFP4 steps of one or two tokens on Hopper run on tensor cores instead
-(:mod:`.mma_moe`: 39% at one row).
+chunks of 8 groups). MXFP4 steps of up to eight tokens on Hopper run on tensor cores instead
+(:mod:`.mma_moe`: 40% at one row, 47% at eight), :func:`moe_pair` passing the activations t-major.
 """
 
 from __future__ import annotations
@@ -473,7 +473,7 @@ def moe_up(
     x: torch.Tensor, index: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None, act: Activation
 ) -> torch.Tensor:
     """x [T, H] (bf16 or fp16), index [T, k] -> the pairs' activations [T*k, I] in x's dtype.
-    MXFP4 steps of one token on Hopper run on tensor cores (:mod:`.mma_moe`)."""
+    MXFP4 steps of up to ``mma_moe.MAX_TOKENS`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
     call = _Call.of(bank, "gate_up", index, bias)
     if not INTERPRETED and mma_moe.up_applies(x, index, bank):
         return mma_moe.moe_up(x, index, bank, bias, act)
@@ -494,11 +494,32 @@ def moe_up(
     return out
 
 
+def moe_pair(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    gate_up: PackedBank,
+    down: PackedBank,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    act: Activation,
+) -> torch.Tensor:
+    """A decode step's two kernels, :func:`moe_up` then :func:`moe_down` (x [T, H] -> [T, H]). When
+    both run on tensor cores (:mod:`.mma_moe`) the activations pass between them t-major
+    (``mma_moe.t_major``), so moe_down reads each lane's inputs in two 8-byte loads."""
+    if not INTERPRETED and mma_moe.up_applies(x, index, gate_up) and mma_moe.down_applies(x, index, down):
+        _check_bank(gate_up, "gate_up")
+        _check_bank(down, "down")
+        a = mma_moe.moe_up(x, index, gate_up, gate_up_bias, act, t_major=True)
+        return mma_moe.moe_down(a, index, weight, down, down_bias, t_major=True)
+    return moe_down(moe_up(x, index, gate_up, gate_up_bias, act), index, weight, down, down_bias)
+
+
 def moe_down(
     a: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """a [T*k, I], index and weight [T, k] -> sum_k weight * (a @ W_down[index].T + bias): [T, H].
-    MXFP4 steps of one token on Hopper run on tensor cores (:mod:`.mma_moe`)."""
+    MXFP4 steps of up to ``mma_moe.MAX_TOKENS`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
     call = _Call.of(bank, "down", index, bias)
     if not INTERPRETED and mma_moe.down_applies(a, index, bank):
         return mma_moe.moe_down(a, index, weight, bank, bias)
