@@ -246,10 +246,10 @@ def test_the_tensor_core_mxfp4_kernels_leave_other_steps_to_triton():
 
 def run_ptx(text: str, regs: dict) -> dict:
     """A model of the few PTX instructions the tensor-core kernels' decode uses (integer: shl, shr,
-    and, lop3, mov of a b64 into two b32 or of a b32 into two b16, setp.lt, selp, max of u32, u16
-    and u16x2, cvt.u32.u16; float: cvt.f32 of bf16 / f16, mul.f32, cvt.rn.f16x2.f32, on bit
-    patterns), run over ``text`` with ``regs`` (names or $n -> int) as inputs; returns the
-    registers."""
+    and, lop3, prmt, mov of a b64 into two b32 or of a b32 into two b16, setp.lt / gt / eq, selp,
+    max of u32, u16 and u16x2, cvt.u32.u16; float: cvt.f32 of bf16 / f16, mul.f32,
+    cvt.rn.f16x2.f32, on bit patterns), run over ``text`` with ``regs`` (names, $n or %laneid ->
+    int) as inputs; returns the registers."""
     regs = dict(regs)
 
     def f32(bits: int) -> np.ndarray:
@@ -288,9 +288,17 @@ def run_ptx(text: str, regs: dict) -> dict:
             regs[dst] = value(args[0]) & 0xFFFF
         elif op == "setp.lt.u32":
             regs[dst] = int(value(args[0]) < value(args[1]))
+        elif op == "setp.gt.u32":
+            regs[dst] = int(value(args[0]) > value(args[1]))
+        elif op == "setp.eq.u32":
+            regs[dst] = int(value(args[0]) == value(args[1]))
+        elif op == "prmt.b32":  # default mode: byte k of the result is byte sel_k (0..7) of {b, a}
+            source, selector = value(args[0]) | value(args[1]) << 32, value(args[2])
+            regs[dst] = sum((source >> 8 * (selector >> 4 * k & 7) & 0xFF) << 8 * k for k in range(4))
+            assert not selector & 0x8888, "sign-replicate selectors are not modelled"
         elif op == "selp.b32":
             regs[dst] = value(args[0]) if regs[args[2]] else value(args[1])
-        elif op == "mov.b32":
+        elif op in ("mov.b32", "mov.u32"):
             regs[dst] = value(args[0])
         elif op in ("cvt.f32.bf16", "cvt.f32.f16"):
             bits = value(args[0])
@@ -330,9 +338,10 @@ def test_the_tensor_core_decode_makes_exact_f16_pairs_in_a_ptx_model():
     mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
     f16 = {c: int(np.array(e2m1(c) * 2.0**-14, dtype=np.float16).view(np.uint16)) for c in range(16)}
     words = [sum(((k + j * 5 + (k >> 4) * 3) % 16) << (4 * j) for j in range(8)) for k in range(256)]
-    for i, text in enumerate(mma_moe._PAIR):
-        for w in words:
-            a = run_ptx(text.format(w="$2", a="a"), {"$2": w})["a"]
+    for w in words:
+        regs = run_ptx(mma_moe._EO.format(w="$2", e="e", o="o"), {"$2": w})
+        for i in range(4):
+            a = run_ptx(mma_moe._pair(i, "e", "o", "a"), regs)["a"]
             assert a & 0xFFFF == f16[(w >> 4 * i) & 15], (i, hex(w))
             assert a >> 16 == f16[(w >> (4 * i + 16)) & 15], (i, hex(w))
 
@@ -387,18 +396,20 @@ def test_the_tensor_core_inputs_pair_the_same_from_t_major_activations_in_a_ptx_
 
 
 def test_the_tensor_core_scales_are_exact_powers_of_two_in_a_ptx_model():
-    """mma_moe's E8M0 scales: byte gi of a row's 8 bytes (or the byte alone) becomes float32
-    2^(e - 127), e = 0 included (2^-127, subnormal)."""
+    """mma_moe's E8M0 scales: lane t takes bytes 2t and 2t + 1 of a row's 8 (the groups whose sums
+    it holds) as float32 2^(e - 127), e = 0 included (2^-127, subnormal), and its predicate p_t."""
     mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
-    setup = "setp.lt.u32 q, $11, 4; and.b32 sh, $11, 3; shl.b32 sh, sh, 3;"  # as _group_asm computes them
-    for e in range(255):
-        expected = int(np.array(2.0 ** (e - 127), dtype=np.float32).view(np.uint32))
-        assert run_ptx(mma_moe._SCALE_OF_1.format(e="$8", s="s"), {"$8": e})["s"] == expected, e
-        for gi in range(8):
-            row = sum(((e + 37 * j) % 255 if j != gi else e) << (8 * j) for j in range(8))
-            regs = run_ptx(setup + mma_moe._SCALE_OF_8.format(e="$8", s="s"), {"$8": row, "$11": gi})
-            assert regs["s"] == expected, (e, gi)
-    assert "setp.lt.u32 q, $11, 4; and.b32 sh, $11, 3; shl.b32 sh, sh, 3;" in mma_moe._group_asm(True)
+    text = mma_moe._LANE + mma_moe._SCALES.format(e="$8", s0="s0", s1="s1")
+    assert mma_moe._LANE in mma_moe.CHUNK_ASM.value
+    assert mma_moe._SCALES.format(e="$64", s0="sa0", s1="sa1") in mma_moe.CHUNK_ASM.value
+    power = {e: int(np.array(2.0 ** (e - 127), dtype=np.float32).view(np.uint32)) for e in range(255)}
+    for e, lane in itertools.product(range(255), range(0, 32, 3)):
+        t = lane % 4
+        row = [(e + 37 * j) % 255 for j in range(8)]
+        row[2 * t] = e
+        regs = run_ptx(text, {"$8": sum(b << (8 * j) for j, b in enumerate(row)), "%laneid": lane})
+        assert (regs["s0"], regs["s1"]) == (power[e], power[row[2 * t + 1]]), (e, lane)
+        assert [regs[f"p{k}"] for k in range(4)] == [int(k == t) for k in range(4)], lane
 
 
 @cuda_matmul_cases(FUSED)

@@ -6,23 +6,28 @@ the Triton kernels hold them (nibble-major codes, E8M0 scales [E, N, G]): no sec
 
 Why: MXFP4's CUDA-core decode (two conversions and two FMAs per pair of nibbles) costs ~5.4
 instructions per nibble and bounded the one-token step (moe_up alone 12.8 us of a 14.1 us pair,
-7.1 us without its decode). Here a pair of nibbles costs two shifts, an AND and a LOP3 to become
-an exact f16 pair, and the MACs go to the tensor cores (~2.1 instructions per nibble).
+7.1 us without its decode). Here a code word costs 11 integer instructions to become four exact
+f16 pairs, and the MACs go to the tensor cores.
 
 Mapping (the hardware's m16n8k16 fragments, lane = 4 g + t): a warp computes a 16-row tile; lane
 (g, t) holds word t of each 32-input group for rows g and g + 8. In nibble-major order
-(:func:`.base.to_nibble_major`) nibble i of word t is input 4i + t, and the committed shift trick
-turns nibbles i and i + 4 (inputs 4i + t and 4i + 16 + t) into one f16 pair equal to exactly
-2^-14 x their E2M1 values (magnitude bits to 9..11, sign to 15, per half). So a group is two
-k-tiles: tile 0 takes nibble pairs (0, 4) and (1, 5) of rows g and g + 8 as A registers 0..3,
-tile 1 takes (2, 6) and (3, 7), and B holds the same inputs, (x[4i + t], x[4i + 16 + t]) in f16.
-Each D row is the group's sum; times 2^(e - 127) (its E8M0 scale) and 2^14, folded in float32.
-Every D column is the same product (B's columns are equal): c0 and c2 are rows g and g + 8.
+(:func:`.base.to_nibble_major`) nibble i of word t is input 4i + t. ``_EO`` puts each nibble of
+the word in a byte as s000eem0 (E the even nibbles, O the odd), the high byte of the f16 equal
+to exactly 2^-14 x its E2M1 value, and one ``prmt`` gathers nibbles i and i + 4 (inputs 4i + t
+and 4i + 16 + t) into the high bytes of an f16 pair (``_pair``). So a group is two k-tiles: tile
+0 takes nibble pairs (0, 4) and (1, 5) of rows g and g + 8 as A registers 0..3, tile 1 takes
+(2, 6) and (3, 7), and B holds the same inputs, (x[4i + t], x[4i + 16 + t]) in f16.
+
+B's column g is group g of the chunk of 8 (the inputs lane (g, t) loaded itself: no shfl), so
+the MMA of group k leaves the group's sums in column k only; the lanes holding column k (t = k
+// 2: c0 / c2 for even k, c1 / c3 for odd) add them times the group's E8M0 scale, 2^(e - 127),
+with a predicated FMA. A chunk's 8 groups run in one asm block (``_chunk_asm``), which extracts a
+lane's two scales once; the 4 lanes of a row are added at the end, times 2^14 and the input
+scale.
 
 Loads: each lane reads whole 16-byte groups (4 rows x 128 contiguous bytes per instruction), and
 a layout conversion through shared memory hands lane (g, t) its words (loading them in fragment
-order directly, 16 bytes per row per instruction, made moe_up 20% slower). The inputs of a
-group are loaded and converted once, by the lanes g = group % 8, and fetched by ``shfl``.
+order directly, 16 bytes per row per instruction, made moe_up 20% slower).
 
 Inputs in f16: x is scaled by 2^-k per warp, k > 0 only when the warp's largest |x| reaches
 2^15 (so nothing overflows f16; the scale is undone exactly in the fold). Inputs below 2^-14
@@ -33,16 +38,17 @@ Between the two kernels (:func:`.triton_moe.moe_pair`) the activations travel t-
 8 inputs of a group in two 8-byte loads rather than eight 2-byte ones on the few lines every CTA
 reads.
 
-Measured (H200, Qwen3-30B-A3B-shaped layer in MXFP4, the pair in a CUDA graph, against the
-Triton kernels in the same run): one token 11.9 us against 14.0 us (40% of copy bandwidth
-against 34%), two 19.5-20.0 against 24.0 us, four 35.8-36.2 against 40.2, eight 65.5 against
-71.7, hence ``MAX_TOKENS``. A GPT-OSS-20B-shaped layer (hidden 2880 = 90 groups, top-4, clamped
-SwiGLU, biases): 40.4 us against 50.2 us at one token, 73.7 against 115.0 at two.
+Measured (H200, Qwen3-30B-A3B-shaped layer in MXFP4, the pair in a CUDA graph): one token
+10.8 us (44% of copy bandwidth; 11.9 us with the shift decode and a shfl per group, 14.0 us on
+the Triton kernels), two 17.8, four 31.4 (Triton 40.2), eight 54.9 (Triton 71.7), hence
+``MAX_TOKENS``. A GPT-OSS-20B-shaped layer (hidden 2880 = 90 groups, top-4, clamped SwiGLU,
+biases): 33.2 us at one token (40.2 before, 50.2 on the Triton kernels), 56.8 at two (115.0).
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
-last chunk of 8 groups is masked, as GPT-OSS's 90 need), top_k a power of two up to 8, and token
-counts up to ``MAX_TOKENS`` (``up_applies``, ``down_applies``); elsewhere the Triton kernels run. The kernels
-use inline PTX (mma, shfl), so they run only on the GPU, not in triton's interpreter.
+last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
+apart), top_k a power of two up to 8, and token counts up to ``MAX_TOKENS`` (``up_applies``,
+``down_applies``); elsewhere the Triton kernels run. The kernels use inline PTX (mma, prmt,
+predicated FMA), so they run only on the GPU, not in triton's interpreter.
 """
 
 # The kernels grow tuples of tensors in static loops (ws = ws + (load,)), which mypy types as the
@@ -69,65 +75,72 @@ MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton p
 CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
 
-# nibbles i and i + 4 of word w -> the f16 pair (2^-14 x E2M1) in register a
-_PAIR = [
-    "shl.b32 x, {w}, 9;  shl.b32 y, {w}, 12; and.b32 y, y, 0x80008000; lop3.b32 {a}, x, 0x0e000e00, y, 0xea;",
-    "shl.b32 x, {w}, 5;  shl.b32 y, {w}, 8;  and.b32 y, y, 0x80008000; lop3.b32 {a}, x, 0x0e000e00, y, 0xea;",
-    "shl.b32 x, {w}, 1;  shl.b32 y, {w}, 4;  and.b32 y, y, 0x80008000; lop3.b32 {a}, x, 0x0e000e00, y, 0xea;",
-    "shr.u32 x, {w}, 3;  and.b32 y, {w}, 0x80008000; lop3.b32 {a}, x, 0x0e000e00, y, 0xea;",
-]
+# a code word's nibbles as f16 high bytes s000eem0 (sign to bit 7, magnitude to bits 1..3: with a
+# zero low byte, exactly 2^-14 x the E2M1 value): byte b of E is nibble 2b, byte b of O nibble 2b + 1
+_EO = (
+    "shl.b32 x, {w}, 1; shl.b32 y, {w}, 4; and.b32 y, y, 0x80808080; lop3.b32 {e}, x, 0x0e0e0e0e, y, 0xea;"
+    " shr.u32 x, {w}, 3; and.b32 y, {w}, 0x80808080; lop3.b32 {o}, x, 0x0e0e0e0e, y, 0xea;"
+)
+
+
+def _pair(i: int, e: str, o: str, a: str) -> str:
+    """Nibbles i and i + 4 (inputs 4i + t and 4i + 16 + t) as one f16 pair in register a: byte
+    i // 2 and i // 2 + 2 of E (i even) or O (i odd) into the halves' high bytes, one prmt."""
+    return f"prmt.b32 {a}, {e if i % 2 == 0 else o}, 0, {'0x2404' if i < 2 else '0x3414'};"
+
+
 _MMA = (
     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};"
 )
-# an E8M0 scale byte -> 2^(e - 127) as float32 (e = 0: 2^-127, subnormal): from a row's 8 bytes of
-# the chunk (byte gi: q = gi < 4, sh = 8 (gi % 4)) or from the byte itself
-_SCALE_OF_8 = """
-    mov.b64 {{lo, hi}}, {e}; selp.b32 sel, lo, hi, q; shr.u32 sel, sel, sh; and.b32 sel, sel, 0xff;
-    shl.b32 sel, sel, 23; max.u32 sel, sel, 0x00400000; mov.b32 {s}, sel;"""
-_SCALE_OF_1 = """
-    shl.b32 sel, {e}, 23; max.u32 sel, sel, 0x00400000; mov.b32 {s}, sel;"""
+# lane t: predicates p0..p3 (t == 0..3), and where its two groups' scale bytes (2t and 2t + 1 of a
+# row's 8 for the chunk) sit: the high word when t > 1, shifted by 16 (t % 2)
+_LANE = (
+    "mov.u32 t, %laneid; and.b32 t, t, 3; setp.eq.u32 p0, t, 0; setp.eq.u32 p1, t, 1; setp.eq.u32 p2, t, 2;"
+    " setp.eq.u32 p3, t, 3; setp.gt.u32 hw, t, 1; and.b32 sh, t, 1; shl.b32 sh, sh, 4;"
+)
+# a row's 8 scale bytes e (E8M0) -> float32 2^(byte - 127) of bytes 2t (s0) and 2t + 1 (s1); byte
+# 0 gives 2^-127 (subnormal)
+_SCALES = (
+    "mov.b64 {{lo, hi}}, {e}; selp.b32 sel, hi, lo, hw; shr.u32 sel, sel, sh;"
+    " and.b32 x, sel, 0xff; shl.b32 x, x, 23; max.u32 x, x, 0x00400000; mov.b32 {s0}, x;"
+    " shr.u32 x, sel, 8; and.b32 x, x, 0xff; shl.b32 x, x, 23; max.u32 x, x, 0x00400000; mov.b32 {s1}, x;"
+)
 
 
-def _group_asm(of_8: bool) -> str:
-    """One group of a 16-row tile: $0, $1 the sums of rows g and g + 8 (scaled); $2, $3 word t of
-    rows g and g + 8; $4..$7 this lane's own group's input pairs (the asm takes group gi's from
-    lane 4 gi + t); $8, $9 the rows' scales (their 8 bytes of the chunk, or the group's byte);
-    $10 2^(14 + k); $11 gi."""
-    scale = _SCALE_OF_8 if of_8 else _SCALE_OF_1
-    return (
-        """{
-    .reg .b32 a0, a1, a2, a3, x, y, sh, zt, p0, p1, p2, p3, za, lo, hi, sel;
-    .reg .f32 d0, d1, d2, d3, s0, s1;
-    .reg .pred q;
-    mov.u32 sh, %laneid; and.b32 sh, sh, 3; shl.b32 zt, $11, 2; add.u32 zt, zt, sh;
-    shfl.sync.idx.b32 p0, $4, zt, 0x1f, 0xffffffff; shfl.sync.idx.b32 p1, $5, zt, 0x1f, 0xffffffff;
-    shfl.sync.idx.b32 p2, $6, zt, 0x1f, 0xffffffff; shfl.sync.idx.b32 p3, $7, zt, 0x1f, 0xffffffff;
-    mov.b32 za, 0;
-    """
-        + " ".join((_PAIR[0].format(w="$2", a="a0"), _PAIR[0].format(w="$3", a="a1")))
-        + " ".join((_PAIR[1].format(w="$2", a="a2"), _PAIR[1].format(w="$3", a="a3")))
-        + "\n    "
-        + _MMA.format(b0="p0", b1="p1", c="za, za, za, za")
-        + "\n    "
-        + " ".join((_PAIR[2].format(w="$2", a="a0"), _PAIR[2].format(w="$3", a="a1")))
-        + " ".join((_PAIR[3].format(w="$2", a="a2"), _PAIR[3].format(w="$3", a="a3")))
-        + "\n    "
-        + _MMA.format(b0="p2", b1="p3", c="d0, d1, d2, d3")
-        + """
-    setp.lt.u32 q, $11, 4; and.b32 sh, $11, 3; shl.b32 sh, sh, 3;"""
-        + scale.format(e="$8", s="s0")
-        + scale.format(e="$9", s="s1")
-        + """
-    mul.f32 d0, d0, s0; mul.f32 $0, d0, $10;
-    mul.f32 d2, d2, s1; mul.f32 $1, d2, $10;
-}"""
-    )
+def _chunk_asm() -> str:
+    """A chunk's 8 groups of a 16-row tile in one block (pack 8). Operands: $0 / $8 the lane's sums
+    of rows g / g + 8 (times $80 = 2^(14 + k)), $1..$7 / $9..$15 zero; $16 + k / $24 + k word t of
+    group k for rows g / g + 8; $32, $40, $48, $56 the f16 pairs of the lane's own group (group g
+    of the chunk: B's column g, so no shfl); $64 / $72 the rows' 8 scale bytes. Step k's product
+    of group k is in column k only (the other columns multiply group k's weights by other groups'
+    inputs), which lanes t = k // 2 hold (c0 / c2 for even k, c1 / c3 for odd): they add it times
+    the group's scale (a predicated FMA), so lane t sums groups 2t and 2t + 1."""
+    lines = [
+        "{",
+        ".reg .b32 a0, a1, a2, a3, x, y, t, sh, lo, hi, sel, za, ea, oa, eb, ob;",
+        ".reg .f32 d0, d1, d2, d3, sa0, sa1, sb0, sb1, acca, accb; .reg .pred p0, p1, p2, p3, hw;",
+        _LANE,
+        _SCALES.format(e="$64", s0="sa0", s1="sa1"),
+        _SCALES.format(e="$72", s0="sb0", s1="sb1"),
+        "mov.b32 za, 0; mov.b32 acca, 0; mov.b32 accb, 0;",
+    ]
+    for k in range(CHUNK):
+        lines.append(_EO.format(w=f"${16 + k}", e="ea", o="oa") + " " + _EO.format(w=f"${24 + k}", e="eb", o="ob"))
+        for tile, (b0, b1, c) in enumerate((("$32", "$40", "za, za, za, za"), ("$48", "$56", "d0, d1, d2, d3"))):
+            i = 2 * tile
+            regs = (("ea", "oa", i, "a0"), ("eb", "ob", i, "a1"), ("ea", "oa", i + 1, "a2"), ("eb", "ob", i + 1, "a3"))
+            lines.append(" ".join(_pair(n, e, o, a) for e, o, n, a in regs))
+            lines.append(_MMA.format(b0=b0, b1=b1, c=c))
+        d = ("d0", "d2", "sa0", "sb0") if k % 2 == 0 else ("d1", "d3", "sa1", "sb1")
+        p = f"p{k // 2}"
+        lines.append(f"@{p} fma.rn.f32 acca, {d[0]}, {d[2]}, acca; @{p} fma.rn.f32 accb, {d[1]}, {d[3]}, accb;")
+    lines.append("mul.f32 $0, acca, $80; mul.f32 $8, accb, $80;")
+    lines.append(" ".join(f"mov.b32 ${i}, 0;" for i in (*range(1, 8), *range(9, 16))))
+    return "\n".join((*lines, "}"))
 
 
-GROUP_ASM_OF_8 = tl.constexpr(_group_asm(True))
-GROUP_ASM_OF_1 = tl.constexpr(_group_asm(False))
-CONSTRAINTS_OF_8 = tl.constexpr("=f,=f,r,r,r,r,r,r,l,l,f,r")
-CONSTRAINTS_OF_1 = tl.constexpr("=f,=f,r,r,r,r,r,r,r,r,f,r")
+CHUNK_ASM = tl.constexpr(_chunk_asm())
+CHUNK_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 48 + ["l"] * 16 + ["f"] * 8))
 # 8 inputs x[4i + t] (i = 0..7, bf16 or f16) -> 4 f16 pairs (x[4i + t], x[4i + 16 + t]) x scale
 _PACK = """{{
     .reg .f32 f0, f1;
@@ -242,19 +255,21 @@ if gluon is not None:
 
     @gluon.jit
     def _chunk_loads(
-        at, b_words, st, b_bytes, s8, a8, b8, lgg, x_at, x_group, G: gl.constexpr, CHUNKS: gl.constexpr, WITH_X: gl.constexpr
+        at, b_words, s8, a8, b8, t, lgg, x_at, x_group, G: gl.constexpr, CHUNKS: gl.constexpr, WITH_X: gl.constexpr
     ):  # fmt: skip
-        """Every chunk's code words (rows a at ``at``, rows b ``b_words`` further) and scales: for
-        rows of whole chunks (G % 8 == 0) each row's 8 bytes of a chunk in one load (int64 pointer
-        s8, rows a and b a8 and b8 bytes further), else a byte per group (rows a at ``st``, b
-        ``b_bytes`` further), 0 past the last group as are the codes. lgg: the loads' groups of
-        chunk 0. WITH_X: also each chunk's inputs of the lane's own group (x_at, x_group: its input
-        t and group in chunk 0)."""
+        """Every chunk's code words (rows a at ``at``, rows b ``b_words`` further) and scales, as
+        the chunk asm takes them: per lane an int64 whose bytes 2t and 2t + 1 are its rows' scales
+        of groups 2t and 2t + 1 of the chunk (s8: an int64 pointer to the rows' scales, rows a a8
+        and b b8 bytes further, a8 also the group of the first). Rows of whole chunks (G % 8 == 0)
+        load their 8 bytes at once; else the lane loads its 2 bytes (0 past the last group, as are
+        the codes). lgg: the loads' groups of chunk 0. WITH_X: also each chunk's inputs of the
+        lane's own group (x_at, x_group: its input t and group in chunk 0)."""
         ws_a = ()
         ws_b = ()
         es_a = ()
         es_b = ()
         xss = ()
+        sb = s8.to(gl.pointer_type(gl.uint8), bitcast=True)
         for c in gl.static_range(CHUNKS):
             ok = lgg + c * GC < G
             ws_a = ws_a + (gl.load(at + c * GC * 4, mask=ok, other=0),)
@@ -263,8 +278,18 @@ if gluon is not None:
                 es_a = es_a + (gl.load(s8 + (a8 + c * GC) // 8),)
                 es_b = es_b + (gl.load(s8 + (b8 + c * GC) // 8),)
             else:
-                es_a = es_a + (gl.load(st + c * GC, mask=ok, other=0).to(gl.int32),)
-                es_b = es_b + (gl.load(st + b_bytes + c * GC, mask=ok, other=0).to(gl.int32),)
+                k = c * GC + 2 * t  # the lane's first group of the chunk, from a8
+                at_a, at_b, first, second = sb + a8 + k, sb + b8 + k, a8 + k < G, a8 + k + 1 < G
+                ea = (
+                    gl.load(at_a, mask=first, other=0).to(gl.int64)
+                    | gl.load(at_a + 1, mask=second, other=0).to(gl.int64) << 8
+                )
+                eb = (
+                    gl.load(at_b, mask=first, other=0).to(gl.int64)
+                    | gl.load(at_b + 1, mask=second, other=0).to(gl.int64) << 8
+                )
+                es_a = es_a + (ea << (16 * t).to(gl.int64),)
+                es_b = es_b + (eb << (16 * t).to(gl.int64),)
             if WITH_X:
                 xss = xss + (_inputs(x_at + c * GC * 32, x_group + c * GC < G),)
         return ws_a, ws_b, es_a, es_b, xss
@@ -272,13 +297,12 @@ if gluon is not None:
     @gluon.jit
     def _tile_sums(
         ws_a, ws_b, es_a, es_b, xss, w, g, gi, t,
-        CHUNKS: gl.constexpr, ALIGNED: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr, WORDS: gl.constexpr = False,
+        CHUNKS: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr, WORDS: gl.constexpr = False,
     ):  # fmt: skip
         """Rows g and g + 8 of each warp's 16-row tile summed over its CHUNKS chunks of groups
         ([W, 8, 1, 4] each): ws_* the chunks' code words as loaded (converted here to lane (g, t)'s
-        words), es_* the rows' scales (ALIGNED: each row's 8 bytes of the chunk, one 8-byte load
-        per lane; else byte per group, as loaded, converted here too), xss the lane's own group's
-        inputs per chunk (WORDS: as :func:`_input_words` loads them)."""
+        words), es_* the rows' scales (as :func:`_chunk_loads` gives them), xss the lane's own
+        group's inputs per chunk (WORDS: as :func:`_input_words` loads them)."""
         if WORDS:
             m = _magnitude_of_words(xss[0])
             for c in gl.static_range(1, CHUNKS):
@@ -295,24 +319,19 @@ if gluon is not None:
             p = _pack_words(xss[c], xscale, F16) if WORDS else _pack(xss[c], xscale, F16)
             wa = gl.convert_layout(ws_a[c], LF)
             wb = gl.convert_layout(ws_b[c], LF)
-            if ALIGNED:
-                ins = [wa, wb, p[0], p[1], p[2], p[3], es_a[c], es_b[c], fac, gi + 0 * (g + t + w)]
-                pa, pb = gl.inline_asm_elementwise(
-                    GROUP_ASM_OF_8, CONSTRAINTS_OF_8, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=1
-                )
-            else:
-                ea = gl.convert_layout(es_a[c], LF)
-                eb = gl.convert_layout(es_b[c], LF)
-                ins = [wa, wb, p[0], p[1], p[2], p[3], ea, eb, fac, gi + 0 * (g + t + w)]
-                pa, pb = gl.inline_asm_elementwise(
-                    GROUP_ASM_OF_1, CONSTRAINTS_OF_1, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=1
-                )
+            ins = [wa, wb, p[0], p[1], p[2], p[3], es_a[c], es_b[c], fac]
+            pa, pb = gl.inline_asm_elementwise(
+                CHUNK_ASM, CHUNK_CONSTRAINTS, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=8
+            )
             if c == 0:
                 acc_a = gl.sum(pa, axis=2, keep_dims=True)
                 acc_b = gl.sum(pb, axis=2, keep_dims=True)
             else:
                 acc_a += gl.sum(pa, axis=2, keep_dims=True)
                 acc_b += gl.sum(pb, axis=2, keep_dims=True)
+        # lane t holds groups 2t and 2t + 1 of each chunk: every lane of the row gets the row's sum
+        acc_a = gl.sum(acc_a, axis=3, keep_dims=True) + 0.0 * t
+        acc_b = gl.sum(acc_b, axis=3, keep_dims=True) + 0.0 * t
         return acc_a, acc_b
 
     @gluon.jit
@@ -345,16 +364,15 @@ if gluon is not None:
         lw, lg, lq, lj = _axes(WARPS, LL)  # loads: whole groups, 128 contiguous bytes per row
         lgg = lw * GW + lq  # [W, 1, GC, 1]: the load's groups of chunk 0
         at = codes_ptr + expert * stride_ce + (mt * 8 + lg) * stride_cn + lgg * 4 + lj
-        st = scales_ptr + expert * stride_se + (mt * 8 + lg) * stride_sn + lgg  # [W, 8, GC, 1]
         w, g, gi, t = _axes(WARPS, LF)
         g0 = w * GW
         x_at = x_ptr + (pair // TOP_K) * stride_xm + (g0 + g) * 32 + t
         rows = scales_ptr + expert * stride_se + (mt * 8 + g) * stride_sn
         sw = rows.to(gl.pointer_type(gl.int64), bitcast=True)
         ws_g, ws_u, es_g, es_u, xss = _chunk_loads(
-            at, I * stride_cn, st, I * stride_sn, sw, g0, I * stride_sn + g0, lgg, x_at, g0 + g, G, CHW, True
+            at, I * stride_cn, sw, g0, I * stride_sn + g0, t, lgg, x_at, g0 + g, G, CHW, True
         )  # every load before the first decode: the up rows are I rows further
-        acc_g, acc_u = _tile_sums(ws_g, ws_u, es_g, es_u, xss, w, g, gi, t, CHW, G % GC == 0, F16, LF)
+        acc_g, acc_u = _tile_sums(ws_g, ws_u, es_g, es_u, xss, w, g, gi, t, CHW, F16, LF)
         gate = gl.sum(acc_g, axis=0)  # [8, 1, 4]: lanes (g, t) hold gate / up row 8 mt + g
         up = gl.sum(acc_u, axis=0)
         row = mt * 8 + gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0
@@ -385,14 +403,13 @@ if gluon is not None:
         lk, lg, lq, lj = _axes(TOP_K, LL)
         l_expert = gl.load(index_ptr + token * TOP_K + lk).to(gl.int64)
         at = codes_ptr + l_expert * stride_ce + (mt * 16 + lg) * stride_cn + lq * 4 + lj
-        st = scales_ptr + l_expert * stride_se + (mt * 16 + lg) * stride_sn + lq  # [K, 8, GC, 1]
         k, g, gi, t = _axes(TOP_K, LF)
         pair = token * TOP_K + k
         expert = gl.load(index_ptr + pair).to(gl.int64)
         rows = scales_ptr + expert * stride_se + (mt * 16 + g) * stride_sn
         sw = rows.to(gl.pointer_type(gl.int64), bitcast=True)
         ws_g, ws_h, es_g, es_h, _ = _chunk_loads(
-            at, 8 * stride_cn, st, 8 * stride_sn, sw, 0, 8 * stride_sn, lq, sw, 0, G, CH, False
+            at, 8 * stride_cn, sw, 0, 8 * stride_sn, t, lq, sw, 0, G, CH, False
         )  # every code word in flight before the wait: rows g + 8 are 8 rows further
         if PDL:  # the activations are moe_up's output
             _gdc_wait()
@@ -405,7 +422,7 @@ if gluon is not None:
             a_at = a_ptr + pair * stride_am + g * 32 + t
             for c in gl.static_range(CH):
                 xss = xss + (_inputs(a_at + c * GC * 32, g + c * GC < G),)
-        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, CH, G % GC == 0, F16, LF, T_MAJOR)
+        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, CH, F16, LF, T_MAJOR)
         row = mt * 16 + g + t * 0  # [1, 8, 1, 4]
         if HAS_BIAS:
             acc_g += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
