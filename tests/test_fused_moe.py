@@ -138,10 +138,12 @@ def test_the_fused_moe_kernels_match_the_exact_decode(name, wide, act, biased, d
     assert_tokens_close(y, reference_moe(layer, x.float(), index, weight.to(dtype).float()))
 
 
-def mxfp4_layer(experts: int, hidden: int, inter: int, activation, biased: bool) -> QuantizedExperts:
+def mxfp4_layer(
+    experts: int, hidden: int, inter: int, activation, biased: bool, name: str = "mxfp4"
+) -> QuantizedExperts:
     generator = torch.Generator().manual_seed(11)
-    gate_up = bank("mxfp4", (experts, 2 * inter, hidden), seed=12).to("cuda")
-    down = bank("mxfp4", (experts, hidden, inter), seed=13).to("cuda")
+    gate_up = bank(name, (experts, 2 * inter, hidden), seed=12).to("cuda")
+    down = bank(name, (experts, hidden, inter), seed=13).to("cuda")
     if not biased:
         return QuantizedExperts(gate_up, down, None, None, activation)
     gate_up_bias = (torch.randn(experts, 2 * inter, generator=generator) * 0.1).cuda()
@@ -154,9 +156,10 @@ def mxfp4_layer(experts: int, hidden: int, inter: int, activation, biased: bool)
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("hidden", "inter", "top_k"),
-    [(512, 256, 2), (1024, 256, 8), (2880, 352, 4)],
+    [(512, 256, 2), (1024, 256, 8), (2880, 384, 4)],
     ids=["2-warp-up", "4-warp-up-top8", "gpt-oss-hidden-masked-chunks"],
 )
+@pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize(
     ("act", "biased", "dtype", "scale"),
     [
@@ -167,17 +170,18 @@ def mxfp4_layer(experts: int, hidden: int, inter: int, activation, biased: bool)
     ],
     ids=["silu-bf16", "gpt_oss-bias-bf16", "silu-fp16", "inputs-past-f16-range"],
 )
-def test_the_tensor_core_mxfp4_kernels_match_the_exact_decode(
-    hidden, inter, top_k, act, biased, dtype, scale, monkeypatch
+def test_the_tensor_core_kernels_match_the_exact_decode(
+    name, hidden, inter, top_k, act, biased, dtype, scale, monkeypatch
 ):
-    """One-token MXFP4 steps on Hopper run on tensor cores (mma_moe): against the float64 exact
-    decode, and against the Triton kernels on the same step; inputs beyond f16's range are scaled
-    per warp; group counts that are not whole chunks of 8 (90 and 11 here) are masked."""
+    """One-token MXFP4 and int4 steps on Hopper run on tensor cores (mma_moe): against the float64
+    exact decode, and against the Triton kernels on the same step; inputs beyond f16's range are
+    scaled per warp; group counts that are not whole chunks of 8 (90 and 12 here) are masked;
+    int4 with and without zero points."""
     from modelfleet.engine.formats import mma_moe
 
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the tensor-core MXFP4 kernels run on compute capability 9 (Hopper)")
-    layer = mxfp4_layer(8, hidden, inter, ACTIVATIONS[act], biased)
+        pytest.skip("the tensor-core kernels run on compute capability 9 (Hopper)")
+    layer = mxfp4_layer(8, hidden, inter, ACTIVATIONS[act], biased, name)
     generator = torch.Generator().manual_seed(hidden + top_k)
     index = torch.randperm(8, generator=generator)[:top_k][None]
     weight = torch.softmax(torch.randn(1, top_k, generator=generator), dim=-1).to(dtype)
@@ -284,6 +288,8 @@ def run_ptx(text: str, regs: dict) -> dict:
         elif op == "max.u16x2":
             a, b = value(args[0]), value(args[1])
             regs[dst] = max(a & 0xFFFF, b & 0xFFFF) | max(a >> 16, b >> 16) << 16
+        elif op == "cvt.rn.f32.u32":
+            regs[dst] = int(np.array(float(value(args[0])), dtype=np.float32).view(np.uint32))
         elif op == "cvt.u32.u16":
             regs[dst] = value(args[0]) & 0xFFFF
         elif op == "setp.lt.u32":
@@ -344,6 +350,24 @@ def test_the_tensor_core_decode_makes_exact_f16_pairs_in_a_ptx_model():
             a = run_ptx(mma_moe._pair(i, "e", "o", "a"), regs)["a"]
             assert a & 0xFFFF == f16[(w >> 4 * i) & 15], (i, hex(w))
             assert a >> 16 == f16[(w >> (4 * i + 16)) & 15], (i, hex(w))
+
+
+def test_the_tensor_core_int4_decode_and_scales_in_a_ptx_model():
+    """mma_moe's int4 A registers: nibbles i and i + 4 of a word become the f16 subnormals q x 2^-24
+    (bits q); a row's operand of two fp16 scales and two zero points reads back as float32."""
+    mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
+    words = [sum(((k + j * 5 + (k >> 4) * 3) % 16) << (4 * j) for j in range(8)) for k in range(256)]
+    for w, i in itertools.product(words, range(4)):
+        a = run_ptx(mma_moe._pair_int4(i, "$2", "a"), {"$2": w})["a"]
+        assert (a & 0xFFFF, a >> 16) == ((w >> 4 * i) & 15, (w >> (4 * i + 16)) & 15), (i, hex(w))
+    text = mma_moe._SCALES_INT4.format(e="$8", s0="s0", s1="s1", z0="z0", z1="z1")
+    assert mma_moe._SCALES_INT4.format(e="$64", s0="sa0", s1="sa1", z0="z0", z1="z1") in mma_moe.CHUNK_ASM_INT4.value
+    bits = lambda v: int(np.array(v, dtype=np.float32).view(np.uint32))  # noqa: E731
+    for s0, s1, z0, z1 in ((0.013, -2.5e-3, 0, 15), (6.1e-5, 1.0, 255, 8)):
+        h0, h1 = (int(np.array(v, dtype=np.float16).view(np.uint16)) for v in (s0, s1))
+        regs = run_ptx(text, {"$8": h0 | h1 << 16 | (z0 | z1 << 8 | 0xAB0000) << 32})
+        assert [regs[r] for r in ("s0", "s1")] == [bits(np.float16(v)) for v in (s0, s1)]
+        assert [regs[r] for r in ("z0", "z1")] == [bits(z0), bits(z1)]
 
 
 @pytest.mark.parametrize("kind", ["bf16", "f16"])

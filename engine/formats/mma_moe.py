@@ -1,8 +1,9 @@
-"""MXFP4 decode steps of a quantized MoE bank on tensor cores (Hopper): the fused pair of
+"""MXFP4 and int4 decode steps of a quantized MoE bank on tensor cores (Hopper): the fused pair of
 :mod:`.triton_moe` (``moe_up``: gate and up rows of each (token, expert) pair, bias, GLU;
 ``moe_down``: the token's pairs summed with their router weights), as Gluon kernels whose dot
 products run on ``mma.sync.m16n8k16`` (f16 in, float32 accumulate), reading the banks exactly as
-the Triton kernels hold them (nibble-major codes, E8M0 scales [E, N, G]): no second layout.
+the Triton kernels hold them (nibble-major codes, E8M0 or fp16 scales [E, N, G], uint8 zero
+points): no second layout.
 
 Why: MXFP4's CUDA-core decode (two conversions and two FMAs per pair of nibbles) costs ~5.4
 instructions per nibble and bounded the one-token step (moe_up alone 12.8 us of a 14.1 us pair,
@@ -25,6 +26,11 @@ with a predicated FMA. A chunk's 8 groups run in one asm block (``_chunk_asm``),
 lane's two scales once; the 4 lanes of a row are added at the end, times 2^14 and the input
 scale.
 
+int4 (``INT4``): nibbles i and i + 4 are the f16 pair of subnormals q x 2^-24 (bits q: an AND,
+and a shift for i > 0), exact, so the MMA sums q x; the fold takes off z times the group's input
+sum (from the lanes that loaded the group: two shfl per chunk), s (D - z Y). Zero points come in
+the same operand as the lane's two fp16 scales; int4_sym's are 8.
+
 Loads: each lane reads whole 16-byte groups (4 rows x 128 contiguous bytes per instruction), and
 a layout conversion through shared memory hands lane (g, t) its words (loading them in fragment
 order directly, 16 bytes per row per instruction, made moe_up 20% slower).
@@ -43,10 +49,12 @@ Measured (H200, Qwen3-30B-A3B-shaped layer in MXFP4, the pair in a CUDA graph): 
 the Triton kernels), two 17.8, four 31.4 (Triton 40.2), eight 54.9 (Triton 71.7), hence
 ``MAX_TOKENS``. A GPT-OSS-20B-shaped layer (hidden 2880 = 90 groups, top-4, clamped SwiGLU,
 biases): 33.2 us at one token (40.2 before, 50.2 on the Triton kernels), 56.8 at two (115.0).
+int4 (Qwen3 shape, zero points): one token 11.6 us (45%) against 13.1 on the Triton kernels,
+two 19.2 (21.1), four 33.6 (37.0), eight 57.7 (65.2).
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
-apart), top_k a power of two up to 8, and token counts up to ``MAX_TOKENS`` (``up_applies``,
+apart) or int4 banks with fp16 scales and an even group count, top_k a power of two up to 8, and token counts up to ``MAX_TOKENS`` (``up_applies``,
 ``down_applies``); elsewhere the Triton kernels run. The kernels use inline PTX (mma, prmt,
 predicated FMA), so they run only on the GPU, not in triton's interpreter.
 """
@@ -71,6 +79,7 @@ try:  # Gluon ships with triton >= 3.5
 except ImportError:  # pragma: no cover - older triton: the Triton kernels serve every case
     gluon = None
 
+INT4 = True  # int4 banks on tensor cores too (else the Triton kernels)
 MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton pair at 1, 2, 4 and 8 tokens
 CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
@@ -107,40 +116,90 @@ _SCALES = (
 )
 
 
-def _chunk_asm() -> str:
+def _pair_int4(i: int, w: str, a: str) -> str:
+    """int4: nibbles i and i + 4 of word w as an f16 pair of subnormals, q x 2^-24 exactly (the
+    zero point comes off in the fold)."""
+    return f"and.b32 {a}, {w}, 0x000f000f;" if i == 0 else f"shr.u32 x, {w}, {4 * i}; and.b32 {a}, x, 0x000f000f;"
+
+
+# int4: a row's operand e = its fp16 scales of groups 2t, 2t + 1 (low word) and their zero points
+# (bytes 0, 1 of the high word) -> s0, s1, z0, z1 as float32
+_SCALES_INT4 = (
+    "mov.b64 {{lo, hi}}, {e}; mov.b32 {{h0, h1}}, lo; cvt.f32.f16 {s0}, h0; cvt.f32.f16 {s1}, h1;"
+    " and.b32 x, hi, 0xff; cvt.rn.f32.u32 {z0}, x; shr.u32 x, hi, 8; and.b32 x, x, 0xff; cvt.rn.f32.u32 {z1}, x;"
+)
+
+
+def _chunk_asm(int4: bool = False) -> str:
     """A chunk's 8 groups of a 16-row tile in one block (pack 8). Operands: $0 / $8 the lane's sums
-    of rows g / g + 8 (times $80 = 2^(14 + k)), $1..$7 / $9..$15 zero; $16 + k / $24 + k word t of
-    group k for rows g / g + 8; $32, $40, $48, $56 the f16 pairs of the lane's own group (group g
-    of the chunk: B's column g, so no shfl); $64 / $72 the rows' 8 scale bytes. Step k's product
-    of group k is in column k only (the other columns multiply group k's weights by other groups'
-    inputs), which lanes t = k // 2 hold (c0 / c2 for even k, c1 / c3 for odd): they add it times
-    the group's scale (a predicated FMA), so lane t sums groups 2t and 2t + 1."""
+    of rows g / g + 8, $1..$7 / $9..$15 zero; $16 + k / $24 + k word t of group k for rows g /
+    g + 8; $32, $40, $48, $56 the f16 pairs of the lane's own group (group g of the chunk: B's
+    column g, so no shfl); $64 / $72 the rows' scales; $80 the fold factor 2^(14 + k) (MXFP4) or
+    2^(24 + k) (int4); int4 also $88 the lane's own group's input sum times 2^-24 (the same f16
+    inputs as B). Step k's product of group k is in column k only (the other columns multiply
+    group k's weights by other groups' inputs), which lanes t = k // 2 hold (c0 / c2 for even k,
+    c1 / c3 for odd): they add it times the group's scale (a predicated FMA), so lane t sums
+    groups 2t and 2t + 1. MXFP4: the scales are the rows' 8 E8M0 bytes of the chunk. int4: as
+    ``_SCALES_INT4`` reads them, and the sum starts at -s z Y for the lane's two groups (Y fetched
+    from the lanes that own them), since the codes decode to q, not q - z."""
     lines = [
         "{",
-        ".reg .b32 a0, a1, a2, a3, x, y, t, sh, lo, hi, sel, za, ea, oa, eb, ob;",
-        ".reg .f32 d0, d1, d2, d3, sa0, sa1, sb0, sb1, acca, accb; .reg .pred p0, p1, p2, p3, hw;",
+        ".reg .b32 a0, a1, a2, a3, x, y, t, sh, lo, hi, sel, za, ea, oa, eb, ob; .reg .b16 h0, h1;",
+        ".reg .f32 d0, d1, d2, d3, sa0, sa1, sb0, sb1, acca, accb, y0, y1, z0, z1, z2, z3;",
+        ".reg .pred p0, p1, p2, p3, hw;",
         _LANE,
-        _SCALES.format(e="$64", s0="sa0", s1="sa1"),
-        _SCALES.format(e="$72", s0="sb0", s1="sb1"),
-        "mov.b32 za, 0; mov.b32 acca, 0; mov.b32 accb, 0;",
     ]
+    if int4:
+        lines += [
+            _SCALES_INT4.format(e="$64", s0="sa0", s1="sa1", z0="z0", z1="z1"),
+            _SCALES_INT4.format(e="$72", s0="sb0", s1="sb1", z0="z2", z1="z3"),
+            "mul.f32 sa0, sa0, $80; mul.f32 sa1, sa1, $80; mul.f32 sb0, sb0, $80; mul.f32 sb1, sb1, $80;",
+            "shl.b32 x, t, 3; shfl.sync.idx.b32 y, $88, x, 0x1f, 0xffffffff; mov.b32 y0, y;",
+            "add.u32 x, x, 4; shfl.sync.idx.b32 y, $88, x, 0x1f, 0xffffffff; mov.b32 y1, y;",
+            "mul.f32 z0, z0, y0; mul.f32 z1, z1, y1; mul.f32 z2, z2, y0; mul.f32 z3, z3, y1;",
+            "mul.f32 acca, sa0, z0; neg.f32 acca, acca; mul.f32 accb, sb0, z2; neg.f32 accb, accb;",
+            "mul.f32 z1, sa1, z1; sub.f32 acca, acca, z1; mul.f32 z3, sb1, z3; sub.f32 accb, accb, z3;",
+            "mov.b32 za, 0;",
+        ]
+    else:
+        lines += [
+            _SCALES.format(e="$64", s0="sa0", s1="sa1"),
+            _SCALES.format(e="$72", s0="sb0", s1="sb1"),
+            "mov.b32 za, 0; mov.b32 acca, 0; mov.b32 accb, 0;",
+        ]
     for k in range(CHUNK):
-        lines.append(_EO.format(w=f"${16 + k}", e="ea", o="oa") + " " + _EO.format(w=f"${24 + k}", e="eb", o="ob"))
+        wa, wb = f"${16 + k}", f"${24 + k}"
+        if not int4:
+            lines.append(_EO.format(w=wa, e="ea", o="oa") + " " + _EO.format(w=wb, e="eb", o="ob"))
         for tile, (b0, b1, c) in enumerate((("$32", "$40", "za, za, za, za"), ("$48", "$56", "d0, d1, d2, d3"))):
             i = 2 * tile
-            regs = (("ea", "oa", i, "a0"), ("eb", "ob", i, "a1"), ("ea", "oa", i + 1, "a2"), ("eb", "ob", i + 1, "a3"))
-            lines.append(" ".join(_pair(n, e, o, a) for e, o, n, a in regs))
+            if int4:
+                regs = ((wa, i, "a0"), (wb, i, "a1"), (wa, i + 1, "a2"), (wb, i + 1, "a3"))
+                lines.append(" ".join(_pair_int4(n, w, a) for w, n, a in regs))
+            else:
+                regs4 = (
+                    ("ea", "oa", i, "a0"),
+                    ("eb", "ob", i, "a1"),
+                    ("ea", "oa", i + 1, "a2"),
+                    ("eb", "ob", i + 1, "a3"),
+                )
+                lines.append(" ".join(_pair(n, e, o, a) for e, o, n, a in regs4))
             lines.append(_MMA.format(b0=b0, b1=b1, c=c))
         d = ("d0", "d2", "sa0", "sb0") if k % 2 == 0 else ("d1", "d3", "sa1", "sb1")
         p = f"p{k // 2}"
         lines.append(f"@{p} fma.rn.f32 acca, {d[0]}, {d[2]}, acca; @{p} fma.rn.f32 accb, {d[1]}, {d[3]}, accb;")
-    lines.append("mul.f32 $0, acca, $80; mul.f32 $8, accb, $80;")
+    if int4:
+        lines.append("mov.b32 $0, acca; mov.b32 $8, accb;")
+    else:
+        lines.append("mul.f32 $0, acca, $80; mul.f32 $8, accb, $80;")
     lines.append(" ".join(f"mov.b32 ${i}, 0;" for i in (*range(1, 8), *range(9, 16))))
     return "\n".join((*lines, "}"))
 
 
 CHUNK_ASM = tl.constexpr(_chunk_asm())
 CHUNK_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 48 + ["l"] * 16 + ["f"] * 8))
+CHUNK_ASM_INT4 = tl.constexpr(_chunk_asm(int4=True))
+CHUNK_CONSTRAINTS_INT4 = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 48 + ["l"] * 16 + ["f"] * 16))
 # 8 inputs x[4i + t] (i = 0..7, bf16 or f16) -> 4 f16 pairs (x[4i + t], x[4i + 16 + t]) x scale
 _PACK = """{{
     .reg .f32 f0, f1;
@@ -171,6 +230,18 @@ MAGNITUDE_W = tl.constexpr("""{
     and.b32 n, $3, 0x7fff7fff; max.u16x2 m, m, n; and.b32 n, $4, 0x7fff7fff; max.u16x2 m, m, n;
     mov.b32 {lo, hi}, m; max.u16 lo, lo, hi; cvt.u32.u16 $0, lo;
 }""")
+
+
+# the sum of a lane's 4 words (8 bf16 / f16 inputs) in float32
+_SUM_W = """{{
+    .reg .f32 f, g, acc; .reg .b16 a, b;
+    mov.b32 {{a, b}}, $1; cvt.f32.{t} f, a; cvt.f32.{t} g, b; add.f32 acc, f, g;
+    mov.b32 {{a, b}}, $2; cvt.f32.{t} f, a; cvt.f32.{t} g, b; add.f32 acc, acc, f; add.f32 acc, acc, g;
+    mov.b32 {{a, b}}, $3; cvt.f32.{t} f, a; cvt.f32.{t} g, b; add.f32 acc, acc, f; add.f32 acc, acc, g;
+    mov.b32 {{a, b}}, $4; cvt.f32.{t} f, a; cvt.f32.{t} g, b; add.f32 acc, acc, f; add.f32 $0, acc, g;
+}}"""
+SUM_W_BF16 = tl.constexpr(_SUM_W.format(t="bf16"))
+SUM_W_F16 = tl.constexpr(_SUM_W.format(t="f16"))
 
 
 if gluon is not None:
@@ -227,10 +298,27 @@ if gluon is not None:
         return m
 
     @gluon.jit
-    def _input_scale(m, F16: gl.constexpr):
-        """2^-k and 2^(14 + k) (float32), k the smallest shift that keeps |x| 2^-k below 2^15."""
+    def _input_scale(m, F16: gl.constexpr, INT4: gl.constexpr):
+        """2^-k and 2^(14 + k) (float32; int4: 2^(24 + k), its codes being q x 2^-24), k the
+        smallest shift that keeps |x| 2^-k below 2^15."""
         k = m * 0 if F16 else gl.maximum((m >> 7) - 141, 0)  # f16 inputs are finite f16 already
-        return ((127 - k) << 23).to(gl.float32, bitcast=True), ((141 + k) << 23).to(gl.float32, bitcast=True)
+        return ((127 - k) << 23).to(gl.float32, bitcast=True), ((141 + 10 * INT4 + k) << 23).to(
+            gl.float32, bitcast=True
+        )
+
+    @gluon.jit
+    def _input_sum(xs, WORDS: gl.constexpr, F16: gl.constexpr):
+        """The sum of a lane's 8 inputs (float32), as loaded (WORDS: :func:`_input_words`)."""
+        if WORDS:
+            total = gl.inline_asm_elementwise(
+                SUM_W_F16 if F16 else SUM_W_BF16, "=f,r,r,r,r", [xs[0], xs[1], xs[2], xs[3]],
+                dtype=gl.float32, is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            total = xs[0].to(gl.float32)
+            for i in gl.static_range(1, 8):
+                total += xs[i].to(gl.float32)
+        return total
 
     @gluon.jit
     def _magnitude_of_words(ws):
@@ -255,31 +343,48 @@ if gluon is not None:
 
     @gluon.jit
     def _chunk_loads(
-        at, b_words, s8, a8, b8, t, lgg, x_at, x_group, G: gl.constexpr, CHUNKS: gl.constexpr, WITH_X: gl.constexpr
+        at, b_words, rows, a8, b8, zrows, zb, t, lgg, x_at, x_group,
+        G: gl.constexpr, CHUNKS: gl.constexpr, WITH_X: gl.constexpr, INT4: gl.constexpr, SYM: gl.constexpr,
     ):  # fmt: skip
         """Every chunk's code words (rows a at ``at``, rows b ``b_words`` further) and scales, as
-        the chunk asm takes them: per lane an int64 whose bytes 2t and 2t + 1 are its rows' scales
-        of groups 2t and 2t + 1 of the chunk (s8: an int64 pointer to the rows' scales, rows a a8
-        and b b8 bytes further, a8 also the group of the first). Rows of whole chunks (G % 8 == 0)
-        load their 8 bytes at once; else the lane loads its 2 bytes (0 past the last group, as are
-        the codes). lgg: the loads' groups of chunk 0. WITH_X: also each chunk's inputs of the
-        lane's own group (x_at, x_group: its input t and group in chunk 0)."""
+        the chunk asm takes them. MXFP4: per lane an int64 whose bytes 2t and 2t + 1 are its rows'
+        scales of groups 2t and 2t + 1 of the chunk (rows: the rows' scales, rows a a8 and b b8
+        further, a8 also the group of the first). Rows of whole chunks (G % 8 == 0) load their 8
+        bytes at once; else the lane loads its 2 bytes (0 past the last group, as are the codes).
+        int4 (G even): the two fp16 scales in one 4-byte load and, above them, the two zero points
+        (zrows: the rows' zero points, rows b zb further; SYM: 8). lgg: the loads' groups of
+        chunk 0. WITH_X: also each chunk's inputs of the lane's own group (x_at, x_group: its
+        input t and group in chunk 0)."""
         ws_a = ()
         ws_b = ()
         es_a = ()
         es_b = ()
         xss = ()
-        sb = s8.to(gl.pointer_type(gl.uint8), bitcast=True)
+        s8 = rows.to(gl.pointer_type(gl.int64), bitcast=True)
         for c in gl.static_range(CHUNKS):
             ok = lgg + c * GC < G
             ws_a = ws_a + (gl.load(at + c * GC * 4, mask=ok, other=0),)
             ws_b = ws_b + (gl.load(at + b_words + c * GC * 4, mask=ok, other=0),)
-            if G % GC == 0:
+            k = c * GC + 2 * t  # the lane's first group of the chunk, from a8
+            if INT4:
+                pair = a8 + k < G
+                sa = gl.load((rows + a8 + k).to(gl.pointer_type(gl.int32), bitcast=True), mask=pair, other=0)
+                sb = gl.load((rows + b8 + k).to(gl.pointer_type(gl.int32), bitcast=True), mask=pair, other=0)
+                if SYM:
+                    za = sa * 0 + 0x0808
+                    zb_ = za
+                else:
+                    za = gl.load((zrows + a8 + k).to(gl.pointer_type(gl.int16), bitcast=True), mask=pair, other=0)
+                    zb_ = gl.load((zrows + zb + k).to(gl.pointer_type(gl.int16), bitcast=True), mask=pair, other=0)
+                low = 0xFFFFFFFF
+                es_a = es_a + ((sa.to(gl.int64) & low) | (za.to(gl.int64) & 0xFFFF) << 32,)
+                es_b = es_b + ((sb.to(gl.int64) & low) | (zb_.to(gl.int64) & 0xFFFF) << 32,)
+            elif G % GC == 0:
                 es_a = es_a + (gl.load(s8 + (a8 + c * GC) // 8),)
                 es_b = es_b + (gl.load(s8 + (b8 + c * GC) // 8),)
             else:
-                k = c * GC + 2 * t  # the lane's first group of the chunk, from a8
-                at_a, at_b, first, second = sb + a8 + k, sb + b8 + k, a8 + k < G, a8 + k + 1 < G
+                sb8 = rows.to(gl.pointer_type(gl.uint8), bitcast=True)
+                at_a, at_b, first, second = sb8 + a8 + k, sb8 + b8 + k, a8 + k < G, a8 + k + 1 < G
                 ea = (
                     gl.load(at_a, mask=first, other=0).to(gl.int64)
                     | gl.load(at_a + 1, mask=second, other=0).to(gl.int64) << 8
@@ -297,7 +402,7 @@ if gluon is not None:
     @gluon.jit
     def _tile_sums(
         ws_a, ws_b, es_a, es_b, xss, w, g, gi, t,
-        CHUNKS: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr, WORDS: gl.constexpr = False,
+        CHUNKS: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr, WORDS: gl.constexpr, INT4: gl.constexpr,
     ):  # fmt: skip
         """Rows g and g + 8 of each warp's 16-row tile summed over its CHUNKS chunks of groups
         ([W, 8, 1, 4] each): ws_* the chunks' code words as loaded (converted here to lane (g, t)'s
@@ -312,7 +417,7 @@ if gluon is not None:
             for c in gl.static_range(1, CHUNKS):
                 m = gl.maximum(m, _magnitude(xss[c]))
         m = gl.max(gl.max(m, axis=3, keep_dims=True), axis=1, keep_dims=True)  # per warp
-        xscale, fac = _input_scale(m, F16)
+        xscale, fac = _input_scale(m, F16, INT4)
         xscale = xscale + 0.0 * (g + t)
         fac = fac + 0.0 * (g + gi + t)
         for c in gl.static_range(CHUNKS):
@@ -320,9 +425,16 @@ if gluon is not None:
             wa = gl.convert_layout(ws_a[c], LF)
             wb = gl.convert_layout(ws_b[c], LF)
             ins = [wa, wb, p[0], p[1], p[2], p[3], es_a[c], es_b[c], fac]
-            pa, pb = gl.inline_asm_elementwise(
-                CHUNK_ASM, CHUNK_CONSTRAINTS, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=8
-            )
+            if INT4:  # the lane's own group's input sum, in the units of B times 2^-24
+                own = gl.sum(_input_sum(xss[c], WORDS, F16), axis=3, keep_dims=True) * xscale * 5.9604644775390625e-08
+                pa, pb = gl.inline_asm_elementwise(
+                    CHUNK_ASM_INT4, CHUNK_CONSTRAINTS_INT4, ins + [own + 0.0 * fac], dtype=(gl.float32, gl.float32),
+                    is_pure=True, pack=8,
+                )  # fmt: skip
+            else:
+                pa, pb = gl.inline_asm_elementwise(
+                    CHUNK_ASM, CHUNK_CONSTRAINTS, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=8
+                )
             if c == 0:
                 acc_a = gl.sum(pa, axis=2, keep_dims=True)
                 acc_b = gl.sum(pb, axis=2, keep_dims=True)
@@ -344,10 +456,11 @@ if gluon is not None:
 
     @gluon.jit
     def _mma_up_kernel(
-        x_ptr, codes_ptr, scales_ptr, index_ptr, bias_ptr, out_ptr, I, alpha, limit,
-        stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_be, stride_om,
+        x_ptr, codes_ptr, scales_ptr, zeros_ptr, index_ptr, bias_ptr, out_ptr, I, alpha, limit,
+        stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
         HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, T_MAJOR: gl.constexpr,
+        INT4: gl.constexpr, SYM: gl.constexpr,
     ):  # fmt: skip
         """Program (pair, 8 intermediate rows): tile rows g = gate rows, g + 8 = the same up rows;
         WARPS warps split the G groups, CHW chunks of 8 each (the last may run past G: masked).
@@ -368,11 +481,26 @@ if gluon is not None:
         g0 = w * GW
         x_at = x_ptr + (pair // TOP_K) * stride_xm + (g0 + g) * 32 + t
         rows = scales_ptr + expert * stride_se + (mt * 8 + g) * stride_sn
-        sw = rows.to(gl.pointer_type(gl.int64), bitcast=True)
+        zrows = zeros_ptr + expert * stride_ze + (mt * 8 + g) * stride_zn
         ws_g, ws_u, es_g, es_u, xss = _chunk_loads(
-            at, I * stride_cn, sw, g0, I * stride_sn + g0, t, lgg, x_at, g0 + g, G, CHW, True
+            at,
+            I * stride_cn,
+            rows,
+            g0,
+            I * stride_sn + g0,
+            zrows,
+            I * stride_zn + g0,
+            t,
+            lgg,
+            x_at,
+            g0 + g,
+            G,
+            CHW,
+            True,
+            INT4,
+            SYM,
         )  # every load before the first decode: the up rows are I rows further
-        acc_g, acc_u = _tile_sums(ws_g, ws_u, es_g, es_u, xss, w, g, gi, t, CHW, F16, LF)
+        acc_g, acc_u = _tile_sums(ws_g, ws_u, es_g, es_u, xss, w, g, gi, t, CHW, F16, LF, False, INT4)
         gate = gl.sum(acc_g, axis=0)  # [8, 1, 4]: lanes (g, t) hold gate / up row 8 mt + g
         up = gl.sum(acc_u, axis=0)
         row = mt * 8 + gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0
@@ -388,10 +516,10 @@ if gluon is not None:
 
     @gluon.jit
     def _mma_down_kernel(
-        a_ptr, codes_ptr, scales_ptr, index_ptr, weight_ptr, bias_ptr, out_ptr,
-        stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_be, stride_wt, stride_om,
+        a_ptr, codes_ptr, scales_ptr, zeros_ptr, index_ptr, weight_ptr, bias_ptr, out_ptr,
+        stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_wt, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr,
-        T_MAJOR: gl.constexpr,
+        T_MAJOR: gl.constexpr, INT4: gl.constexpr, SYM: gl.constexpr,
     ):  # fmt: skip
         """Program (token, 16 output rows); warp k = the token's pair k, summed across warps.
         T_MAJOR: the activations come t-major (two 8-byte loads per lane and chunk)."""
@@ -407,9 +535,9 @@ if gluon is not None:
         pair = token * TOP_K + k
         expert = gl.load(index_ptr + pair).to(gl.int64)
         rows = scales_ptr + expert * stride_se + (mt * 16 + g) * stride_sn
-        sw = rows.to(gl.pointer_type(gl.int64), bitcast=True)
+        zrows = zeros_ptr + expert * stride_ze + (mt * 16 + g) * stride_zn
         ws_g, ws_h, es_g, es_h, _ = _chunk_loads(
-            at, 8 * stride_cn, sw, 0, 8 * stride_sn, t, lq, sw, 0, G, CH, False
+            at, 8 * stride_cn, rows, 0, 8 * stride_sn, zrows, 8 * stride_zn, t, lq, rows, 0, G, CH, False, INT4, SYM
         )  # every code word in flight before the wait: rows g + 8 are 8 rows further
         if PDL:  # the activations are moe_up's output
             _gdc_wait()
@@ -422,7 +550,7 @@ if gluon is not None:
             a_at = a_ptr + pair * stride_am + g * 32 + t
             for c in gl.static_range(CH):
                 xss = xss + (_inputs(a_at + c * GC * 32, g + c * GC < G),)
-        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, CH, F16, LF, T_MAJOR)
+        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, CH, F16, LF, T_MAJOR, INT4)
         row = mt * 16 + g + t * 0  # [1, 8, 1, 4]
         if HAS_BIAS:
             acc_g += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
@@ -444,9 +572,11 @@ def _up_warps(groups: int) -> int:
 
 def _serves(x: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
     """What both kernels need of a step: a Hopper GPU, bf16/fp16 activations, few tokens, an
-    MXFP4 bank, top_k a power of two up to 8 (warps and lanes are laid out by it)."""
-    if gluon is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or not bank.mxfp4:
+    MXFP4 or int4 bank, top_k a power of two up to 8 (warps and lanes are laid out by it)."""
+    if gluon is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
+    if not bank.mxfp4 and not (INT4 and bank.scales.dtype == torch.float16 and bank.in_features % 64 == 0):
+        return False  # int4: fp16 scales, an even group count (a lane's two scales in one load)
     tokens, top_k = index.shape
     return tokens <= MAX_TOKENS and top_k in (1, 2, 4, 8) and torch.cuda.get_device_capability(x.device)[0] == 9
 
@@ -492,16 +622,18 @@ def moe_up(
     tokens, top_k = index.shape
     inter = bank.rows // 2
     words, scales, x = _words(bank.codes), bank.scales.contiguous(), x.contiguous()
+    zeros = scales if bank.zeros is None else bank.zeros.contiguous()
     out = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     bias_t = scales if bias is None else bias
     groups = bank.in_features // 32
     warps = _up_warps(groups)
     _mma_up_kernel[(tokens * top_k, inter // 8)](
-        x, words, scales, index.reshape(-1), bias_t, out, inter, act.alpha, act.limit,
-        x.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
-        0 if bias is None else bias.stride(0), out.stride(0),
+        x, words, scales, zeros, index.reshape(-1), bias_t, out, inter, act.alpha, act.limit,
+        x.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), zeros.stride(0),
+        zeros.stride(1), 0 if bias is None else bias.stride(0), out.stride(0),
         TOP_K=top_k, G=groups, CHW=-(-groups // CHUNK) // warps, WARPS=warps, ACT=act.kind, HAS_BIAS=bias is not None,
-        F16=x.dtype == torch.float16, PDL=True, T_MAJOR=t_major, num_warps=warps, launch_pdl=True,
+        F16=x.dtype == torch.float16, PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
+        num_warps=warps, launch_pdl=True,
     )  # fmt: skip
     return out
 
@@ -518,14 +650,15 @@ def moe_down(
     as ``moe_up(t_major=True)`` stores it."""
     tokens, top_k = index.shape
     words, scales = _words(bank.codes), bank.scales.contiguous()
+    zeros = scales if bank.zeros is None else bank.zeros.contiguous()
     a, weight = a.contiguous(), weight.contiguous()
     out = torch.empty((tokens, bank.rows), dtype=a.dtype, device=a.device)
     bias_t = scales if bias is None else bias
     _mma_down_kernel[(tokens, bank.rows // 16)](
-        a, words, scales, index.reshape(-1), weight, bias_t, out,
-        a.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
-        0 if bias is None else bias.stride(0), weight.stride(0), out.stride(0),
+        a, words, scales, zeros, index.reshape(-1), weight, bias_t, out,
+        a.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), zeros.stride(0),
+        zeros.stride(1), 0 if bias is None else bias.stride(0), weight.stride(0), out.stride(0),
         TOP_K=top_k, G=bank.in_features // 32, HAS_BIAS=bias is not None, F16=a.dtype == torch.float16,
-        PDL=True, T_MAJOR=t_major, num_warps=top_k, launch_pdl=True,
+        PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None, num_warps=top_k, launch_pdl=True,
     )  # fmt: skip
     return out

@@ -47,8 +47,9 @@ Guarantees: results within the bf16 tolerance of exact decode followed by a floa
 tested on a GPU, and in triton's interpreter (CI runs those tests on the CPU). Measured (H200, Qwen3-30B-
 A3B layer, both kernels in a CUDA graph, the ``MEASURED`` configurations): one row, 41% of copy
 bandwidth for int4, 34% for MXFP4; eight rows, 51% for int4 and 43% for MXFP4 (moe_down in
-chunks of 8 groups). MXFP4 steps of up to eight tokens on Hopper run on tensor cores instead
-(:mod:`.mma_moe`: 40% at one row, 47% at eight), :func:`moe_pair` passing the activations t-major.
+chunks of 8 groups). MXFP4 and int4 steps of up to eight tokens on Hopper run on tensor cores
+instead (:mod:`.mma_moe`: MXFP4 44% at one row, 56% at eight; int4 45% and 58%), :func:`moe_pair`
+passing the activations t-major.
 """
 
 from __future__ import annotations
@@ -473,7 +474,7 @@ def moe_up(
     x: torch.Tensor, index: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None, act: Activation
 ) -> torch.Tensor:
     """x [T, H] (bf16 or fp16), index [T, k] -> the pairs' activations [T*k, I] in x's dtype.
-    MXFP4 steps of up to ``mma_moe.MAX_TOKENS`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
+    MXFP4 and int4 steps of up to ``mma_moe.MAX_TOKENS`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
     call = _Call.of(bank, "gate_up", index, bias)
     if not INTERPRETED and mma_moe.up_applies(x, index, bank):
         return mma_moe.moe_up(x, index, bank, bias, act)
@@ -519,7 +520,7 @@ def moe_down(
     a: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """a [T*k, I], index and weight [T, k] -> sum_k weight * (a @ W_down[index].T + bias): [T, H].
-    MXFP4 steps of up to ``mma_moe.MAX_TOKENS`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
+    MXFP4 and int4 steps of up to ``mma_moe.MAX_TOKENS`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
     call = _Call.of(bank, "down", index, bias)
     if not INTERPRETED and mma_moe.down_applies(a, index, bank):
         return mma_moe.moe_down(a, index, weight, bank, bias)
