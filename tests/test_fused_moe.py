@@ -155,9 +155,9 @@ def mxfp4_layer(
 @cuda_only
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("hidden", "inter", "top_k"),
-    [(512, 256, 2), (1024, 256, 8), (2880, 384, 4)],
-    ids=["2-warp-up", "4-warp-up-top8", "gpt-oss-hidden-masked-chunks"],
+    ("hidden", "inter", "top_k", "tokens"),
+    [(512, 256, 2, 1), (1024, 256, 8, 1), (1024, 256, 8, 3), (2880, 384, 4, 1)],
+    ids=["2-warp-up", "4-warp-up-top8", "3-tokens-2-tile-up", "gpt-oss-hidden-masked-chunks"],
 )
 @pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize(
@@ -171,25 +171,28 @@ def mxfp4_layer(
     ids=["silu-bf16", "gpt_oss-bias-bf16", "silu-fp16", "inputs-past-f16-range"],
 )
 def test_the_tensor_core_kernels_match_the_exact_decode(
-    name, hidden, inter, top_k, act, biased, dtype, scale, monkeypatch
+    name, hidden, inter, top_k, tokens, act, biased, dtype, scale, monkeypatch
 ):
-    """One-token MXFP4 and int4 steps on Hopper run on tensor cores (mma_moe): against the float64
+    """MXFP4 and int4 decode steps on Hopper run on tensor cores (mma_moe): against the float64
     exact decode, and against the Triton kernels on the same step; inputs beyond f16's range are
     scaled per warp; group counts that are not whole chunks of 8 (90 and 12 here) are masked;
-    int4 with and without zero points."""
+    int4 with and without zero points; from two tokens on, moe_up's programs take two tiles."""
     from modelfleet.engine.formats import mma_moe
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the tensor-core kernels run on compute capability 9 (Hopper)")
     layer = mxfp4_layer(8, hidden, inter, ACTIVATIONS[act], biased, name)
     generator = torch.Generator().manual_seed(hidden + top_k)
-    index = torch.randperm(8, generator=generator)[:top_k][None]
-    weight = torch.softmax(torch.randn(1, top_k, generator=generator), dim=-1).to(dtype)
-    x = (torch.randn(1, hidden, generator=generator) * scale).to(dtype)
+    index = torch.stack([torch.randperm(8, generator=generator)[:top_k] for _ in range(tokens)])
+    weight = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=-1).to(dtype)
+    x = (torch.randn(tokens, hidden, generator=generator) * scale).to(dtype)
     gate_up, down, _ = layer.fused_kernels(x.cuda())
     assert mma_moe.up_applies(x.cuda(), index.cuda(), gate_up) and mma_moe.down_applies(x.cuda(), index.cuda(), down)
+    chunks = -(-hidden // 32 // mma_moe.CHUNK)
+    tiles = mma_moe._up_tiles(tokens, chunks // mma_moe._up_warps(hidden // 32), inter // 8)
+    assert tiles == (2 if tokens > 1 else 1)
     y = layer(x.cuda(), index.cuda(), weight.cuda())
-    assert y.dtype == dtype and y.shape == (1, hidden)
+    assert y.dtype == dtype and y.shape == (tokens, hidden)
     assert_tokens_close(y, reference_moe(layer, x.float(), index, weight.float()))
     monkeypatch.setattr(mma_moe, "MAX_TOKENS", 0)  # the Triton kernels on the same step
     assert not mma_moe.up_applies(x.cuda(), index.cuda(), gate_up)

@@ -42,15 +42,16 @@ Inputs in f16: x is scaled by 2^-k per warp, k > 0 only when the warp's largest 
 Between the two kernels (:func:`.triton_moe.moe_pair`) the activations travel t-major
 (:func:`t_major`: within each group of 32, input 4i + t at 8t + i), so a moe_down lane reads its
 8 inputs of a group in two 8-byte loads rather than eight 2-byte ones on the few lines every CTA
-reads.
+reads. From two tokens on, a moe_up program computes two tiles of 8 rows, its warps packing the
+inputs once for both (``_up_tiles``).
 
 Measured (H200, Qwen3-30B-A3B-shaped layer in MXFP4, the pair in a CUDA graph): one token
 10.8 us (44% of copy bandwidth; 11.9 us with the shift decode and a shfl per group, 14.0 us on
-the Triton kernels), two 17.8, four 31.4 (Triton 40.2), eight 54.9 (Triton 71.7), hence
+the Triton kernels), two 17.8, four 30.1 (Triton 40.2), eight 52.8 (Triton 71.7), hence
 ``MAX_TOKENS``. A GPT-OSS-20B-shaped layer (hidden 2880 = 90 groups, top-4, clamped SwiGLU,
 biases): 33.2 us at one token (40.2 before, 50.2 on the Triton kernels), 56.8 at two (115.0).
 int4 (Qwen3 shape, zero points): one token 11.6 us (45%) against 13.1 on the Triton kernels,
-two 19.2 (21.1), four 33.6 (37.0), eight 57.7 (65.2).
+two 19.2 (21.1), four 32.4 (37.0), eight 55.7 (65.2).
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -61,7 +62,7 @@ predicated FMA), so they run only on the GPU, not in triton's interpreter.
 
 # The kernels grow tuples of tensors in static loops (ws = ws + (load,)), which mypy types as the
 # empty tuple they start as.
-# mypy: disable-error-code="assignment,misc"
+# mypy: disable-error-code="assignment,misc,var-annotated"
 
 from __future__ import annotations
 
@@ -400,14 +401,21 @@ if gluon is not None:
         return ws_a, ws_b, es_a, es_b, xss
 
     @gluon.jit
+    def _first(a, b):
+        """Combine for taking a chunk's sums from the asm's first output (the other 7 are zero)."""
+        return a
+
+    @gluon.jit
     def _tile_sums(
-        ws_a, ws_b, es_a, es_b, xss, w, g, gi, t,
+        wss_a, wss_b, ess_a, ess_b, xss, w, g, gi, t,
         CHUNKS: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr, WORDS: gl.constexpr, INT4: gl.constexpr,
+        TILES: gl.constexpr,
     ):  # fmt: skip
-        """Rows g and g + 8 of each warp's 16-row tile summed over its CHUNKS chunks of groups
-        ([W, 8, 1, 4] each): ws_* the chunks' code words as loaded (converted here to lane (g, t)'s
-        words), es_* the rows' scales (as :func:`_chunk_loads` gives them), xss the lane's own
-        group's inputs per chunk (WORDS: as :func:`_input_words` loads them)."""
+        """Rows g and g + 8 of each of a warp's TILES 16-row tiles summed over its CHUNKS chunks of
+        groups ([W, 8, 1, 4] each, a tuple per tile): wss_*[j] tile j's chunks' code words as
+        loaded (converted here to lane (g, t)'s words), ess_*[j] its rows' scales (as
+        :func:`_chunk_loads` gives them), xss the lane's own group's inputs per chunk (WORDS: as
+        :func:`_input_words` loads them), shared by the tiles: packed into B once per chunk."""
         if WORDS:
             m = _magnitude_of_words(xss[0])
             for c in gl.static_range(1, CHUNKS):
@@ -420,31 +428,40 @@ if gluon is not None:
         xscale, fac = _input_scale(m, F16, INT4)
         xscale = xscale + 0.0 * (g + t)
         fac = fac + 0.0 * (g + gi + t)
+        ps = ()
+        owns = ()
         for c in gl.static_range(CHUNKS):
-            p = _pack_words(xss[c], xscale, F16) if WORDS else _pack(xss[c], xscale, F16)
-            wa = gl.convert_layout(ws_a[c], LF)
-            wb = gl.convert_layout(ws_b[c], LF)
-            ins = [wa, wb, p[0], p[1], p[2], p[3], es_a[c], es_b[c], fac]
+            ps = ps + (_pack_words(xss[c], xscale, F16) if WORDS else _pack(xss[c], xscale, F16),)
             if INT4:  # the lane's own group's input sum, in the units of B times 2^-24
                 own = gl.sum(_input_sum(xss[c], WORDS, F16), axis=3, keep_dims=True) * xscale * 5.9604644775390625e-08
-                pa, pb = gl.inline_asm_elementwise(
-                    CHUNK_ASM_INT4, CHUNK_CONSTRAINTS_INT4, ins + [own + 0.0 * fac], dtype=(gl.float32, gl.float32),
-                    is_pure=True, pack=8,
-                )  # fmt: skip
-            else:
-                pa, pb = gl.inline_asm_elementwise(
-                    CHUNK_ASM, CHUNK_CONSTRAINTS, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=8
-                )
-            if c == 0:
-                acc_a = gl.sum(pa, axis=2, keep_dims=True)
-                acc_b = gl.sum(pb, axis=2, keep_dims=True)
-            else:
-                acc_a += gl.sum(pa, axis=2, keep_dims=True)
-                acc_b += gl.sum(pb, axis=2, keep_dims=True)
-        # lane t holds groups 2t and 2t + 1 of each chunk: every lane of the row gets the row's sum
-        acc_a = gl.sum(acc_a, axis=3, keep_dims=True) + 0.0 * t
-        acc_b = gl.sum(acc_b, axis=3, keep_dims=True) + 0.0 * t
-        return acc_a, acc_b
+                owns = owns + (own + 0.0 * fac,)
+        accs_a = ()
+        accs_b = ()
+        for j in gl.static_range(TILES):
+            for c in gl.static_range(CHUNKS):
+                p = ps[c]
+                wa = gl.convert_layout(wss_a[j][c], LF)
+                wb = gl.convert_layout(wss_b[j][c], LF)
+                ins = [wa, wb, p[0], p[1], p[2], p[3], ess_a[j][c], ess_b[j][c], fac]
+                if INT4:
+                    pa, pb = gl.inline_asm_elementwise(
+                        CHUNK_ASM_INT4, CHUNK_CONSTRAINTS_INT4, ins + [owns[c]], dtype=(gl.float32, gl.float32),
+                        is_pure=True, pack=8,
+                    )  # fmt: skip
+                else:
+                    pa, pb = gl.inline_asm_elementwise(
+                        CHUNK_ASM, CHUNK_CONSTRAINTS, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=8
+                    )
+                if c == 0:
+                    acc_a = gl.reduce(pa, 2, _first, keep_dims=True)
+                    acc_b = gl.reduce(pb, 2, _first, keep_dims=True)
+                else:
+                    acc_a += gl.reduce(pa, 2, _first, keep_dims=True)
+                    acc_b += gl.reduce(pb, 2, _first, keep_dims=True)
+            # lane t holds groups 2t and 2t + 1 of each chunk: every lane of the row gets the row's sum
+            accs_a = accs_a + (gl.sum(acc_a, axis=3, keep_dims=True) + 0.0 * t,)
+            accs_b = accs_b + (gl.sum(acc_b, axis=3, keep_dims=True) + 0.0 * t,)
+        return accs_a, accs_b
 
     @gluon.jit
     def _act(gate, up, alpha, limit, ACT: gl.constexpr):
@@ -458,13 +475,14 @@ if gluon is not None:
     def _mma_up_kernel(
         x_ptr, codes_ptr, scales_ptr, zeros_ptr, index_ptr, bias_ptr, out_ptr, I, alpha, limit,
         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_om,
-        TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
-        HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, T_MAJOR: gl.constexpr,
+        TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, TILES: gl.constexpr,
+        ACT: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, T_MAJOR: gl.constexpr,
         INT4: gl.constexpr, SYM: gl.constexpr,
     ):  # fmt: skip
-        """Program (pair, 8 intermediate rows): tile rows g = gate rows, g + 8 = the same up rows;
-        WARPS warps split the G groups, CHW chunks of 8 each (the last may run past G: masked).
-        T_MAJOR: activations stored t-major (see :func:`t_major`)."""
+        """Program (pair, TILES x 8 intermediate rows): tile j's rows g = gate rows 8 (TILES mt +
+        j) + g, rows g + 8 = the same up rows; WARPS warps split the G groups, CHW chunks of 8 each
+        (the last may run past G: masked), each warp computing its chunks of all TILES tiles with
+        the inputs packed once. T_MAJOR: activations stored t-major (see :func:`t_major`)."""
         GW: gl.constexpr = CHW * GC  # groups per warp
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [WARPS, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
@@ -476,43 +494,43 @@ if gluon is not None:
         expert = gl.load(index_ptr + pair).to(gl.int64)
         lw, lg, lq, lj = _axes(WARPS, LL)  # loads: whole groups, 128 contiguous bytes per row
         lgg = lw * GW + lq  # [W, 1, GC, 1]: the load's groups of chunk 0
-        at = codes_ptr + expert * stride_ce + (mt * 8 + lg) * stride_cn + lgg * 4 + lj
         w, g, gi, t = _axes(WARPS, LF)
         g0 = w * GW
         x_at = x_ptr + (pair // TOP_K) * stride_xm + (g0 + g) * 32 + t
-        rows = scales_ptr + expert * stride_se + (mt * 8 + g) * stride_sn
-        zrows = zeros_ptr + expert * stride_ze + (mt * 8 + g) * stride_zn
-        ws_g, ws_u, es_g, es_u, xss = _chunk_loads(
-            at,
-            I * stride_cn,
-            rows,
-            g0,
-            I * stride_sn + g0,
-            zrows,
-            I * stride_zn + g0,
-            t,
-            lgg,
-            x_at,
-            g0 + g,
-            G,
-            CHW,
-            True,
-            INT4,
-            SYM,
-        )  # every load before the first decode: the up rows are I rows further
-        acc_g, acc_u = _tile_sums(ws_g, ws_u, es_g, es_u, xss, w, g, gi, t, CHW, F16, LF, False, INT4)
-        gate = gl.sum(acc_g, axis=0)  # [8, 1, 4]: lanes (g, t) hold gate / up row 8 mt + g
-        up = gl.sum(acc_u, axis=0)
-        row = mt * 8 + gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0
+        wss_g = ()
+        wss_u = ()
+        ess_g = ()
+        ess_u = ()
+        for j in gl.static_range(TILES):  # every load before the first decode: the up rows are I rows further
+            r0 = (mt * TILES + j) * 8
+            at = codes_ptr + expert * stride_ce + (r0 + lg) * stride_cn + lgg * 4 + lj
+            rows = scales_ptr + expert * stride_se + (r0 + g) * stride_sn
+            zrows = zeros_ptr + expert * stride_ze + (r0 + g) * stride_zn
+            ws_g, ws_u, es_g, es_u, xs = _chunk_loads(
+                at, I * stride_cn, rows, g0, I * stride_sn + g0, zrows, I * stride_zn + g0, t, lgg, x_at, g0 + g,
+                G, CHW, j == 0, INT4, SYM,
+            )  # fmt: skip
+            if j == 0:
+                xss = xs
+            wss_g = wss_g + (ws_g,)
+            wss_u = wss_u + (ws_u,)
+            ess_g = ess_g + (es_g,)
+            ess_u = ess_u + (es_u,)
+        accs_g, accs_u = _tile_sums(wss_g, wss_u, ess_g, ess_u, xss, w, g, gi, t, CHW, F16, LF, False, INT4, TILES)
         lead = gl.sum(t, axis=0) == 0
-        if HAS_BIAS:
-            gate += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
-            up += gl.load(bias_ptr + expert * stride_be + I + row).to(gl.float32)
-        a = _act(gate, up, alpha, limit, ACT)
-        if T_MAJOR:  # row n = 32 q + 4 i + t of a group goes to 32 q + 8 t + i (8 mt: a multiple of 8)
-            lg = gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0
-            row = (mt // 4) * 32 + (lg % 4) * 8 + (mt % 4) * 2 + lg // 4
-        gl.store(out_ptr + pair * stride_om + row, a.to(out_ptr.dtype.element_ty), mask=lead)
+        lg = gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0  # [8, 1, 4]: lanes (g, t) hold gate / up row 8 tile + g
+        for j in gl.static_range(TILES):
+            tile = mt * TILES + j
+            gate = gl.sum(accs_g[j], axis=0)
+            up = gl.sum(accs_u[j], axis=0)
+            row = tile * 8 + lg
+            if HAS_BIAS:
+                gate += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
+                up += gl.load(bias_ptr + expert * stride_be + I + row).to(gl.float32)
+            a = _act(gate, up, alpha, limit, ACT)
+            if T_MAJOR:  # row n = 32 q + 4 i + t of a group goes to 32 q + 8 t + i (8 tile: a multiple of 8)
+                row = (tile // 4) * 32 + (lg % 4) * 8 + (tile % 4) * 2 + lg // 4
+            gl.store(out_ptr + pair * stride_om + row, a.to(out_ptr.dtype.element_ty), mask=lead)
 
     @gluon.jit
     def _mma_down_kernel(
@@ -550,7 +568,9 @@ if gluon is not None:
             a_at = a_ptr + pair * stride_am + g * 32 + t
             for c in gl.static_range(CH):
                 xss = xss + (_inputs(a_at + c * GC * 32, g + c * GC < G),)
-        acc_g, acc_h = _tile_sums(ws_g, ws_h, es_g, es_h, xss, k, g, gi, t, CH, F16, LF, T_MAJOR, INT4)
+        accs_g, accs_h = _tile_sums((ws_g,), (ws_h,), (es_g,), (es_h,), xss, k, g, gi, t, CH, F16, LF, T_MAJOR, INT4, 1)
+        acc_g = accs_g[0]
+        acc_h = accs_h[0]
         row = mt * 16 + g + t * 0  # [1, 8, 1, 4]
         if HAS_BIAS:
             acc_g += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
@@ -568,6 +588,14 @@ def _up_warps(groups: int) -> int:
     """moe_up's warps: 4 where the chunks of 8 groups split evenly over 4 (measured fastest), else 2, 1."""
     chunks = -(-groups // CHUNK)
     return next(w for w in (4, 2, 1) if chunks % w == 0)
+
+
+def _up_tiles(tokens: int, chunks_per_warp: int, units: int) -> int:
+    """moe_up's tiles per program: 2 from two tokens on where a warp's codes of both fit (up to 2
+    chunks each) and the units of 8 rows pair up: the inputs packed once per two tiles (H200,
+    Qwen3-30B-A3B layer: 2-4.5% faster at 2-8 tokens). One token keeps 1: the longer programs
+    delay moe_down (the pair measured 11.1 -> 12.5 us)."""
+    return 2 if tokens >= 2 and chunks_per_warp <= 2 and units % 2 == 0 else 1
 
 
 def _serves(x: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
@@ -627,11 +655,13 @@ def moe_up(
     bias_t = scales if bias is None else bias
     groups = bank.in_features // 32
     warps = _up_warps(groups)
-    _mma_up_kernel[(tokens * top_k, inter // 8)](
+    chw = -(-groups // CHUNK) // warps
+    tiles = _up_tiles(tokens, chw, inter // 8)
+    _mma_up_kernel[(tokens * top_k, inter // 8 // tiles)](
         x, words, scales, zeros, index.reshape(-1), bias_t, out, inter, act.alpha, act.limit,
         x.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), zeros.stride(0),
         zeros.stride(1), 0 if bias is None else bias.stride(0), out.stride(0),
-        TOP_K=top_k, G=groups, CHW=-(-groups // CHUNK) // warps, WARPS=warps, ACT=act.kind, HAS_BIAS=bias is not None,
+        TOP_K=top_k, G=groups, CHW=chw, WARPS=warps, TILES=tiles, ACT=act.kind, HAS_BIAS=bias is not None,
         F16=x.dtype == torch.float16, PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
         num_warps=warps, launch_pdl=True,
     )  # fmt: skip
