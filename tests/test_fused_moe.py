@@ -357,12 +357,18 @@ def test_the_tensor_core_decode_makes_exact_f16_pairs_in_a_ptx_model():
 
 def test_the_tensor_core_int4_decode_and_scales_in_a_ptx_model():
     """mma_moe's int4 A registers: nibbles i and i + 4 of a word become the f16 subnormals q x 2^-24
-    (bits q); a row's operand of two fp16 scales and two zero points reads back as float32."""
+    (bits q) for even i and 16 q x 2^-24 for odd i (the B registers they meet hold the inputs / 16),
+    in the asm moe_up runs and from moe_down's halfway-decoded words (w, w >> 8) alike; a row's
+    operand of two fp16 scales and two zero points reads back as float32."""
     mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
     words = [sum(((k + j * 5 + (k >> 4) * 3) % 16) << (4 * j) for j in range(8)) for k in range(256)]
+    assert "shr.u32 ea, $16, 8;" in mma_moe.CHUNK_ASM_INT4.value
     for w, i in itertools.product(words, range(4)):
-        a = run_ptx(mma_moe._pair_int4(i, "$2", "a"), {"$2": w})["a"]
-        assert (a & 0xFFFF, a >> 16) == ((w >> 4 * i) & 15, (w >> (4 * i + 16)) & 15), (i, hex(w))
+        a = run_ptx("shr.u32 w8, $2, 8; " + mma_moe._pair_int4(i, "$2", "w8", "a"), {"$2": w})["a"]
+        unit = 16 if i % 2 else 1
+        assert (a & 0xFFFF, a >> 16) == (unit * (w >> 4 * i & 15), unit * (w >> (4 * i + 16) & 15)), (i, hex(w))
+        predecoded = w >> 8 if w < 1 << 31 else (w >> 8) | 0xFF000000  # gluon's w >> 8 on int32
+        assert run_ptx(mma_moe._pair_int4(i, "$2", "$3", "a"), {"$2": w, "$3": predecoded})["a"] == a
     text = mma_moe._SCALES_INT4.format(e="$8", s0="s0", s1="s1", z0="z0", z1="z1")
     assert mma_moe._SCALES_INT4.format(e="$64", s0="sa0", s1="sa1", z0="z0", z1="z1") in mma_moe.CHUNK_ASM_INT4.value
     bits = lambda v: int(np.array(v, dtype=np.float32).view(np.uint32))  # noqa: E731
@@ -375,9 +381,10 @@ def test_the_tensor_core_int4_decode_and_scales_in_a_ptx_model():
 
 @pytest.mark.parametrize("kind", ["bf16", "f16"])
 def test_the_tensor_core_inputs_pair_as_the_codes_do_in_a_ptx_model(kind):
-    """mma_moe's B registers: a lane's 8 inputs x[4i + t] (i = 0..7), times the warp's 2^-k, become
-    the f16 pairs (x[4i + t], x[4i + 16 + t]) for i = 0..3, low half first, as the A registers
-    pair nibbles i and i + 4; rounded to nearest even."""
+    """mma_moe's B registers: a lane's 8 inputs x[4i + t] (i = 0..7), times the warp's 2^-k ($12;
+    pairs 1 and 3 times $13, int4's 2^-k / 16), become the f16 pairs (x[4i + t], x[4i + 16 + t])
+    for i = 0..3, low half first, as the A registers pair nibbles i and i + 4; rounded to nearest
+    even."""
     mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
     text = (mma_moe.PACK_BF16 if kind == "bf16" else mma_moe.PACK_F16).value
     generator = torch.Generator().manual_seed(3)
@@ -389,10 +396,12 @@ def test_the_tensor_core_inputs_pair_as_the_codes_do_in_a_ptx_model(kind):
         scale = 2.0**-k
         regs = {f"${4 + i}": int(bits[i]) for i in range(8)}
         regs["$12"] = int(np.array(scale, dtype=np.float32).view(np.uint32))
+        regs["$13"] = int(np.array(scale / 16, dtype=np.float32).view(np.uint32))
         out = run_ptx(text, regs)
         for i in range(4):
-            lo = np.array(float(x[i]) * scale, dtype=np.float32).astype(np.float16)
-            hi = np.array(float(x[i + 4]) * scale, dtype=np.float32).astype(np.float16)
+            times = scale / 16 if i % 2 else scale
+            lo = np.array(float(x[i]) * times, dtype=np.float32).astype(np.float16)
+            hi = np.array(float(x[i + 4]) * times, dtype=np.float32).astype(np.float16)
             assert out[f"${i}"] == int(hi.view(np.uint16)) << 16 | int(lo.view(np.uint16)), (kind, k, i)
 
 
@@ -410,13 +419,13 @@ def test_the_tensor_core_inputs_pair_the_same_from_t_major_activations_in_a_ptx_
     a = (torch.randn(2, 64, generator=generator) * 3).to(dtype)  # two pairs' activations, two groups
     bits = a.view(torch.int16).to(torch.int32) & 0xFFFF
     stored = mma_moe.t_major(a).view(torch.int16).to(torch.int32) & 0xFFFF
-    scale = int(np.array(0.5, dtype=np.float32).view(np.uint32))
+    scale, odd = (int(np.array(v, dtype=np.float32).view(np.uint32)) for v in (0.5, 0.5 / 16))
     for pair, group, t in itertools.product(range(2), range(2), range(4)):
         x = [int(bits[pair, 32 * group + 4 * i + t]) for i in range(8)]  # the lane's 8 inputs
         lane = stored[pair, 32 * group + 8 * t : 32 * group + 8 * t + 8].tolist()  # its 16 contiguous bytes
         words = {f"${4 + j}": lane[2 * j] | lane[2 * j + 1] << 16 for j in range(4)}
-        expected = run_ptx(pack.value, {**{f"${4 + i}": x[i] for i in range(8)}, "$12": scale})
-        got = run_ptx(pack_words.value, {**words, "$8": scale})
+        expected = run_ptx(pack.value, {**{f"${4 + i}": x[i] for i in range(8)}, "$12": scale, "$13": odd})
+        got = run_ptx(pack_words.value, {**words, "$8": scale, "$9": odd})
         assert [got[f"${i}"] for i in range(4)] == [expected[f"${i}"] for i in range(4)], (kind, pair, group, t)
         magnitude = run_ptx(mma_moe.MAGNITUDE_W.value, {f"${1 + j}": words[f"${4 + j}"] for j in range(4)})["$0"]
         assert magnitude == max(v & 0x7FFF for v in x), (kind, pair, group, t)

@@ -26,18 +26,26 @@ with a predicated FMA. A chunk's 8 groups run in one asm block (``_chunk_asm``),
 lane's two scales once; the 4 lanes of a row are added at the end, times 2^14 and the input
 scale.
 
-int4 (``INT4``): nibbles i and i + 4 are the f16 pair of subnormals q x 2^-24 (bits q: an AND,
-and a shift for i > 0), exact, so the MMA sums q x; the fold takes off z times the group's input
-sum (from the lanes that loaded the group: two shfl per chunk), s (D - z Y). Zero points come in
-the same operand as the lane's two fp16 scales; int4_sym's are 8.
+int4 (``INT4``): nibbles i and i + 4 are the f16 pair of subnormals q x 2^-24 for even i and
+16 q x 2^-24 for odd i, each taken in place by one AND (w for i < 2, w >> 8 for i >= 2: one shift
+per word, against three when every pair was shifted down to bits 0..3), exact; B holds the
+inputs that meet odd i divided by 16, so the MMA still sums q x. The fold takes off z times the
+group's input sum (from the lanes that loaded the group: two shfl per chunk), s (D - z Y). Zero
+points come in the same operand as the lane's two fp16 scales; int4_sym's are 8. At one token
+moe_down converts its int4 words to fragment order and shifts them before waiting on moe_up
+(``PREDECODE``): only the ANDs and MMAs are left after the wait. ptxas sinks such work past
+``griddepcontrol.wait``, so the wait runs under a predicate computed from every prepared word
+(always true, not foldable) and the activations' addresses add the 0 it returns.
 
 Loads: each lane reads whole 16-byte groups (4 rows x 128 contiguous bytes per instruction), and
 a layout conversion through shared memory hands lane (g, t) its words (loading them in fragment
 order directly, 16 bytes per row per instruction, made moe_up 20% slower).
 
-Inputs in f16: x is scaled by 2^-k per warp, k > 0 only when the warp's largest |x| reaches
-2^15 (so nothing overflows f16; the scale is undone exactly in the fold). Inputs below 2^-14
-(x 2^k) lose bits as f16 subnormals: absolute error below 2^-25 x 2^k per input.
+Inputs in f16: x is scaled by 2^-k per warp (undone exactly in the fold). MXFP4: k > 0 only
+when the warp's largest |x| reaches 2^15 (so nothing overflows f16); inputs below 2^-14 (x 2^k)
+lose bits as f16 subnormals, absolute error below 2^-25 x 2^k per input. int4: k puts the warp's
+largest |x| in [2^14, 2^15), small inputs scaled up, so only inputs more than 2^24 below the
+warp's largest lose bits, although B holds half of them / 16.
 
 Between the two kernels (:func:`.triton_moe.moe_pair`) the activations travel t-major
 (:func:`t_major`: within each group of 32, input 4i + t at 8t + i), so a moe_down lane reads its
@@ -51,7 +59,8 @@ the Triton kernels), two 17.8, four 30.1 (Triton 40.2), eight 52.8 (Triton 71.7)
 ``MAX_TOKENS``. A GPT-OSS-20B-shaped layer (hidden 2880 = 90 groups, top-4, clamped SwiGLU,
 biases): 33.2 us at one token (40.2 before, 50.2 on the Triton kernels), 56.8 at two (115.0).
 int4 (Qwen3 shape, zero points): one token 11.6 us (45%) against 13.1 on the Triton kernels,
-two 19.2 (21.1), four 32.4 (37.0), eight 55.7 (65.2).
+two 19.2 (21.1), four 32.4 (37.0), eight 55.7 (65.2); with the in-place pairs and moe_down's
+predecode at one token, 11.0-11.2 us (47-48%) against 11.9 in the same run.
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -82,6 +91,11 @@ except ImportError:  # pragma: no cover - older triton: the Triton kernels serve
 
 INT4 = True  # int4 banks on tensor cores too (else the Triton kernels)
 MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton pair at 1, 2, 4 and 8 tokens
+# moe_down decodes int4 codes halfway before waiting on moe_up (``_predecode``) at one token:
+# H200, Qwen3-30B-A3B layer, the pair 11.9 -> 11.0-11.2 us. The words then live across the wait
+# (170 registers): from two tokens on that costs more than it saves (int4 18.5 -> 19.8 us at two),
+# and MXFP4's E / O bytes (176 registers) gain nothing even at one (11.0 -> 11.1).
+PREDECODE = True
 CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
 
@@ -117,10 +131,11 @@ _SCALES = (
 )
 
 
-def _pair_int4(i: int, w: str, a: str) -> str:
-    """int4: nibbles i and i + 4 of word w as an f16 pair of subnormals, q x 2^-24 exactly (the
-    zero point comes off in the fold)."""
-    return f"and.b32 {a}, {w}, 0x000f000f;" if i == 0 else f"shr.u32 x, {w}, {4 * i}; and.b32 {a}, x, 0x000f000f;"
+def _pair_int4(i: int, w: str, w8: str, a: str) -> str:
+    """int4: nibbles i and i + 4 of word w (w8: w >> 8) as an f16 pair of subnormals, exact: q x
+    2^-24 for even i (bits 0..3 of each half), 16 q x 2^-24 for odd i (bits 4..7, taken in place:
+    the B registers they meet hold the inputs / 16). One AND each, and one shift per word."""
+    return f"and.b32 {a}, {w if i < 2 else w8}, {'0x000f000f' if i % 2 == 0 else '0x00f000f0'};"
 
 
 # int4: a row's operand e = its fp16 scales of groups 2t, 2t + 1 (low word) and their zero points
@@ -131,7 +146,7 @@ _SCALES_INT4 = (
 )
 
 
-def _chunk_asm(int4: bool = False) -> str:
+def _chunk_asm(int4: bool = False, pre: bool = False) -> str:
     """A chunk's 8 groups of a 16-row tile in one block (pack 8). Operands: $0 / $8 the lane's sums
     of rows g / g + 8, $1..$7 / $9..$15 zero; $16 + k / $24 + k word t of group k for rows g /
     g + 8; $32, $40, $48, $56 the f16 pairs of the lane's own group (group g of the chunk: B's
@@ -142,7 +157,14 @@ def _chunk_asm(int4: bool = False) -> str:
     c1 / c3 for odd): they add it times the group's scale (a predicated FMA), so lane t sums
     groups 2t and 2t + 1. MXFP4: the scales are the rows' 8 E8M0 bytes of the chunk. int4: as
     ``_SCALES_INT4`` reads them, and the sum starts at -s z Y for the lane's two groups (Y fetched
-    from the lanes that own them), since the codes decode to q, not q - z."""
+    from the lanes that own them), since the codes decode to q, not q - z.
+
+    pre: the words come decoded halfway (:func:`_predecode`, before moe_down's wait), two registers
+    each: $16 + k / $24 + k E / O (MXFP4) or w / w >> 8 (int4) of rows g, $32 + k / $40 + k of
+    rows g + 8; the operands above from $32 on move up by 16."""
+    up = 16 if pre else 0
+    b0s = [f"${32 + up + 8 * j}" for j in range(4)]
+    es_a, es_b, fac, own = f"${64 + up}", f"${72 + up}", f"${80 + up}", f"${88 + up}"
     lines = [
         "{",
         ".reg .b32 a0, a1, a2, a3, x, y, t, sh, lo, hi, sel, za, ea, oa, eb, ob; .reg .b16 h0, h1;",
@@ -152,11 +174,11 @@ def _chunk_asm(int4: bool = False) -> str:
     ]
     if int4:
         lines += [
-            _SCALES_INT4.format(e="$64", s0="sa0", s1="sa1", z0="z0", z1="z1"),
-            _SCALES_INT4.format(e="$72", s0="sb0", s1="sb1", z0="z2", z1="z3"),
-            "mul.f32 sa0, sa0, $80; mul.f32 sa1, sa1, $80; mul.f32 sb0, sb0, $80; mul.f32 sb1, sb1, $80;",
-            "shl.b32 x, t, 3; shfl.sync.idx.b32 y, $88, x, 0x1f, 0xffffffff; mov.b32 y0, y;",
-            "add.u32 x, x, 4; shfl.sync.idx.b32 y, $88, x, 0x1f, 0xffffffff; mov.b32 y1, y;",
+            _SCALES_INT4.format(e=es_a, s0="sa0", s1="sa1", z0="z0", z1="z1"),
+            _SCALES_INT4.format(e=es_b, s0="sb0", s1="sb1", z0="z2", z1="z3"),
+            f"mul.f32 sa0, sa0, {fac}; mul.f32 sa1, sa1, {fac}; mul.f32 sb0, sb0, {fac}; mul.f32 sb1, sb1, {fac};",
+            f"shl.b32 x, t, 3; shfl.sync.idx.b32 y, {own}, x, 0x1f, 0xffffffff; mov.b32 y0, y;",
+            f"add.u32 x, x, 4; shfl.sync.idx.b32 y, {own}, x, 0x1f, 0xffffffff; mov.b32 y1, y;",
             "mul.f32 z0, z0, y0; mul.f32 z1, z1, y1; mul.f32 z2, z2, y0; mul.f32 z3, z3, y1;",
             "mul.f32 acca, sa0, z0; neg.f32 acca, acca; mul.f32 accb, sb0, z2; neg.f32 accb, accb;",
             "mul.f32 z1, sa1, z1; sub.f32 acca, acca, z1; mul.f32 z3, sb1, z3; sub.f32 accb, accb, z3;",
@@ -164,25 +186,33 @@ def _chunk_asm(int4: bool = False) -> str:
         ]
     else:
         lines += [
-            _SCALES.format(e="$64", s0="sa0", s1="sa1"),
-            _SCALES.format(e="$72", s0="sb0", s1="sb1"),
+            _SCALES.format(e=es_a, s0="sa0", s1="sa1"),
+            _SCALES.format(e=es_b, s0="sb0", s1="sb1"),
             "mov.b32 za, 0; mov.b32 acca, 0; mov.b32 accb, 0;",
         ]
     for k in range(CHUNK):
-        wa, wb = f"${16 + k}", f"${24 + k}"
-        if not int4:
-            lines.append(_EO.format(w=wa, e="ea", o="oa") + " " + _EO.format(w=wb, e="eb", o="ob"))
-        for tile, (b0, b1, c) in enumerate((("$32", "$40", "za, za, za, za"), ("$48", "$56", "d0, d1, d2, d3"))):
+        if pre:  # E, O (MXFP4) or w, w >> 8 (int4) of rows g and of rows g + 8
+            wa, xa, wb, xb = (f"${16 + 8 * j + k}" for j in range(4))
+            ea, oa, eb, ob = wa, xa, wb, xb
+        else:
+            wa, wb, xa, xb = f"${16 + k}", f"${24 + k}", "ea", "eb"
+            ea, oa, eb, ob = "ea", "oa", "eb", "ob"
+            lines.append(
+                f"shr.u32 {xa}, {wa}, 8; shr.u32 {xb}, {wb}, 8;"
+                if int4
+                else _EO.format(w=wa, e="ea", o="oa") + " " + _EO.format(w=wb, e="eb", o="ob")
+            )
+        for tile, (b0, b1, c) in enumerate(((b0s[0], b0s[1], "za, za, za, za"), (b0s[2], b0s[3], "d0, d1, d2, d3"))):
             i = 2 * tile
             if int4:
-                regs = ((wa, i, "a0"), (wb, i, "a1"), (wa, i + 1, "a2"), (wb, i + 1, "a3"))
-                lines.append(" ".join(_pair_int4(n, w, a) for w, n, a in regs))
+                regs = ((wa, xa, i, "a0"), (wb, xb, i, "a1"), (wa, xa, i + 1, "a2"), (wb, xb, i + 1, "a3"))
+                lines.append(" ".join(_pair_int4(n, w, w8, a) for w, w8, n, a in regs))
             else:
                 regs4 = (
-                    ("ea", "oa", i, "a0"),
-                    ("eb", "ob", i, "a1"),
-                    ("ea", "oa", i + 1, "a2"),
-                    ("eb", "ob", i + 1, "a3"),
+                    (ea, oa, i, "a0"),
+                    (eb, ob, i, "a1"),
+                    (ea, oa, i + 1, "a2"),
+                    (eb, ob, i + 1, "a3"),
                 )
                 lines.append(" ".join(_pair(n, e, o, a) for e, o, n, a in regs4))
             lines.append(_MMA.format(b0=b0, b1=b1, c=c))
@@ -192,7 +222,7 @@ def _chunk_asm(int4: bool = False) -> str:
     if int4:
         lines.append("mov.b32 $0, acca; mov.b32 $8, accb;")
     else:
-        lines.append("mul.f32 $0, acca, $80; mul.f32 $8, accb, $80;")
+        lines.append(f"mul.f32 $0, acca, {fac}; mul.f32 $8, accb, {fac};")
     lines.append(" ".join(f"mov.b32 ${i}, 0;" for i in (*range(1, 8), *range(9, 16))))
     return "\n".join((*lines, "}"))
 
@@ -201,13 +231,20 @@ CHUNK_ASM = tl.constexpr(_chunk_asm())
 CHUNK_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 48 + ["l"] * 16 + ["f"] * 8))
 CHUNK_ASM_INT4 = tl.constexpr(_chunk_asm(int4=True))
 CHUNK_CONSTRAINTS_INT4 = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 48 + ["l"] * 16 + ["f"] * 16))
-# 8 inputs x[4i + t] (i = 0..7, bf16 or f16) -> 4 f16 pairs (x[4i + t], x[4i + 16 + t]) x scale
+CHUNK_ASM_PRE = tl.constexpr(_chunk_asm(pre=True))
+CHUNK_CONSTRAINTS_PRE = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 64 + ["l"] * 16 + ["f"] * 8))
+CHUNK_ASM_INT4_PRE = tl.constexpr(_chunk_asm(int4=True, pre=True))
+CHUNK_CONSTRAINTS_INT4_PRE = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 64 + ["l"] * 16 + ["f"] * 16))
+# a code word halfway decoded (MXFP4: the E and O bytes of ``_EO``), for ``_chunk_asm(pre=True)``
+EO_ASM = tl.constexpr("{ .reg .b32 x, y; " + _EO.format(w="$2", e="$0", o="$1") + " }")
+# 8 inputs x[4i + t] (i = 0..7, bf16 or f16) -> 4 f16 pairs (x[4i + t], x[4i + 16 + t]) x scale: pairs 0 and 2
+# times $12, 1 and 3 times $13 (int4: $12 / 16, as they meet its codes 16 q)
 _PACK = """{{
     .reg .f32 f0, f1;
     cvt.f32.{t} f0, $4; cvt.f32.{t} f1, $8;  mul.f32 f0, f0, $12; mul.f32 f1, f1, $12; cvt.rn.f16x2.f32 $0, f1, f0;
-    cvt.f32.{t} f0, $5; cvt.f32.{t} f1, $9;  mul.f32 f0, f0, $12; mul.f32 f1, f1, $12; cvt.rn.f16x2.f32 $1, f1, f0;
+    cvt.f32.{t} f0, $5; cvt.f32.{t} f1, $9;  mul.f32 f0, f0, $13; mul.f32 f1, f1, $13; cvt.rn.f16x2.f32 $1, f1, f0;
     cvt.f32.{t} f0, $6; cvt.f32.{t} f1, $10; mul.f32 f0, f0, $12; mul.f32 f1, f1, $12; cvt.rn.f16x2.f32 $2, f1, f0;
-    cvt.f32.{t} f0, $7; cvt.f32.{t} f1, $11; mul.f32 f0, f0, $12; mul.f32 f1, f1, $12; cvt.rn.f16x2.f32 $3, f1, f0;
+    cvt.f32.{t} f0, $7; cvt.f32.{t} f1, $11; mul.f32 f0, f0, $13; mul.f32 f1, f1, $13; cvt.rn.f16x2.f32 $3, f1, f0;
 }}"""
 PACK_BF16 = tl.constexpr(_PACK.format(t="bf16"))
 PACK_F16 = tl.constexpr(_PACK.format(t="f16"))
@@ -218,9 +255,9 @@ _PACK_W = """{{
     .reg .f32 f0, f1; .reg .b16 a0, a1, a2, a3, b0, b1, b2, b3;
     mov.b32 {{a0, a1}}, $4; mov.b32 {{a2, a3}}, $5; mov.b32 {{b0, b1}}, $6; mov.b32 {{b2, b3}}, $7;
     cvt.f32.{t} f0, a0; cvt.f32.{t} f1, b0; mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; cvt.rn.f16x2.f32 $0, f1, f0;
-    cvt.f32.{t} f0, a1; cvt.f32.{t} f1, b1; mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; cvt.rn.f16x2.f32 $1, f1, f0;
+    cvt.f32.{t} f0, a1; cvt.f32.{t} f1, b1; mul.f32 f0, f0, $9; mul.f32 f1, f1, $9; cvt.rn.f16x2.f32 $1, f1, f0;
     cvt.f32.{t} f0, a2; cvt.f32.{t} f1, b2; mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; cvt.rn.f16x2.f32 $2, f1, f0;
-    cvt.f32.{t} f0, a3; cvt.f32.{t} f1, b3; mul.f32 f0, f0, $8; mul.f32 f1, f1, $8; cvt.rn.f16x2.f32 $3, f1, f0;
+    cvt.f32.{t} f0, a3; cvt.f32.{t} f1, b3; mul.f32 f0, f0, $9; mul.f32 f1, f1, $9; cvt.rn.f16x2.f32 $3, f1, f0;
 }}"""
 PACK_W_BF16 = tl.constexpr(_PACK_W.format(t="bf16"))
 PACK_W_F16 = tl.constexpr(_PACK_W.format(t="f16"))
@@ -250,6 +287,20 @@ if gluon is not None:
     @gluon.jit
     def _gdc_wait():
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gdc_wait_after(x):
+        """griddepcontrol.wait once x is computed: under a predicate of x that is always true (x^2 +
+        1 is never 0 mod 2^32) but that ptxas cannot fold, so what x depends on stays before it."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
+            " @p griddepcontrol.wait; and.b32 $0, y, 0; }",
+            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _xor(a, b):
+        return a ^ b
 
     @gluon.jit
     def _gdc_launch_dependents():
@@ -300,9 +351,15 @@ if gluon is not None:
 
     @gluon.jit
     def _input_scale(m, F16: gl.constexpr, INT4: gl.constexpr):
-        """2^-k and 2^(14 + k) (float32; int4: 2^(24 + k), its codes being q x 2^-24), k the
-        smallest shift that keeps |x| 2^-k below 2^15."""
-        k = m * 0 if F16 else gl.maximum((m >> 7) - 141, 0)  # f16 inputs are finite f16 already
+        """2^-k and 2^(14 + k) (float32; int4: 2^(24 + k), its codes being q x 2^-24). MXFP4: k the
+        smallest shift >= 0 that keeps |x| 2^-k below 2^15 (f16 inputs: 0, finite f16 already).
+        int4: k putting the warp's largest |x| x 2^-k in [2^14, 2^15) (k >= -100), small inputs
+        scaled up, so that only inputs 2^24 below the largest lose bits as f16 subnormals where B
+        holds them / 16."""
+        if INT4:
+            k = gl.maximum((m >> 10) - 29 if F16 else (m >> 7) - 141, -100)
+        else:
+            k = m * 0 if F16 else gl.maximum((m >> 7) - 141, 0)
         return ((127 - k) << 23).to(gl.float32, bitcast=True), ((141 + 10 * INT4 + k) << 23).to(
             gl.float32, bitcast=True
         )
@@ -328,17 +385,17 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _pack_words(ws, scale, F16: gl.constexpr):
+    def _pack_words(ws, scale, odd, F16: gl.constexpr):
         return gl.inline_asm_elementwise(
-            PACK_W_F16 if F16 else PACK_W_BF16, "=r,=r,=r,=r,r,r,r,r,f", [ws[0], ws[1], ws[2], ws[3], scale],
+            PACK_W_F16 if F16 else PACK_W_BF16, "=r,=r,=r,=r,r,r,r,r,f,f", [ws[0], ws[1], ws[2], ws[3], scale, odd],
             dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
         )  # fmt: skip
 
     @gluon.jit
-    def _pack(xs, scale, F16: gl.constexpr):
-        ins = [xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], scale]
+    def _pack(xs, scale, odd, F16: gl.constexpr):
+        ins = [xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], scale, odd]
         return gl.inline_asm_elementwise(
-            PACK_F16 if F16 else PACK_BF16, "=r,=r,=r,=r,h,h,h,h,h,h,h,h,f", ins,
+            PACK_F16 if F16 else PACK_BF16, "=r,=r,=r,=r,h,h,h,h,h,h,h,h,f,f", ins,
             dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
         )  # fmt: skip
 
@@ -401,6 +458,14 @@ if gluon is not None:
         return ws_a, ws_b, es_a, es_b, xss
 
     @gluon.jit
+    def _predecode(w, INT4: gl.constexpr):
+        """A chunk's converted words halfway decoded, for ``_chunk_asm(pre=True)``: MXFP4 the E and
+        O bytes of ``_EO``, int4 the word and the word >> 8 (the shift the ANDs share)."""
+        if INT4:
+            return w, w >> 8  # arithmetic: the sign-filled bits are masked off
+        return gl.inline_asm_elementwise(EO_ASM, "=r,=r,r", [w], dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
+
+    @gluon.jit
     def _first(a, b):
         """Combine for taking a chunk's sums from the asm's first output (the other 7 are zero)."""
         return a
@@ -409,11 +474,12 @@ if gluon is not None:
     def _tile_sums(
         wss_a, wss_b, ess_a, ess_b, xss, w, g, gi, t,
         CHUNKS: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr, WORDS: gl.constexpr, INT4: gl.constexpr,
-        TILES: gl.constexpr,
+        TILES: gl.constexpr, PRE: gl.constexpr = False,
     ):  # fmt: skip
         """Rows g and g + 8 of each of a warp's TILES 16-row tiles summed over its CHUNKS chunks of
         groups ([W, 8, 1, 4] each, a tuple per tile): wss_*[j] tile j's chunks' code words as
-        loaded (converted here to lane (g, t)'s words), ess_*[j] its rows' scales (as
+        loaded (converted here to lane (g, t)'s words; PRE: already converted and halfway decoded,
+        a pair per chunk, :func:`_predecode`), ess_*[j] its rows' scales (as
         :func:`_chunk_loads` gives them), xss the lane's own group's inputs per chunk (WORDS: as
         :func:`_input_words` loads them), shared by the tiles: packed into B once per chunk."""
         if WORDS:
@@ -431,7 +497,8 @@ if gluon is not None:
         ps = ()
         owns = ()
         for c in gl.static_range(CHUNKS):
-            ps = ps + (_pack_words(xss[c], xscale, F16) if WORDS else _pack(xss[c], xscale, F16),)
+            odd = xscale * 0.0625 if INT4 else xscale  # int4: pairs 1 and 3 meet 16 q
+            ps = ps + (_pack_words(xss[c], xscale, odd, F16) if WORDS else _pack(xss[c], xscale, odd, F16),)
             if INT4:  # the lane's own group's input sum, in the units of B times 2^-24
                 own = gl.sum(_input_sum(xss[c], WORDS, F16), axis=3, keep_dims=True) * xscale * 5.9604644775390625e-08
                 owns = owns + (own + 0.0 * fac,)
@@ -440,10 +507,24 @@ if gluon is not None:
         for j in gl.static_range(TILES):
             for c in gl.static_range(CHUNKS):
                 p = ps[c]
-                wa = gl.convert_layout(wss_a[j][c], LF)
-                wb = gl.convert_layout(wss_b[j][c], LF)
-                ins = [wa, wb, p[0], p[1], p[2], p[3], ess_a[j][c], ess_b[j][c], fac]
-                if INT4:
+                if PRE:
+                    ha = wss_a[j][c]
+                    hb = wss_b[j][c]
+                    ins = [ha[0], ha[1], hb[0], hb[1], p[0], p[1], p[2], p[3], ess_a[j][c], ess_b[j][c], fac]
+                else:
+                    wa = gl.convert_layout(wss_a[j][c], LF)
+                    wb = gl.convert_layout(wss_b[j][c], LF)
+                    ins = [wa, wb, p[0], p[1], p[2], p[3], ess_a[j][c], ess_b[j][c], fac]
+                if PRE and INT4:
+                    pa, pb = gl.inline_asm_elementwise(
+                        CHUNK_ASM_INT4_PRE, CHUNK_CONSTRAINTS_INT4_PRE, ins + [owns[c]],
+                        dtype=(gl.float32, gl.float32), is_pure=True, pack=8,
+                    )  # fmt: skip
+                elif PRE:
+                    pa, pb = gl.inline_asm_elementwise(
+                        CHUNK_ASM_PRE, CHUNK_CONSTRAINTS_PRE, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=8
+                    )
+                elif INT4:
                     pa, pb = gl.inline_asm_elementwise(
                         CHUNK_ASM_INT4, CHUNK_CONSTRAINTS_INT4, ins + [owns[c]], dtype=(gl.float32, gl.float32),
                         is_pure=True, pack=8,
@@ -537,10 +618,11 @@ if gluon is not None:
         a_ptr, codes_ptr, scales_ptr, zeros_ptr, index_ptr, weight_ptr, bias_ptr, out_ptr,
         stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_wt, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr,
-        T_MAJOR: gl.constexpr, INT4: gl.constexpr, SYM: gl.constexpr,
+        T_MAJOR: gl.constexpr, INT4: gl.constexpr, SYM: gl.constexpr, PRE: gl.constexpr,
     ):  # fmt: skip
         """Program (token, 16 output rows); warp k = the token's pair k, summed across warps.
-        T_MAJOR: the activations come t-major (two 8-byte loads per lane and chunk)."""
+        T_MAJOR: the activations come t-major (two 8-byte loads per lane and chunk). PRE: the codes
+        converted to fragment order and halfway decoded before the wait (:func:`_predecode`)."""
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [TOP_K, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [TOP_K, 1, 1, 1], [3, 2, 1, 0])
         token = gl.program_id(0)
@@ -557,18 +639,37 @@ if gluon is not None:
         ws_g, ws_h, es_g, es_h, _ = _chunk_loads(
             at, 8 * stride_cn, rows, 0, 8 * stride_sn, zrows, 8 * stride_zn, t, lq, rows, 0, G, CH, False, INT4, SYM
         )  # every code word in flight before the wait: rows g + 8 are 8 rows further
-        if PDL:  # the activations are moe_up's output
+        if PRE:  # converted and halfway decoded while moe_up finishes
+            pre_g = ()
+            pre_h = ()
+            for c in gl.static_range(CH):
+                pre_g = pre_g + (_predecode(gl.convert_layout(ws_g[c], LF), INT4),)
+                pre_h = pre_h + (_predecode(gl.convert_layout(ws_h[c], LF), INT4),)
+            ws_g = pre_g
+            ws_h = pre_h
+        after = g * 0  # PRE: the wait's 0, added to the activations' addresses so no load moves above it
+        if PDL and PRE:  # the wait made to depend on every halfway-decoded word, so ptxas keeps the decode before it
+            mix = ws_g[0][0]
+            for c in gl.static_range(CH):
+                for half in gl.static_range(2):
+                    if c + half > 0:
+                        mix = mix ^ ws_g[c][half]
+                    mix = mix ^ ws_h[c][half]
+            after = gl.expand_dims(_gdc_wait_after(gl.reduce(mix, 2, _xor)), 2)
+        elif PDL:  # the activations are moe_up's output
             _gdc_wait()
         xss = ()
         if T_MAJOR:
-            a_at = (a_ptr + pair * stride_am + g * 32 + 8 * t).to(gl.pointer_type(gl.int64), bitcast=True)
+            a_at = (a_ptr + pair * stride_am + g * 32 + 8 * t + after).to(gl.pointer_type(gl.int64), bitcast=True)
             for c in gl.static_range(CH):
                 xss = xss + (_input_words(a_at + c * GC * 8, g + c * GC < G),)
         else:
-            a_at = a_ptr + pair * stride_am + g * 32 + t
+            a_at = a_ptr + pair * stride_am + g * 32 + t + after
             for c in gl.static_range(CH):
                 xss = xss + (_inputs(a_at + c * GC * 32, g + c * GC < G),)
-        accs_g, accs_h = _tile_sums((ws_g,), (ws_h,), (es_g,), (es_h,), xss, k, g, gi, t, CH, F16, LF, T_MAJOR, INT4, 1)
+        accs_g, accs_h = _tile_sums(
+            (ws_g,), (ws_h,), (es_g,), (es_h,), xss, k, g, gi, t, CH, F16, LF, T_MAJOR, INT4, 1, PRE
+        )
         acc_g = accs_g[0]
         acc_h = accs_h[0]
         row = mt * 16 + g + t * 0  # [1, 8, 1, 4]
@@ -689,6 +790,8 @@ def moe_down(
         a.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), zeros.stride(0),
         zeros.stride(1), 0 if bias is None else bias.stride(0), weight.stride(0), out.stride(0),
         TOP_K=top_k, G=bank.in_features // 32, HAS_BIAS=bias is not None, F16=a.dtype == torch.float16,
-        PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None, num_warps=top_k, launch_pdl=True,
+        PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
+        PRE=PREDECODE and not bank.mxfp4 and tokens == 1,
+        num_warps=top_k, launch_pdl=True,
     )  # fmt: skip
     return out
