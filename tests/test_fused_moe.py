@@ -156,8 +156,8 @@ def mxfp4_layer(
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("hidden", "inter", "top_k", "tokens"),
-    [(512, 256, 2, 1), (1024, 256, 8, 1), (1024, 256, 8, 3), (2880, 384, 4, 1)],
-    ids=["2-warp-up", "4-warp-up-top8", "3-tokens-2-tile-up", "gpt-oss-hidden-masked-chunks"],
+    [(512, 256, 2, 1), (1024, 256, 8, 1), (1024, 256, 8, 3), (2880, 384, 4, 1), (512, 768, 8, 1)],
+    ids=["2-warp-up", "4-warp-up-top8", "3-tokens-2-tile-up", "gpt-oss-hidden-masked-chunks", "three-chunk-down"],
 )
 @pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize(

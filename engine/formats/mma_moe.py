@@ -33,7 +33,8 @@ inputs that meet odd i divided by 16, so the MMA still sums q x. The fold takes 
 group's input sum (from the lanes that loaded the group: two shfl per chunk), s (D - z Y). Zero
 points come in the same operand as the lane's two fp16 scales; int4_sym's are 8. At one token
 moe_down converts its int4 words to fragment order and shifts them before waiting on moe_up
-(``PREDECODE``): only the ANDs and MMAs are left after the wait. ptxas sinks such work past
+(``PREDECODE``): only the ANDs and MMAs are left after the wait (MXFP4: E and O of its first
+``PREDECODE_MXFP4`` chunks, leaving their prmts). ptxas sinks such work past
 ``griddepcontrol.wait``, so the wait runs under a predicate computed from every prepared word
 (always true, not foldable) and the activations' addresses add the 0 it returns.
 
@@ -60,7 +61,8 @@ the Triton kernels), two 17.8, four 30.1 (Triton 40.2), eight 52.8 (Triton 71.7)
 biases): 33.2 us at one token (40.2 before, 50.2 on the Triton kernels), 56.8 at two (115.0).
 int4 (Qwen3 shape, zero points): one token 11.6 us (45%) against 13.1 on the Triton kernels,
 two 19.2 (21.1), four 32.4 (37.0), eight 55.7 (65.2); with the in-place pairs and moe_down's
-predecode at one token, 11.0-11.2 us (47-48%) against 11.9 in the same run.
+predecode at one token, 11.0-11.2 us (47-48%) against 11.9 in the same run. MXFP4 with its first
+two chunks predecoded: 10.5-10.6 us (45-46%) against 10.8-10.9.
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -91,11 +93,13 @@ except ImportError:  # pragma: no cover - older triton: the Triton kernels serve
 
 INT4 = True  # int4 banks on tensor cores too (else the Triton kernels)
 MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton pair at 1, 2, 4 and 8 tokens
-# moe_down decodes int4 codes halfway before waiting on moe_up (``_predecode``) at one token:
-# H200, Qwen3-30B-A3B layer, the pair 11.9 -> 11.0-11.2 us. The words then live across the wait
-# (170 registers): from two tokens on that costs more than it saves (int4 18.5 -> 19.8 us at two),
-# and MXFP4's E / O bytes (176 registers) gain nothing even at one (11.0 -> 11.1).
+# moe_down decodes its codes halfway before waiting on moe_up (``_predecode``) at one token:
+# H200, Qwen3-30B-A3B layer, the pair 11.9 -> 11.0-11.2 us for int4. The words then live across the
+# wait (170 registers): from two tokens on that costs more than it saves (int4 18.5 -> 19.8 us at
+# two). MXFP4's E / O bytes take twice its words' registers: all 3 chunks (176 registers) gained
+# nothing (11.0 -> 11.1), the first PREDECODE_MXFP4 = 2 (131) 10.8-10.9 -> 10.5-10.6.
 PREDECODE = True
+PREDECODE_MXFP4 = 2
 CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
 
@@ -474,12 +478,12 @@ if gluon is not None:
     def _tile_sums(
         wss_a, wss_b, ess_a, ess_b, xss, w, g, gi, t,
         CHUNKS: gl.constexpr, F16: gl.constexpr, LF: gl.constexpr, WORDS: gl.constexpr, INT4: gl.constexpr,
-        TILES: gl.constexpr, PRE: gl.constexpr = False,
+        TILES: gl.constexpr, PRE: gl.constexpr = 0,
     ):  # fmt: skip
         """Rows g and g + 8 of each of a warp's TILES 16-row tiles summed over its CHUNKS chunks of
         groups ([W, 8, 1, 4] each, a tuple per tile): wss_*[j] tile j's chunks' code words as
-        loaded (converted here to lane (g, t)'s words; PRE: already converted and halfway decoded,
-        a pair per chunk, :func:`_predecode`), ess_*[j] its rows' scales (as
+        loaded (converted here to lane (g, t)'s words; the first PRE chunks already converted and
+        halfway decoded, a pair each, :func:`_predecode`), ess_*[j] its rows' scales (as
         :func:`_chunk_loads` gives them), xss the lane's own group's inputs per chunk (WORDS: as
         :func:`_input_words` loads them), shared by the tiles: packed into B once per chunk."""
         if WORDS:
@@ -507,7 +511,7 @@ if gluon is not None:
         for j in gl.static_range(TILES):
             for c in gl.static_range(CHUNKS):
                 p = ps[c]
-                if PRE:
+                if c < PRE:
                     ha = wss_a[j][c]
                     hb = wss_b[j][c]
                     ins = [ha[0], ha[1], hb[0], hb[1], p[0], p[1], p[2], p[3], ess_a[j][c], ess_b[j][c], fac]
@@ -515,12 +519,12 @@ if gluon is not None:
                     wa = gl.convert_layout(wss_a[j][c], LF)
                     wb = gl.convert_layout(wss_b[j][c], LF)
                     ins = [wa, wb, p[0], p[1], p[2], p[3], ess_a[j][c], ess_b[j][c], fac]
-                if PRE and INT4:
+                if c < PRE and INT4:
                     pa, pb = gl.inline_asm_elementwise(
                         CHUNK_ASM_INT4_PRE, CHUNK_CONSTRAINTS_INT4_PRE, ins + [owns[c]],
                         dtype=(gl.float32, gl.float32), is_pure=True, pack=8,
                     )  # fmt: skip
-                elif PRE:
+                elif c < PRE:
                     pa, pb = gl.inline_asm_elementwise(
                         CHUNK_ASM_PRE, CHUNK_CONSTRAINTS_PRE, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=8
                     )
@@ -621,8 +625,9 @@ if gluon is not None:
         T_MAJOR: gl.constexpr, INT4: gl.constexpr, SYM: gl.constexpr, PRE: gl.constexpr,
     ):  # fmt: skip
         """Program (token, 16 output rows); warp k = the token's pair k, summed across warps.
-        T_MAJOR: the activations come t-major (two 8-byte loads per lane and chunk). PRE: the codes
-        converted to fragment order and halfway decoded before the wait (:func:`_predecode`)."""
+        T_MAJOR: the activations come t-major (two 8-byte loads per lane and chunk). PRE: how many
+        chunks are converted to fragment order and halfway decoded before the wait
+        (:func:`_predecode`; the rest after it)."""
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [TOP_K, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [TOP_K, 1, 1, 1], [3, 2, 1, 0])
         token = gl.program_id(0)
@@ -639,18 +644,25 @@ if gluon is not None:
         ws_g, ws_h, es_g, es_h, _ = _chunk_loads(
             at, 8 * stride_cn, rows, 0, 8 * stride_sn, zrows, 8 * stride_zn, t, lq, rows, 0, G, CH, False, INT4, SYM
         )  # every code word in flight before the wait: rows g + 8 are 8 rows further
-        if PRE:  # converted and halfway decoded while moe_up finishes
+        if PRE > 0:  # converted and halfway decoded while moe_up finishes
             pre_g = ()
             pre_h = ()
             for c in gl.static_range(CH):
-                pre_g = pre_g + (_predecode(gl.convert_layout(ws_g[c], LF), INT4),)
-                pre_h = pre_h + (_predecode(gl.convert_layout(ws_h[c], LF), INT4),)
+                if c < PRE:
+                    pre_g = pre_g + (_predecode(gl.convert_layout(ws_g[c], LF), INT4),)
+                    pre_h = pre_h + (_predecode(gl.convert_layout(ws_h[c], LF), INT4),)
+                else:
+                    pre_g = pre_g + (ws_g[c],)
+                    pre_h = pre_h + (ws_h[c],)
             ws_g = pre_g
             ws_h = pre_h
         after = g * 0  # PRE: the wait's 0, added to the activations' addresses so no load moves above it
-        if PDL and PRE:  # the wait made to depend on every halfway-decoded word, so ptxas keeps the decode before it
+        if (
+            PDL and PRE > 0
+        ):  # the wait made to depend on every halfway-decoded word, so ptxas keeps the decode before it
             mix = ws_g[0][0]
-            for c in gl.static_range(CH):
+            NPRE: gl.constexpr = PRE if PRE < CH else CH
+            for c in gl.static_range(NPRE):
                 for half in gl.static_range(2):
                     if c + half > 0:
                         mix = mix ^ ws_g[c][half]
@@ -722,6 +734,15 @@ def down_applies(a: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool
     return _serves(a, index, bank) and bank.rows % 16 == 0
 
 
+def _predecoded(bank: PackedBank, tokens: int) -> int:
+    """How many of its chunks moe_down decodes halfway before its wait: int4 all, MXFP4 up to
+    ``PREDECODE_MXFP4``, at one token only (else 0)."""
+    if not PREDECODE or tokens > 1:
+        return 0
+    chunks = -(-bank.in_features // 32 // CHUNK)
+    return min(chunks, PREDECODE_MXFP4) if bank.mxfp4 else chunks
+
+
 def _words(codes: torch.Tensor) -> torch.Tensor:
     if codes.stride(-1) != 1 or codes.data_ptr() % 16:
         codes = codes.contiguous()
@@ -791,7 +812,7 @@ def moe_down(
         zeros.stride(1), 0 if bias is None else bias.stride(0), weight.stride(0), out.stride(0),
         TOP_K=top_k, G=bank.in_features // 32, HAS_BIAS=bias is not None, F16=a.dtype == torch.float16,
         PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
-        PRE=PREDECODE and not bank.mxfp4 and tokens == 1,
+        PRE=_predecoded(bank, tokens),
         num_warps=top_k, launch_pdl=True,
     )  # fmt: skip
     return out
