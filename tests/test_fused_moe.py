@@ -347,6 +347,8 @@ def test_the_tensor_core_decode_makes_exact_f16_pairs_in_a_ptx_model():
     mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
     f16 = {c: int(np.array(e2m1(c) * 2.0**-14, dtype=np.float16).view(np.uint16)) for c in range(16)}
     words = [sum(((k + j * 5 + (k >> 4) * 3) % 16) << (4 * j) for j in range(8)) for k in range(256)]
+    words += [int(w) for w in np.random.default_rng(3).integers(0, 2**32, 512)]  # neighbours' signs too
+    words += [0xFFFFFFFF, 0x88888888, 0x77777777, 0xF0F0F0F0, 0x0F0F0F0F]
     for w in words:
         regs = run_ptx(mma_moe._EO.format(w="$2", e="e", o="o"), {"$2": w})
         for i in range(4):
@@ -372,7 +374,11 @@ def test_the_tensor_core_int4_decode_and_scales_in_a_ptx_model():
     text = mma_moe._SCALES_INT4.format(e="$8", s0="s0", s1="s1", z0="z0", z1="z1")
     assert mma_moe._SCALES_INT4.format(e="$64", s0="sa0", s1="sa1", z0="z0", z1="z1") in mma_moe.CHUNK_ASM_INT4.value
     bits = lambda v: int(np.array(v, dtype=np.float32).view(np.uint32))  # noqa: E731
-    for s0, s1, z0, z1 in ((0.013, -2.5e-3, 0, 15), (6.1e-5, 1.0, 255, 8)):
+    for s0, s1, z0, z1 in (
+        (0.013, -2.5e-3, 0, 15),
+        (6.1e-5, 1.0, 255, 8),
+        *((1.0, 1.0, z, 255 - z) for z in range(256)),
+    ):
         h0, h1 = (int(np.array(v, dtype=np.float16).view(np.uint16)) for v in (s0, s1))
         regs = run_ptx(text, {"$8": h0 | h1 << 16 | (z0 | z1 << 8 | 0xAB0000) << 32})
         assert [regs[r] for r in ("s0", "s1")] == [bits(np.float16(v)) for v in (s0, s1)]

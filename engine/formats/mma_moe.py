@@ -7,7 +7,7 @@ points): no second layout.
 
 Why: MXFP4's CUDA-core decode (two conversions and two FMAs per pair of nibbles) costs ~5.4
 instructions per nibble and bounded the one-token step (moe_up alone 12.8 us of a 14.1 us pair,
-7.1 us without its decode). Here a code word costs 11 integer instructions to become four exact
+7.1 us without its decode). Here a code word costs 10 integer instructions to become four exact
 f16 pairs, and the MACs go to the tensor cores.
 
 Mapping (the hardware's m16n8k16 fragments, lane = 4 g + t): a warp computes a 16-row tile; lane
@@ -62,7 +62,8 @@ biases): 33.2 us at one token (40.2 before, 50.2 on the Triton kernels), 56.8 at
 int4 (Qwen3 shape, zero points): one token 11.6 us (45%) against 13.1 on the Triton kernels,
 two 19.2 (21.1), four 32.4 (37.0), eight 55.7 (65.2); with the in-place pairs and moe_down's
 predecode at one token, 11.0-11.2 us (47-48%) against 11.9 in the same run. MXFP4 with its first
-two chunks predecoded: 10.5-10.6 us (45-46%) against 10.8-10.9.
+two chunks predecoded: 10.5-10.6 us (45-46%) against 10.8-10.9; E and O sharing the sign bits
+(ten instructions per word): 10.39 against 10.55 (46.3%), eight tokens 50.6 against 52.9.
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -104,10 +105,14 @@ CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
 
 # a code word's nibbles as f16 high bytes s000eem0 (sign to bit 7, magnitude to bits 1..3: with a
-# zero low byte, exactly 2^-14 x the E2M1 value): byte b of E is nibble 2b, byte b of O nibble 2b + 1
+# zero low byte, exactly 2^-14 x the E2M1 value): byte b of E is nibble 2b, byte b of O nibble 2b + 1.
+# Six instructions: y = the word's 8 sign bits (bits 3 and 7 of each byte), shared. Each lop3 takes
+# bits 1..3 of every byte from the shifted word and the rest from the signs, (x & C) | (y & ~C): the
+# signs it must drop (bit 3 of a byte in O, and in E the odd nibbles' signs shifted to bit 3 of the
+# next byte) fall inside C, bits 1..3
 _EO = (
-    "shl.b32 x, {w}, 1; shl.b32 y, {w}, 4; and.b32 y, y, 0x80808080; lop3.b32 {e}, x, 0x0e0e0e0e, y, 0xea;"
-    " shr.u32 x, {w}, 3; and.b32 y, {w}, 0x80808080; lop3.b32 {o}, x, 0x0e0e0e0e, y, 0xea;"
+    "and.b32 y, {w}, 0x88888888; shl.b32 x, {w}, 1; shl.b32 z, y, 4; lop3.b32 {e}, x, 0x0e0e0e0e, z, 0xe2;"
+    " shr.u32 x, {w}, 3; lop3.b32 {o}, x, 0x0e0e0e0e, y, 0xe2;"
 )
 
 
@@ -143,7 +148,8 @@ def _pair_int4(i: int, w: str, w8: str, a: str) -> str:
 
 
 # int4: a row's operand e = its fp16 scales of groups 2t, 2t + 1 (low word) and their zero points
-# (bytes 0, 1 of the high word) -> s0, s1, z0, z1 as float32
+# (bytes 0, 1 of the high word) -> s0, s1, z0, z1 as float32. A zero point z becomes the float
+# 2^23 + z by one prmt into the bits of 2^23 (0x4b000000), less 2^23 (exact; no integer convert)
 _SCALES_INT4 = (
     "mov.b64 {{lo, hi}}, {e}; mov.b32 {{h0, h1}}, lo; cvt.f32.f16 {s0}, h0; cvt.f32.f16 {s1}, h1;"
     " and.b32 x, hi, 0xff; cvt.rn.f32.u32 {z0}, x; shr.u32 x, hi, 8; and.b32 x, x, 0xff; cvt.rn.f32.u32 {z1}, x;"
@@ -171,7 +177,7 @@ def _chunk_asm(int4: bool = False, pre: bool = False) -> str:
     es_a, es_b, fac, own = f"${64 + up}", f"${72 + up}", f"${80 + up}", f"${88 + up}"
     lines = [
         "{",
-        ".reg .b32 a0, a1, a2, a3, x, y, t, sh, lo, hi, sel, za, ea, oa, eb, ob; .reg .b16 h0, h1;",
+        ".reg .b32 a0, a1, a2, a3, x, y, z, t, sh, lo, hi, sel, za, ea, oa, eb, ob; .reg .b16 h0, h1;",
         ".reg .f32 d0, d1, d2, d3, sa0, sa1, sb0, sb1, acca, accb, y0, y1, z0, z1, z2, z3;",
         ".reg .pred p0, p1, p2, p3, hw;",
         _LANE,
@@ -240,7 +246,7 @@ CHUNK_CONSTRAINTS_PRE = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 64 + ["l"] *
 CHUNK_ASM_INT4_PRE = tl.constexpr(_chunk_asm(int4=True, pre=True))
 CHUNK_CONSTRAINTS_INT4_PRE = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 64 + ["l"] * 16 + ["f"] * 16))
 # a code word halfway decoded (MXFP4: the E and O bytes of ``_EO``), for ``_chunk_asm(pre=True)``
-EO_ASM = tl.constexpr("{ .reg .b32 x, y; " + _EO.format(w="$2", e="$0", o="$1") + " }")
+EO_ASM = tl.constexpr("{ .reg .b32 x, y, z; " + _EO.format(w="$2", e="$0", o="$1") + " }")
 # 8 inputs x[4i + t] (i = 0..7, bf16 or f16) -> 4 f16 pairs (x[4i + t], x[4i + 16 + t]) x scale: pairs 0 and 2
 # times $12, 1 and 3 times $13 (int4: $12 / 16, as they meet its codes 16 q)
 _PACK = """{{
