@@ -253,7 +253,7 @@ def test_the_tensor_core_mxfp4_kernels_leave_other_steps_to_triton():
 
 def run_ptx(text: str, regs: dict) -> dict:
     """A model of the few PTX instructions the tensor-core kernels' decode uses (integer: shl, shr,
-    and, lop3, prmt, mov of a b64 into two b32 or of a b32 into two b16, setp.lt / gt / eq, selp,
+    and, or, lop3, prmt, mov of a b64 into two b32 or of a b32 into two b16, setp.lt / gt / eq, selp,
     max of u32, u16 and u16x2, cvt.u32.u16; float: cvt.f32 of bf16 / f16, mul.f32,
     cvt.rn.f16x2.f32, on bit patterns), run over ``text`` with ``regs`` (names, $n or %laneid ->
     int) as inputs; returns the registers."""
@@ -286,6 +286,8 @@ def run_ptx(text: str, regs: dict) -> dict:
             regs[dst] = value(args[0]) >> value(args[1])
         elif op == "and.b32":
             regs[dst] = value(args[0]) & value(args[1])
+        elif op == "or.b32":
+            regs[dst] = value(args[0]) | value(args[1])
         elif op in ("max.u32", "max.u16"):
             regs[dst] = max(value(args[0]), value(args[1]))
         elif op == "max.u16x2":

@@ -63,7 +63,8 @@ int4 (Qwen3 shape, zero points): one token 11.6 us (45%) against 13.1 on the Tri
 two 19.2 (21.1), four 32.4 (37.0), eight 55.7 (65.2); with the in-place pairs and moe_down's
 predecode at one token, 11.0-11.2 us (47-48%) against 11.9 in the same run. MXFP4 with its first
 two chunks predecoded: 10.5-10.6 us (45-46%) against 10.8-10.9; E and O sharing the sign bits
-(ten instructions per word): 10.39 against 10.55 (46.3%), eight tokens 50.6 against 52.9.
+(ten instructions per word): 10.39 against 10.55 (46.3%), eight tokens 50.6 against 52.9. Scales
+by prmt and bf16 magnitudes by shift: 10.27-10.34 against 10.39-10.43; int4 10.99-11.15 (47-48%).
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -126,17 +127,19 @@ _MMA = (
     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};"
 )
 # lane t: predicates p0..p3 (t == 0..3), and where its two groups' scale bytes (2t and 2t + 1 of a
-# row's 8 for the chunk) sit: the high word when t > 1, shifted by 16 (t % 2)
+# row's 8 for the chunk) sit: the high word when t > 1, bytes 2 (t % 2) and 2 (t % 2) + 1 of it,
+# as prmt selectors c0 / c1 that put that byte alone in byte 0
 _LANE = (
     "mov.u32 t, %laneid; and.b32 t, t, 3; setp.eq.u32 p0, t, 0; setp.eq.u32 p1, t, 1; setp.eq.u32 p2, t, 2;"
-    " setp.eq.u32 p3, t, 3; setp.gt.u32 hw, t, 1; and.b32 sh, t, 1; shl.b32 sh, sh, 4;"
+    " setp.eq.u32 p3, t, 3; setp.gt.u32 hw, t, 1; and.b32 sh, t, 1; shl.b32 sh, sh, 1; or.b32 c0, sh, 0x4440;"
+    " or.b32 c1, sh, 0x4441;"
 )
-# a row's 8 scale bytes e (E8M0) -> float32 2^(byte - 127) of bytes 2t (s0) and 2t + 1 (s1); byte
-# 0 gives 2^-127 (subnormal)
+# a row's 8 scale bytes e (E8M0) -> float32 2^(byte - 127) of bytes 2t (s0) and 2t + 1 (s1): a prmt
+# puts the byte in byte 0 (zeros above), a shift into the exponent; byte 0 gives 2^-127 (subnormal)
 _SCALES = (
-    "mov.b64 {{lo, hi}}, {e}; selp.b32 sel, hi, lo, hw; shr.u32 sel, sel, sh;"
-    " and.b32 x, sel, 0xff; shl.b32 x, x, 23; max.u32 x, x, 0x00400000; mov.b32 {s0}, x;"
-    " shr.u32 x, sel, 8; and.b32 x, x, 0xff; shl.b32 x, x, 23; max.u32 x, x, 0x00400000; mov.b32 {s1}, x;"
+    "mov.b64 {{lo, hi}}, {e}; selp.b32 sel, hi, lo, hw;"
+    " prmt.b32 x, sel, 0, c0; shl.b32 x, x, 23; max.u32 x, x, 0x00400000; mov.b32 {s0}, x;"
+    " prmt.b32 x, sel, 0, c1; shl.b32 x, x, 23; max.u32 x, x, 0x00400000; mov.b32 {s1}, x;"
 )
 
 
@@ -177,7 +180,7 @@ def _chunk_asm(int4: bool = False, pre: bool = False) -> str:
     es_a, es_b, fac, own = f"${64 + up}", f"${72 + up}", f"${80 + up}", f"${88 + up}"
     lines = [
         "{",
-        ".reg .b32 a0, a1, a2, a3, x, y, z, t, sh, lo, hi, sel, za, ea, oa, eb, ob; .reg .b16 h0, h1;",
+        ".reg .b32 a0, a1, a2, a3, x, y, z, t, sh, c0, c1, lo, hi, sel, za, ea, oa, eb, ob; .reg .b16 h0, h1;",
         ".reg .f32 d0, d1, d2, d3, sa0, sa1, sb0, sb1, acca, accb, y0, y1, z0, z1, z2, z3;",
         ".reg .pred p0, p1, p2, p3, hw;",
         _LANE,
@@ -351,13 +354,20 @@ if gluon is not None:
         return (v0.to(gl.int32), (v0 >> 32).to(gl.int32), v1.to(gl.int32), (v1 >> 32).to(gl.int32))
 
     @gluon.jit
-    def _magnitude(xs):
+    def _magnitude(xs, F16: gl.constexpr):
         """The largest |x| of the 8 inputs as its bits (ordered as integers), exponent at bit 7
-        (bf16) or 10 (f16)."""
-        m = xs[0].to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF
+        (bf16) or 10 (f16). bf16: each sign shifted out (an IMAD, off the integer pipe that the
+        decode keeps busy) rather than masked off (f16 keeps the mask: ptxas then gives int4's
+        moe_up 95 registers instead of 80)."""
+        if F16:
+            m = xs[0].to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF
+            for i in gl.static_range(1, 8):
+                m = gl.maximum(m, xs[i].to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF)
+            return m
+        m = (xs[0].to(gl.int16, bitcast=True).to(gl.int32) << 17).to(gl.uint32, bitcast=True)
         for i in gl.static_range(1, 8):
-            m = gl.maximum(m, xs[i].to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF)
-        return m
+            m = gl.maximum(m, (xs[i].to(gl.int16, bitcast=True).to(gl.int32) << 17).to(gl.uint32, bitcast=True))
+        return (m >> 17).to(gl.int32, bitcast=True)
 
     @gluon.jit
     def _input_scale(m, F16: gl.constexpr, INT4: gl.constexpr):
@@ -497,9 +507,9 @@ if gluon is not None:
             for c in gl.static_range(1, CHUNKS):
                 m = gl.maximum(m, _magnitude_of_words(xss[c]))
         else:
-            m = _magnitude(xss[0])
+            m = _magnitude(xss[0], F16)
             for c in gl.static_range(1, CHUNKS):
-                m = gl.maximum(m, _magnitude(xss[c]))
+                m = gl.maximum(m, _magnitude(xss[c], F16))
         m = gl.max(gl.max(m, axis=3, keep_dims=True), axis=1, keep_dims=True)  # per warp
         xscale, fac = _input_scale(m, F16, INT4)
         xscale = xscale + 0.0 * (g + t)
