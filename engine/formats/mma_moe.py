@@ -151,8 +151,8 @@ def _pair_int4(i: int, w: str, w8: str, a: str) -> str:
 
 
 # int4: a row's operand e = its fp16 scales of groups 2t, 2t + 1 (low word) and their zero points
-# (bytes 0, 1 of the high word) -> s0, s1, z0, z1 as float32. A zero point z becomes the float
-# 2^23 + z by one prmt into the bits of 2^23 (0x4b000000), less 2^23 (exact; no integer convert)
+# (bytes 0, 1 of the high word) -> s0, s1, z0, z1 as float32 (reading the zero points by a prmt into
+# 2^23's bits, less 2^23, gave moe_up 95 registers instead of 80: slower at one row)
 _SCALES_INT4 = (
     "mov.b64 {{lo, hi}}, {e}; mov.b32 {{h0, h1}}, lo; cvt.f32.f16 {s0}, h0; cvt.f32.f16 {s1}, h1;"
     " and.b32 x, hi, 0xff; cvt.rn.f32.u32 {z0}, x; shr.u32 x, hi, 8; and.b32 x, x, 0xff; cvt.rn.f32.u32 {z1}, x;"
