@@ -673,9 +673,8 @@ if gluon is not None:
             ws_g = pre_g
             ws_h = pre_h
         after = g * 0  # PRE: the wait's 0, added to the activations' addresses so no load moves above it
-        if (
-            PDL and PRE > 0
-        ):  # the wait made to depend on every halfway-decoded word, so ptxas keeps the decode before it
+        # the wait made to depend on every halfway-decoded word, so ptxas keeps the decode before it
+        if PDL and PRE > 0:
             mix = ws_g[0][0]
             NPRE: gl.constexpr = PRE if PRE < CH else CH
             for c in gl.static_range(NPRE):
