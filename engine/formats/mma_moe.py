@@ -65,6 +65,8 @@ predecode at one token, 11.0-11.2 us (47-48%) against 11.9 in the same run. MXFP
 two chunks predecoded: 10.5-10.6 us (45-46%) against 10.8-10.9; E and O sharing the sign bits
 (ten instructions per word): 10.39 against 10.55 (46.3%), eight tokens 50.6 against 52.9. Scales
 by prmt and bf16 magnitudes by shift: 10.27-10.34 against 10.39-10.43; int4 10.99-11.15 (47-48%).
+MXFP4's moe_up issuing chunk c's loads after chunk c - 1's first word is in (``STAGGER``, one
+token): 10.10-10.13 against 10.30-10.31 (47.2-47.8%).
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -102,6 +104,10 @@ MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton p
 # nothing (11.0 -> 11.1), the first PREDECODE_MXFP4 = 2 (131) 10.8-10.9 -> 10.5-10.6.
 PREDECODE = True
 PREDECODE_MXFP4 = 2
+# moe_up at one token, MXFP4: a warp issues chunk c's code loads once chunk c - 1's first word is in,
+# rather than all at once (H200, Qwen3-30B-A3B layer, paired in one process: the pair 10.30 -> 10.13
+# and 10.31 -> 10.10 us; int4 11.02 -> 11.06, within noise, so it keeps its loads together)
+STAGGER = True
 CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
 
@@ -312,6 +318,15 @@ if gluon is not None:
         )  # fmt: skip
 
     @gluon.jit
+    def _zero_after(x):
+        """0, once x is loaded: selp on x^2 + 1 != 0 (always true, not foldable)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
+            " selp.b32 $0, 0, 1, p; }",
+            "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
     def _xor(a, b):
         return a ^ b
 
@@ -423,6 +438,7 @@ if gluon is not None:
     def _chunk_loads(
         at, b_words, rows, a8, b8, zrows, zb, t, lgg, x_at, x_group,
         G: gl.constexpr, CHUNKS: gl.constexpr, WITH_X: gl.constexpr, INT4: gl.constexpr, SYM: gl.constexpr,
+        STAGGER: gl.constexpr = False,
     ):  # fmt: skip
         """Every chunk's code words (rows a at ``at``, rows b ``b_words`` further) and scales, as
         the chunk asm takes them. MXFP4: per lane an int64 whose bytes 2t and 2t + 1 are its rows'
@@ -441,6 +457,9 @@ if gluon is not None:
         s8 = rows.to(gl.pointer_type(gl.int64), bitcast=True)
         for c in gl.static_range(CHUNKS):
             ok = lgg + c * GC < G
+            if STAGGER and c > 0:  # chunk c's code loads issued once chunk c - 1's first word is in
+                # (x 64: a multiple of 16 bytes, so the loads stay 16 bytes wide)
+                at = at + _zero_after(gl.reduce(ws_a[c - 1], 3, _first, keep_dims=True)) * 64
             ws_a = ws_a + (gl.load(at + c * GC * 4, mask=ok, other=0),)
             ws_b = ws_b + (gl.load(at + b_words + c * GC * 4, mask=ok, other=0),)
             k = c * GC + 2 * t  # the lane's first group of the chunk, from a8
@@ -578,7 +597,7 @@ if gluon is not None:
         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, TILES: gl.constexpr,
         ACT: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, T_MAJOR: gl.constexpr,
-        INT4: gl.constexpr, SYM: gl.constexpr,
+        INT4: gl.constexpr, SYM: gl.constexpr, STAGGER: gl.constexpr = False,
     ):  # fmt: skip
         """Program (pair, TILES x 8 intermediate rows): tile j's rows g = gate rows 8 (TILES mt +
         j) + g, rows g + 8 = the same up rows; WARPS warps split the G groups, CHW chunks of 8 each
@@ -609,7 +628,7 @@ if gluon is not None:
             zrows = zeros_ptr + expert * stride_ze + (r0 + g) * stride_zn
             ws_g, ws_u, es_g, es_u, xs = _chunk_loads(
                 at, I * stride_cn, rows, g0, I * stride_sn + g0, zrows, I * stride_zn + g0, t, lgg, x_at, g0 + g,
-                G, CHW, j == 0, INT4, SYM,
+                G, CHW, j == 0, INT4, SYM, STAGGER,
             )  # fmt: skip
             if j == 0:
                 xss = xs
@@ -800,7 +819,7 @@ def moe_up(
         zeros.stride(1), 0 if bias is None else bias.stride(0), out.stride(0),
         TOP_K=top_k, G=groups, CHW=chw, WARPS=warps, TILES=tiles, ACT=act.kind, HAS_BIAS=bias is not None,
         F16=x.dtype == torch.float16, PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
-        num_warps=warps, launch_pdl=True,
+        STAGGER=STAGGER and tokens == 1 and bank.mxfp4, num_warps=warps, launch_pdl=True,
     )  # fmt: skip
     return out
 
