@@ -201,24 +201,26 @@ def test_the_tensor_core_kernels_match_the_exact_decode(
 
 @cuda_only
 @pytest.mark.gpu
-def test_the_staggered_mxfp4_loads_leave_the_step_bit_for_bit(monkeypatch):
-    """moe_up at one MXFP4 token issues each chunk's code loads after the previous chunk's first
-    word (``STAGGER``): an address offset that is always 0, so the step is the unstaggered one bit
-    for bit (and both match the float64 exact decode)."""
+@pytest.mark.parametrize(("name", "switch"), [("mxfp4", "STAGGER"), ("int4", "LATE_INT4")])
+def test_the_one_token_scheduling_switches_leave_the_step_bit_for_bit(name, switch, monkeypatch):
+    """At one token MXFP4's moe_up issues each chunk's code loads after the previous chunk's first
+    word (``STAGGER``: an address offset that is always 0) and int4's lets moe_down launch once its
+    codes are in (``LATE_INT4``): the step is the one without them bit for bit (and both match the
+    float64 exact decode)."""
     from modelfleet.engine.formats import mma_moe
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the tensor-core kernels run on compute capability 9 (Hopper)")
-    layer = mxfp4_layer(8, 2048, 256, silu_glu, False)  # 64 groups: 2 chunks per warp, so one staggered
+    layer = mxfp4_layer(8, 2048, 256, silu_glu, False, name)  # 64 groups: 2 chunks per warp
     generator = torch.Generator().manual_seed(5)
     index = torch.randperm(8, generator=generator)[:8].reshape(1, 8).cuda()
     weight = torch.softmax(torch.randn(1, 8, generator=generator), dim=-1).to(torch.bfloat16).cuda()
     x = torch.randn(1, 2048, generator=generator).to(torch.bfloat16).cuda()
-    assert mma_moe.STAGGER
-    staggered = layer(x, index, weight)
-    monkeypatch.setattr(mma_moe, "STAGGER", False)
-    assert torch.equal(staggered, layer(x, index, weight))
-    assert_tokens_close(staggered, reference_moe(layer, x.float().cpu(), index.cpu(), weight.float().cpu()))
+    assert getattr(mma_moe, switch)
+    scheduled = layer(x, index, weight)
+    monkeypatch.setattr(mma_moe, switch, False)
+    assert torch.equal(scheduled, layer(x, index, weight))
+    assert_tokens_close(scheduled, reference_moe(layer, x.float().cpu(), index.cpu(), weight.float().cpu()))
 
 
 @cuda_only

@@ -66,7 +66,8 @@ two chunks predecoded: 10.5-10.6 us (45-46%) against 10.8-10.9; E and O sharing 
 (ten instructions per word): 10.39 against 10.55 (46.3%), eight tokens 50.6 against 52.9. Scales
 by prmt and bf16 magnitudes by shift: 10.27-10.34 against 10.39-10.43; int4 10.99-11.15 (47-48%).
 MXFP4's moe_up issuing chunk c's loads after chunk c - 1's first word is in (``STAGGER``, one
-token): 10.10-10.13 against 10.30-10.31 (47.2-47.8%).
+token): 10.10-10.13 against 10.30-10.31 (47.2-47.8%). int4's moe_up letting moe_down launch once
+its codes are in (``LATE_INT4``): 10.86-10.91 against 10.98-11.04 (47.8-48.6%).
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -104,6 +105,13 @@ MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton p
 # nothing (11.0 -> 11.1), the first PREDECODE_MXFP4 = 2 (131) 10.8-10.9 -> 10.5-10.6.
 PREDECODE = True
 PREDECODE_MXFP4 = 2
+# moe_up at one token, int4: the programs let moe_down launch once their last chunk's codes are in,
+# not at their start (held to moe_up's 80 registers, which the trigger's placement would raise to 93).
+# moe_down's programs only fit on an SM as its moe_up programs leave (170 registers x 8 warps), so
+# their start hardly moves; H200, Qwen3-30B-A3B layer, paired in one process, three runs: the pair
+# 10.98 -> 10.86, 11.04 -> 10.88, 11.04 -> 10.91 us. MXFP4's (72 registers, spilling when held)
+# measured 10.49 -> 10.68.
+LATE_INT4 = True
 # moe_up at one token, MXFP4: a warp issues chunk c's code loads once chunk c - 1's first word is in,
 # rather than all at once (H200, Qwen3-30B-A3B layer, paired in one process: the pair 10.30 -> 10.13
 # and 10.31 -> 10.10 us; int4 11.02 -> 11.06, within noise, so it keeps its loads together)
@@ -324,6 +332,16 @@ if gluon is not None:
             "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
             " selp.b32 $0, 0, 1, p; }",
             "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _gdc_launch_dependents_after(x):
+        """griddepcontrol.launch_dependents once x is in: under a predicate of x that is always
+        true but not foldable (as in :func:`_gdc_wait_after`)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
+            " @p griddepcontrol.launch_dependents; and.b32 $0, y, 0; }",
+            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1,
         )  # fmt: skip
 
     @gluon.jit
@@ -597,7 +615,7 @@ if gluon is not None:
         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, TILES: gl.constexpr,
         ACT: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, T_MAJOR: gl.constexpr,
-        INT4: gl.constexpr, SYM: gl.constexpr, STAGGER: gl.constexpr = False,
+        INT4: gl.constexpr, SYM: gl.constexpr, STAGGER: gl.constexpr = False, LATE: gl.constexpr = False,
     ):  # fmt: skip
         """Program (pair, TILES x 8 intermediate rows): tile j's rows g = gate rows 8 (TILES mt +
         j) + g, rows g + 8 = the same up rows; WARPS warps split the G groups, CHW chunks of 8 each
@@ -610,7 +628,8 @@ if gluon is not None:
         mt = gl.program_id(1)
         if PDL:  # x and index come from the kernels before; moe_down may start loading its codes
             _gdc_wait()
-            _gdc_launch_dependents()
+            if not LATE:
+                _gdc_launch_dependents()
         expert = gl.load(index_ptr + pair).to(gl.int64)
         lw, lg, lq, lj = _axes(WARPS, LL)  # loads: whole groups, 128 contiguous bytes per row
         lgg = lw * GW + lq  # [W, 1, GC, 1]: the load's groups of chunk 0
@@ -636,6 +655,8 @@ if gluon is not None:
             wss_u = wss_u + (ws_u,)
             ess_g = ess_g + (es_g,)
             ess_u = ess_u + (es_u,)
+        if PDL and LATE:  # moe_down may launch once every program's last codes are in (LATE_INT4)
+            _gdc_launch_dependents_after(gl.reduce(wss_u[TILES - 1][CHW - 1], 3, _xor))
         accs_g, accs_u = _tile_sums(wss_g, wss_u, ess_g, ess_u, xss, w, g, gi, t, CHW, F16, LF, False, INT4, TILES)
         lead = gl.sum(t, axis=0) == 0
         lg = gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0  # [8, 1, 4]: lanes (g, t) hold gate / up row 8 tile + g
@@ -813,6 +834,7 @@ def moe_up(
     warps = _up_warps(groups)
     chw = -(-groups // CHUNK) // warps
     tiles = _up_tiles(tokens, chw, inter // 8)
+    late = LATE_INT4 and tokens == 1 and not bank.mxfp4
     _mma_up_kernel[(tokens * top_k, inter // 8 // tiles)](
         x, words, scales, zeros, index.reshape(-1), bias_t, out, inter, act.alpha, act.limit,
         x.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), zeros.stride(0),
@@ -820,6 +842,7 @@ def moe_up(
         TOP_K=top_k, G=groups, CHW=chw, WARPS=warps, TILES=tiles, ACT=act.kind, HAS_BIAS=bias is not None,
         F16=x.dtype == torch.float16, PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
         STAGGER=STAGGER and tokens == 1 and bank.mxfp4, num_warps=warps, launch_pdl=True,
+        LATE=late, **({"maxnreg": 80} if late else {}),
     )  # fmt: skip
     return out
 
