@@ -307,6 +307,11 @@ _SUM_W = """{{
 }}"""
 SUM_W_BF16 = tl.constexpr(_SUM_W.format(t="bf16"))
 SUM_W_F16 = tl.constexpr(_SUM_W.format(t="f16"))
+# p: a predicate of $1 that is always true but not foldable (see _after), y = $1^2 + 1
+_ALWAYS = "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
+WAIT_AFTER = tl.constexpr(_ALWAYS + " @p griddepcontrol.wait; and.b32 $0, y, 0; }")
+ZERO_AFTER = tl.constexpr(_ALWAYS + " selp.b32 $0, 0, 1, p; }")
+LAUNCH_AFTER = tl.constexpr(_ALWAYS + " @p griddepcontrol.launch_dependents; and.b32 $0, y, 0; }")
 
 
 if gluon is not None:
@@ -316,33 +321,25 @@ if gluon is not None:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _after(x, ASM: gl.constexpr, PURE: gl.constexpr = False):
+        """ASM under a predicate p of x that is always true (x^2 + 1 is never 0 mod 2^32) but that
+        ptxas cannot fold, so what x depends on stays before it."""
+        return gl.inline_asm_elementwise(ASM, "=r,r", [x], dtype=gl.int32, is_pure=PURE, pack=1)
+
+    @gluon.jit
     def _gdc_wait_after(x):
-        """griddepcontrol.wait once x is computed: under a predicate of x that is always true (x^2 +
-        1 is never 0 mod 2^32) but that ptxas cannot fold, so what x depends on stays before it."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
-            " @p griddepcontrol.wait; and.b32 $0, y, 0; }",
-            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+        """griddepcontrol.wait once x is computed (:func:`_after`); returns 0."""
+        return _after(x, WAIT_AFTER)
 
     @gluon.jit
     def _zero_after(x):
-        """0, once x is loaded: selp on x^2 + 1 != 0 (always true, not foldable)."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
-            " selp.b32 $0, 0, 1, p; }",
-            "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1,
-        )  # fmt: skip
+        """0, once x is loaded (:func:`_after`)."""
+        return _after(x, ZERO_AFTER, True)
 
     @gluon.jit
     def _gdc_launch_dependents_after(x):
-        """griddepcontrol.launch_dependents once x is in: under a predicate of x that is always
-        true but not foldable (as in :func:`_gdc_wait_after`)."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
-            " @p griddepcontrol.launch_dependents; and.b32 $0, y, 0; }",
-            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+        """griddepcontrol.launch_dependents once x is in (:func:`_after`); returns 0."""
+        return _after(x, LAUNCH_AFTER)
 
     @gluon.jit
     def _xor(a, b):
