@@ -201,24 +201,29 @@ def test_the_tensor_core_kernels_match_the_exact_decode(
 
 @cuda_only
 @pytest.mark.gpu
-@pytest.mark.parametrize(("name", "switch"), [("mxfp4", "STAGGER"), ("int4", "LATE_INT4")])
-def test_the_one_token_scheduling_switches_leave_the_step_bit_for_bit(name, switch, monkeypatch):
+@pytest.mark.parametrize(
+    ("name", "switch", "other"),
+    [("mxfp4", "STAGGER", False), ("int4", "LATE_INT4", False), ("mxfp4", "DOWN_REGS_MXFP4", 0),
+     ("mxfp4", "PREDECODE_MXFP4", 2)],
+)  # fmt: skip
+def test_the_one_token_scheduling_switches_leave_the_step_bit_for_bit(name, switch, other, monkeypatch):
     """At one token MXFP4's moe_up issues each chunk's code loads after the previous chunk's first
-    word (``STAGGER``: an address offset that is always 0) and int4's lets moe_down launch once its
-    codes are in (``LATE_INT4``): the step is the one without them bit for bit (and both match the
-    float64 exact decode)."""
+    word (``STAGGER``: an address offset that is always 0), int4's lets moe_down launch once its
+    codes are in (``LATE_INT4``), and MXFP4's moe_down is held to ``DOWN_REGS_MXFP4`` registers with
+    none of its chunks decoded before its wait (``PREDECODE_MXFP4``): the step is the one with each
+    switch set otherwise bit for bit (and both match the float64 exact decode)."""
     from modelfleet.engine.formats import mma_moe
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the tensor-core kernels run on compute capability 9 (Hopper)")
-    layer = mxfp4_layer(8, 2048, 256, silu_glu, False, name)  # 64 groups: 2 chunks per warp
+    layer = mxfp4_layer(8, 2048, 768, silu_glu, False, name)  # moe_up: 2 chunks per warp, moe_down: 3
     generator = torch.Generator().manual_seed(5)
     index = torch.randperm(8, generator=generator)[:8].reshape(1, 8).cuda()
     weight = torch.softmax(torch.randn(1, 8, generator=generator), dim=-1).to(torch.bfloat16).cuda()
     x = torch.randn(1, 2048, generator=generator).to(torch.bfloat16).cuda()
-    assert getattr(mma_moe, switch)
+    assert getattr(mma_moe, switch) != other
     scheduled = layer(x, index, weight)
-    monkeypatch.setattr(mma_moe, switch, False)
+    monkeypatch.setattr(mma_moe, switch, other)
     assert torch.equal(scheduled, layer(x, index, weight))
     assert_tokens_close(scheduled, reference_moe(layer, x.float().cpu(), index.cpu(), weight.float().cpu()))
 

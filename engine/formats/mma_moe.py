@@ -102,9 +102,15 @@ MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton p
 # H200, Qwen3-30B-A3B layer, the pair 11.9 -> 11.0-11.2 us for int4. The words then live across the
 # wait (170 registers): from two tokens on that costs more than it saves (int4 18.5 -> 19.8 us at
 # two). MXFP4's E / O bytes take twice its words' registers: all 3 chunks (176 registers) gained
-# nothing (11.0 -> 11.1), the first PREDECODE_MXFP4 = 2 (131) 10.8-10.9 -> 10.5-10.6.
+# nothing (11.0 -> 11.1), the first PREDECODE_MXFP4 = 2 (131) 10.8-10.9 -> 10.5-10.6. Since then
+# MXFP4's moe_down at one token predecodes nothing and is held to DOWN_REGS_MXFP4 = 112 registers
+# (8 warps: 28672 of the SM's 65536, so it fits beside four of moe_up's programs of 72 registers,
+# not three), and starts 0.5-1 us sooner as moe_up's programs leave: paired in one process (H200,
+# Qwen3-30B-A3B layer, the pair), 9.95 -> 9.88 us with the two predecoded chunks; those spill when
+# held to 112 (10.29). 0: no cap.
 PREDECODE = True
-PREDECODE_MXFP4 = 2
+PREDECODE_MXFP4 = 0
+DOWN_REGS_MXFP4 = 112
 # moe_up at one token, int4: the programs let moe_down launch once their last chunk's codes are in,
 # not at their start (held to moe_up's 80 registers, which the trigger's placement would raise to 93).
 # moe_down's programs only fit on an SM as its moe_up programs leave (170 registers x 8 warps), so
@@ -307,6 +313,9 @@ _SUM_W = """{{
 }}"""
 SUM_W_BF16 = tl.constexpr(_SUM_W.format(t="bf16"))
 SUM_W_F16 = tl.constexpr(_SUM_W.format(t="f16"))
+# the largest of a 32-bit value over the warp's lanes, in every lane: one instruction in place of five
+# shuffle-and-max rounds on the path from the inputs to the first MMA
+WARP_MAX = tl.constexpr("redux.sync.max.s32 $0, $1, 0xffffffff;")
 # p: a predicate of $1 that is always true but not foldable (see _after), y = $1^2 + 1
 _ALWAYS = "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
 WAIT_AFTER = tl.constexpr(_ALWAYS + " @p griddepcontrol.wait; and.b32 $0, y, 0; }")
@@ -340,6 +349,12 @@ if gluon is not None:
     def _gdc_launch_dependents_after(x):
         """griddepcontrol.launch_dependents once x is in (:func:`_after`); returns 0."""
         return _after(x, LAUNCH_AFTER)
+
+    @gluon.jit
+    def _warp_max(m):
+        """The warp's largest m (int32) in each of its elements (one per lane: [W, 8, 1, 4] in the
+        kernels' fragment layout, whose 32 lanes are its (g, t))."""
+        return gl.inline_asm_elementwise(WARP_MAX, "=r,r", [m], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
     def _xor(a, b):
@@ -544,7 +559,7 @@ if gluon is not None:
             m = _magnitude(xss[0], F16)
             for c in gl.static_range(1, CHUNKS):
                 m = gl.maximum(m, _magnitude(xss[c], F16))
-        m = gl.max(gl.max(m, axis=3, keep_dims=True), axis=1, keep_dims=True)  # per warp
+        m = _warp_max(m)
         xscale, fac = _input_scale(m, F16, INT4)
         xscale = xscale + 0.0 * (g + t)
         fac = fac + 0.0 * (g + gi + t)
@@ -741,10 +756,17 @@ if gluon is not None:
             acc_g += gl.load(bias_ptr + expert * stride_be + row).to(gl.float32)
             acc_h += gl.load(bias_ptr + expert * stride_be + row + 8).to(gl.float32)
         wk = gl.load(weight_ptr + token * stride_wt + k).to(gl.float32)
-        y_g = gl.sum(acc_g * wk, axis=0)  # [8, 1, 4]
-        y_h = gl.sum(acc_h * wk, axis=0)
-        o = out_ptr + token * stride_om + mt * 16 + gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0
-        lead = gl.sum(t, axis=0) == 0
+        # the pairs summed in each thread: one layout conversion (one CTA barrier) hands every warp
+        # all the pairs' sums of its lane's rows, rather than gl.sum over the warp axis (shuffles and
+        # three barriers per half); int4's moe_down also takes 136 registers instead of 170
+        LR: gl.constexpr = gl.BlockedLayout([TOP_K, 1, 1, 1], [1, 8, 1, 4], [1, 1, TOP_K, 1], [3, 1, 2, 0])
+        y_g = gl.sum(gl.convert_layout(acc_g * wk, LR), axis=0)  # [8, 1, 4], the same in every warp
+        y_h = gl.sum(gl.convert_layout(acc_h * wk, LR), axis=0)
+        LS: gl.constexpr = gl.SliceLayout(0, LR)
+        rg = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS))), 1), 2)
+        rt = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS))), 0), 1)
+        o = out_ptr + token * stride_om + mt * 16 + rg + rt * 0
+        lead = (rt == 0) & (rg >= 0)
         gl.store(o, y_g.to(out_ptr.dtype.element_ty), mask=lead)
         gl.store(o + 8, y_h.to(out_ptr.dtype.element_ty), mask=lead)
 
@@ -868,5 +890,6 @@ def moe_down(
         PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
         PRE=_predecoded(bank, tokens),
         num_warps=top_k, launch_pdl=True,
+        **({"maxnreg": DOWN_REGS_MXFP4} if DOWN_REGS_MXFP4 and tokens == 1 and bank.mxfp4 else {}),
     )  # fmt: skip
     return out
