@@ -67,7 +67,11 @@ two chunks predecoded: 10.5-10.6 us (45-46%) against 10.8-10.9; E and O sharing 
 by prmt and bf16 magnitudes by shift: 10.27-10.34 against 10.39-10.43; int4 10.99-11.15 (47-48%).
 MXFP4's moe_up issuing chunk c's loads after chunk c - 1's first word is in (``STAGGER``, one
 token): 10.10-10.13 against 10.30-10.31 (47.2-47.8%). int4's moe_up letting moe_down launch once
-its codes are in (``LATE_INT4``): 10.86-10.91 against 10.98-11.04 (47.8-48.6%).
+its codes are in (``LATE_INT4``): 10.86-10.91 against 10.98-11.04 (47.8-48.6%). The warp's largest
+input by one redux.sync, moe_down's pairs summed in each thread after one layout conversion and
+MXFP4's moe_down held to 112 registers (``DOWN_REGS_MXFP4``): 10.04 against 10.26, int4 10.70
+against 10.88. The code words loaded evict-first, and at one token the scales and zero points too:
+MXFP4 9.64-9.79 us (49.5-49.6%), int4 10.46-10.49 (49.7-50.3%).
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -105,9 +109,9 @@ MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton p
 # nothing (11.0 -> 11.1), the first PREDECODE_MXFP4 = 2 (131) 10.8-10.9 -> 10.5-10.6. Since then
 # MXFP4's moe_down at one token predecodes nothing and is held to DOWN_REGS_MXFP4 = 112 registers
 # (8 warps: 28672 of the SM's 65536, so it fits beside four of moe_up's programs of 72 registers,
-# not three), and starts 0.5-1 us sooner as moe_up's programs leave: paired in one process (H200,
-# Qwen3-30B-A3B layer, the pair), 9.95 -> 9.88 us with the two predecoded chunks; those spill when
-# held to 112 (10.29). 0: no cap.
+# not three), and starts about 0.6 us sooner as moe_up's programs leave: paired in one process
+# (H200, Qwen3-30B-A3B layer, the pair), 10.01 -> 9.92 and 9.95 -> 9.88 us against the two chunks
+# predecoded at 130 registers; those spill when held to 112 (10.29). 0: no cap.
 PREDECODE = True
 PREDECODE_MXFP4 = 0
 DOWN_REGS_MXFP4 = 112
