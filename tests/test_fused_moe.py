@@ -677,6 +677,23 @@ def test_the_measured_configurations_are_chosen_by_token_count_in_the_interprete
     assert triton_moe.measured_configs(8, True, 1) is None
 
 
+@interpreted
+def test_moe_down_is_held_to_its_register_cap_where_its_words_fit_in_the_interpreter():
+    """MXFP4's moe_down at one token is held to ``DOWN_REGS_MXFP4`` registers where a warp's code
+    words fit under it (Qwen3's 768-wide experts: 3 chunks of 8 groups), not for GPT-OSS's 2880 (12
+    chunks, which spill even uncapped), nor from two tokens on, nor for int4."""
+    from types import SimpleNamespace
+
+    from modelfleet.engine.formats import mma_moe
+
+    def regs(inter: int, mxfp4: bool, tokens: int) -> dict[str, int]:
+        return mma_moe._down_regs(SimpleNamespace(in_features=inter, mxfp4=mxfp4), tokens)  # type: ignore[arg-type]
+
+    cap = {"maxnreg": mma_moe.DOWN_REGS_MXFP4}
+    assert mma_moe.DOWN_REGS_MXFP4 and regs(768, True, 1) == cap and regs(256, True, 1) == cap
+    assert regs(2880, True, 1) == {} and regs(768, True, 2) == {} and regs(768, False, 1) == {}
+
+
 def _read_bound_module():  # type: ignore[no-untyped-def]
     """benchmarks/read_bound.py (the formats benchmark's read bound), loaded by path."""
     import importlib.util

@@ -111,10 +111,13 @@ MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton p
 # (8 warps: 28672 of the SM's 65536, so it fits beside four of moe_up's programs of 72 registers,
 # not three), and starts about 0.6 us sooner as moe_up's programs leave: paired in one process
 # (H200, Qwen3-30B-A3B layer, the pair), 10.01 -> 9.92 and 9.95 -> 9.88 us against the two chunks
-# predecoded at 130 registers; those spill when held to 112 (10.29). 0: no cap.
+# predecoded at 130 registers; those spill when held to 112 (10.29). Only where a warp's words fit
+# under the cap (up to MAX_CAPPED_CHUNKS chunks of 8 groups: 768-wide experts; GPT-OSS's 2880 have 12
+# chunks, which spill even uncapped, and held to 112 spill 4x as much). 0: no cap.
 PREDECODE = True
 PREDECODE_MXFP4 = 0
 DOWN_REGS_MXFP4 = 112
+MAX_CAPPED_CHUNKS = 3
 # moe_up at one token, int4: the programs let moe_down launch once their last chunk's codes are in,
 # not at their start (held to moe_up's 80 registers, which the trigger's placement would raise to 93).
 # moe_down's programs only fit on an SM as its moe_up programs leave (170 registers x 8 warps), so
@@ -846,6 +849,14 @@ def _predecoded(bank: PackedBank, tokens: int) -> int:
     return min(chunks, PREDECODE_MXFP4) if bank.mxfp4 else chunks
 
 
+def _down_regs(bank: PackedBank, tokens: int) -> dict[str, int]:
+    """moe_down's register cap, as a launch option: ``DOWN_REGS_MXFP4`` for MXFP4 at one token where
+    a warp's code words fit under it (up to ``MAX_CAPPED_CHUNKS`` chunks of 8 groups), else none."""
+    chunks = -(-bank.in_features // 32 // CHUNK)
+    capped = DOWN_REGS_MXFP4 and tokens == 1 and bank.mxfp4 and chunks <= MAX_CAPPED_CHUNKS
+    return {"maxnreg": DOWN_REGS_MXFP4} if capped else {}
+
+
 def _scales_evict(tokens: int) -> str:
     """The scales' and zero points' eviction policy: at one token every routed expert's are read by
     one program and once, so first out of L1 and L2 (H200, Qwen3-30B-A3B pair, paired in one
@@ -928,6 +939,6 @@ def moe_down(
         PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
         PRE=_predecoded(bank, tokens), SCALES_EVICT=_scales_evict(tokens),
         num_warps=top_k, launch_pdl=True,
-        **({"maxnreg": DOWN_REGS_MXFP4} if DOWN_REGS_MXFP4 and tokens == 1 and bank.mxfp4 else {}),
+        **_down_regs(bank, tokens),
     )  # fmt: skip
     return out
