@@ -472,6 +472,11 @@ if gluon is not None:
         )  # fmt: skip
 
     @gluon.jit
+    def _load_as(at, ty: gl.constexpr, mask, EVICT: gl.constexpr):
+        """The ty at byte pointer at (0 where not mask), with eviction policy EVICT."""
+        return gl.load(at.to(gl.pointer_type(ty), bitcast=True), mask=mask, other=0, eviction_policy=EVICT)
+
+    @gluon.jit
     def _chunk_loads(
         at, b_words, rows, a8, b8, zrows, zb, t, lgg, x_at, x_group,
         G: gl.constexpr, CHUNKS: gl.constexpr, WITH_X: gl.constexpr, INT4: gl.constexpr, SYM: gl.constexpr,
@@ -504,34 +509,14 @@ if gluon is not None:
             k = c * GC + 2 * t  # the lane's first group of the chunk, from a8
             if INT4:
                 pair = a8 + k < G
-                sa = gl.load(
-                    (rows + a8 + k).to(gl.pointer_type(gl.int32), bitcast=True),
-                    mask=pair,
-                    other=0,
-                    eviction_policy=SCALES_EVICT,
-                )
-                sb = gl.load(
-                    (rows + b8 + k).to(gl.pointer_type(gl.int32), bitcast=True),
-                    mask=pair,
-                    other=0,
-                    eviction_policy=SCALES_EVICT,
-                )
+                sa = _load_as(rows + a8 + k, gl.int32, pair, SCALES_EVICT)
+                sb = _load_as(rows + b8 + k, gl.int32, pair, SCALES_EVICT)
                 if SYM:
                     za = sa * 0 + 0x0808
                     zb_ = za
                 else:
-                    za = gl.load(
-                        (zrows + a8 + k).to(gl.pointer_type(gl.int16), bitcast=True),
-                        mask=pair,
-                        other=0,
-                        eviction_policy=SCALES_EVICT,
-                    )
-                    zb_ = gl.load(
-                        (zrows + zb + k).to(gl.pointer_type(gl.int16), bitcast=True),
-                        mask=pair,
-                        other=0,
-                        eviction_policy=SCALES_EVICT,
-                    )
+                    za = _load_as(zrows + a8 + k, gl.int16, pair, SCALES_EVICT)
+                    zb_ = _load_as(zrows + zb + k, gl.int16, pair, SCALES_EVICT)
                 low = 0xFFFFFFFF
                 es_a = es_a + ((sa.to(gl.int64) & low) | (za.to(gl.int64) & 0xFFFF) << 32,)
                 es_b = es_b + ((sb.to(gl.int64) & low) | (zb_.to(gl.int64) & 0xFFFF) << 32,)
