@@ -473,7 +473,7 @@ if gluon is not None:
 
     @gluon.jit
     def _load_as(at, ty: gl.constexpr, mask, EVICT: gl.constexpr):
-        """The ty at byte pointer at (0 where not mask), with eviction policy EVICT."""
+        """The ty at pointer at, whatever its element type (0 where not mask), with eviction policy EVICT."""
         return gl.load(at.to(gl.pointer_type(ty), bitcast=True), mask=mask, other=0, eviction_policy=EVICT)
 
     @gluon.jit
