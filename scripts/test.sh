@@ -11,9 +11,9 @@ bash scripts/setup.sh test
 .venv/bin/python -m pytest -q "$@"
 if [ "$#" -eq 0 ]; then
   # the Triton kernels' arithmetic on this CPU, in triton's interpreter (a GPU runs them for real),
-  # and the tensor-core kernels' decode instructions in a model of PTX; triton sits beside the
-  # venv, not in it, so the suite above sees a machine without it
+  # the tensor-core kernels' decode instructions in a model of PTX, and their PTX pass; triton sits
+  # beside the venv, not in it, so the suite above sees a machine without it
   [ -d .venv/triton/triton ] || .venv/bin/python -m pip install -q --no-deps --target .venv/triton triton==3.6.0
-  TRITON_INTERPRET=1 PYTHONPATH=.venv/triton .venv/bin/python -m pytest -q -k "interpreter or ptx_model" \
+  TRITON_INTERPRET=1 PYTHONPATH=.venv/triton .venv/bin/python -m pytest -q -k "interpreter or ptx_model or ptx_pass" \
     tests/test_fused_moe.py tests/test_formats.py
 fi

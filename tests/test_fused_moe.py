@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -204,7 +205,7 @@ def test_the_tensor_core_kernels_match_the_exact_decode(
 @pytest.mark.parametrize(
     ("name", "switch", "other"),
     [("mxfp4", "STAGGER", False), ("int4", "LATE_INT4", False), ("mxfp4", "DOWN_REGS_MXFP4", 0),
-     ("mxfp4", "PREDECODE_MXFP4", 2)],
+     ("mxfp4", "PREDECODE_MXFP4", 2), ("mxfp4", "WARP_BARRIERS", False), ("int4", "WARP_BARRIERS", False)],
 )  # fmt: skip
 def test_the_one_token_scheduling_switches_leave_the_step_bit_for_bit(name, switch, other, monkeypatch):
     """At one token MXFP4's moe_up issues each chunk's code loads after the previous chunk's first
@@ -226,6 +227,41 @@ def test_the_one_token_scheduling_switches_leave_the_step_bit_for_bit(name, swit
     monkeypatch.setattr(mma_moe, switch, other)
     assert torch.equal(scheduled, layer(x, index, weight))
     assert_tokens_close(scheduled, reference_moe(layer, x.float().cpu(), index.cpu(), weight.float().cpu()))
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mxfp4", "int4"])
+def test_the_ptx_pass_leaves_eight_tokens_bit_for_bit_with_fewer_cta_barriers(name, monkeypatch):
+    """``WARP_BARRIERS`` from two tokens on too (two tiles per moe_up program: more conversions):
+    the kernels compiled with it carry fewer CTA barriers than those without, the step is the same
+    bit for bit, and it matches the float64 exact decode."""
+    from modelfleet.engine.formats import mma_moe
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the tensor-core kernels run on compute capability 9 (Hopper)")
+    layer = mxfp4_layer(8, 2048, 768, silu_glu, False, name)
+    generator = torch.Generator().manual_seed(8)
+    index = torch.stack([torch.randperm(8, generator=generator)[:4] for _ in range(8)]).cuda()
+    weight = torch.softmax(torch.randn(8, 4, generator=generator), dim=-1).to(torch.bfloat16).cuda()
+    x = torch.randn(8, 2048, generator=generator).to(torch.bfloat16).cuda()
+
+    kernels = (mma_moe._mma_up_kernel, mma_moe._mma_down_kernel)
+    for kernel in kernels:  # this test's compilations only (Triton's disk cache may serve them)
+        monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
+
+    def cta_barriers(marked: bool) -> int:
+        compiled = [k for f in kernels for c in f.device_caches.values() for k in c[0].values()]
+        ptx = [k.asm["ptx"] for k in compiled if (mma_moe.WARP_BARRIERS_MARK in k.asm["ptx"]) == marked]
+        assert len(ptx) == 2  # the step's moe_up and moe_down
+        return sum(p.count("bar.sync") for p in ptx)
+
+    assert mma_moe.WARP_BARRIERS
+    y = layer(x, index, weight)
+    monkeypatch.setattr(mma_moe, "WARP_BARRIERS", False)
+    assert torch.equal(y, layer(x, index, weight))
+    assert cta_barriers(True) < cta_barriers(False)
+    assert_tokens_close(y, reference_moe(layer, x.float().cpu(), index.cpu(), weight.float().cpu()))
 
 
 @cuda_only
@@ -369,6 +405,42 @@ def e2m1(code: int) -> float:
     exponent, mantissa = (code >> 1) & 3, code & 1
     magnitude = mantissa * 0.5 if exponent == 0 else 2.0 ** (exponent - 1) * (1 + mantissa / 2)
     return -magnitude if code & 8 else magnitude
+
+
+_CONVERSION = """\
+\tst.shared.v4.b32 \t[%r{a}], {{%r1, %r2, %r3, %r4}};
+\tadd.s32 \t%r9, %r8, 1;
+\tst.shared.v4.b32 \t[%r{b}+4096], {{%r5, %r6, %r7, %r8}};
+\tbar.warp.sync \t-1;
+\tldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%r10, %r11, %r12, %r13}}, [%r{c}];
+\tld.global.v2.b32 \t{{%r20, %r21}}, [%rd1];
+\tldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%r14, %r15, %r16, %r17}}, [%r{d}];"""
+
+
+def _conversion(a: int = 233, b: int = 235, c: int = 240, d: int = 242) -> str:
+    return _CONVERSION.format(a=a, b=b, c=c, d=d)
+
+
+def test_the_ptx_pass_makes_only_a_warp_local_conversions_reuse_guard_a_warp_barrier():
+    """The PTX pass behind ``WARP_BARRIERS``: a CTA barrier between two warp-local conversions at
+    the same addresses (each warp rewrites only what it read back) becomes a warp barrier; one
+    before a conversion at other addresses, before a cross-warp exchange (a CTA barrier between its
+    stores and loads), before stmatrix, or after other shared-memory work stays."""
+    mma_moe = pytest.importorskip("modelfleet.engine.formats.mma_moe", reason="needs triton")
+    cta, warp = "\tbar.sync \t0;", "\tbar.warp.sync \t-1;"
+    same = "\n".join([_conversion(), cta, "\tmul.lo.s32 \t%r30, %r9, 3;", _conversion(), cta, _conversion()])
+    out, n = mma_moe.warp_barriers(same)
+    assert n == 2 and out == same.replace(cta, warp)
+    unchanged = [
+        "\n".join([_conversion(), cta, _conversion(a=250)]),  # another conversion's stores
+        "\n".join([_conversion(), cta, _conversion(c=251)]),  # its loads elsewhere
+        "\n".join([_conversion(), cta, _conversion().replace("bar.warp.sync \t-1", "bar.sync \t0")]),  # cross-warp
+        "\n".join([_conversion(), cta, "\tstmatrix.sync.aligned.m8n8.x1.shared.b16 [%r263], {%r258};"]),
+        "\n".join([_conversion(), "\tst.shared.b32 \t[%r40], %r41;", cta, _conversion()]),
+        "\n".join([_conversion(), cta, "\tld.shared.b32 \t%r42, [%r40];", _conversion()]),
+    ]
+    for ptx in unchanged:
+        assert mma_moe.warp_barriers(ptx) == (ptx, 0)
 
 
 def test_the_tensor_core_decode_makes_exact_f16_pairs_in_a_ptx_model():

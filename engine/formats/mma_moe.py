@@ -71,7 +71,9 @@ its codes are in (``LATE_INT4``): 10.86-10.91 against 10.98-11.04 (47.8-48.6%). 
 input by one redux.sync, moe_down's pairs summed in each thread after one layout conversion and
 MXFP4's moe_down held to 112 registers (``DOWN_REGS_MXFP4``): 10.04 against 10.26, int4 10.70
 against 10.88. The code words loaded evict-first, and at one token the scales and zero points too:
-MXFP4 9.64-9.79 us (49.5-49.6%), int4 10.46-10.49 (49.7-50.3%).
+MXFP4 9.64-9.79 us (49.5-49.6%), int4 10.46-10.49 (49.7-50.3%). The code conversions' scratch
+reuse guarded per warp, not per CTA (``WARP_BARRIERS``): MXFP4 9.70 -> 9.54 (51.0%), int4 10.72
+-> 10.52 (50.3%); eight tokens 49.4 -> 48.4 and 52.9 -> 50.1.
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -86,7 +88,9 @@ predicated FMA), so they run only on the GPU, not in triton's interpreter.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton.language as tl
@@ -129,6 +133,15 @@ LATE_INT4 = True
 # rather than all at once (H200, Qwen3-30B-A3B layer, paired in one process: the pair 10.30 -> 10.13
 # and 10.31 -> 10.10 us; int4 11.02 -> 11.06, within noise, so it keeps its loads together)
 STAGGER = True
+# The code words' layout conversions (load order -> fragment order, through shared memory) are
+# warp-local: each warp reads back only what it wrote, so Triton syncs the warp between a
+# conversion's stores and loads, but guards the scratch's reuse by the next conversion with a CTA
+# barrier (bar.sync), 5 of them in moe_down and 3 in moe_up at one token, which hold every warp to
+# the slowest. Where the next conversion is the same one (same addresses, so each warp rewrites just
+# what it read), a warp barrier orders that reuse (``warp_barriers``, a pass on the kernels' PTX).
+# H200, Qwen3-30B-A3B layer, the pair paired in one process: MXFP4 9.70 -> 9.54 us at one row
+# (51.0% of copy bandwidth), 49.37 -> 48.36 at eight; int4 10.72 -> 10.52 (50.3%), 52.86 -> 50.11.
+WARP_BARRIERS = True
 CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
 
@@ -328,9 +341,109 @@ _ALWAYS = "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; s
 WAIT_AFTER = tl.constexpr(_ALWAYS + " @p griddepcontrol.wait; and.b32 $0, y, 0; }")
 ZERO_AFTER = tl.constexpr(_ALWAYS + " selp.b32 $0, 0, 1, p; }")
 LAUNCH_AFTER = tl.constexpr(_ALWAYS + " @p griddepcontrol.launch_dependents; and.b32 $0, y, 0; }")
+# in the PTX of the kernels compiled with WARP_BARRIERS (a comment by a dead move): the PTX pass
+# rewrites only those
+WARP_BARRIERS_MARK = "// modelfleet: warp-local conversions"
+WARP_BARRIERS_ASM = tl.constexpr("mov.u32 $0, 0; " + WARP_BARRIERS_MARK)
+
+_STORE = re.compile(r"^\s*st\.shared\.v4\.b32\s+\[([^\]]+)\],")
+_LDMATRIX = re.compile(r"^\s*ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16\s+\{[^}]*\},\s*\[([^\]]+)\];")
+_WARP_SYNC = re.compile(r"^\s*bar\.warp\.sync\s+-1;")
+_CTA_SYNC = re.compile(r"^(\s*)bar\.sync\s+0;\s*$")
+_SHARED = re.compile(r"shared|bar\.|barrier|fence|matrix|cp\.async")
+
+
+def warp_barriers(ptx: str) -> tuple[str, int]:
+    """``ptx`` with each CTA barrier (``bar.sync 0``) that only guards a warp-local conversion's
+    scratch against the same conversion's next use made a warp barrier (``bar.warp.sync``), and
+    how many. A warp-local conversion, as Triton lowers one: 16-byte shared stores, a warp sync,
+    ldmatrix loads (no CTA barrier between: each warp reads back only what it wrote). The barrier
+    is rewritten only where the shared-memory operations just before it are one such conversion's
+    loads and those just after it the stores of a conversion at the same addresses (the same
+    registers, defined once): each warp then overwrites only what it itself read, which the warp
+    barrier orders. Every other barrier stays."""
+    lines = ptx.split("\n")
+    events: list[tuple[str, int, str]] = []  # (kind, line, address) of every shared-memory operation
+    for i, line in enumerate(lines):
+        for kind, pattern in (("st", _STORE), ("ld", _LDMATRIX), ("warp", _WARP_SYNC), ("cta", _CTA_SYNC)):
+            m = pattern.match(line)
+            if m:
+                events.append((kind, i, m.group(1) if kind in ("st", "ld") else ""))
+                break
+        else:
+            if _SHARED.search(line.split("//")[0]):
+                events.append(("other", i, ""))
+    # conversions: stores, one warp sync, loads; keyed by their first and last event
+    ends: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    starts: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    e = 0
+    while e < len(events):
+        first = e
+        while e < len(events) and events[e][0] == "st":
+            e += 1
+        stores = tuple(a for _, _, a in events[first:e])
+        if stores and e < len(events) and events[e][0] == "warp":
+            after = e + 1
+            e = after
+            while e < len(events) and events[e][0] == "ld":
+                e += 1
+            loads = tuple(a for _, _, a in events[after:e])
+            if loads:
+                starts[first] = ends[e - 1] = (stores, loads)
+            continue
+        e = max(e, first + 1)
+    rewritten = 0
+    for e, (kind, i, _) in enumerate(events):
+        if kind == "cta" and e - 1 in ends and e + 1 in starts and ends[e - 1] == starts[e + 1]:
+            indent = _CTA_SYNC.match(lines[i]).group(1)  # type: ignore[union-attr]
+            lines[i] = f"{indent}bar.warp.sync \t-1;"
+            rewritten += 1
+    return "\n".join(lines), rewritten
+
+
+def _add_warp_barriers_pass(stages: dict[str, Callable[[Any, Any], Any]]) -> None:
+    """The PTX stage followed by :func:`warp_barriers` for the kernels marked so."""
+    make_ptx = stages.get("ptx")
+    if make_ptx is None:  # pragma: no cover - another backend
+        return
+
+    def ptx_stage(src: Any, metadata: Any) -> Any:
+        ptx = make_ptx(src, metadata)
+        return warp_barriers(ptx)[0] if WARP_BARRIERS_MARK in ptx else ptx
+
+    stages["ptx"] = ptx_stage
+
+
+def _install_warp_barriers_pass() -> None:
+    """Adds :func:`warp_barriers` to Triton's pipeline (its stages hook, chained after any hook set
+    before). Only kernels compiled with WARP_BARRIERS carry the mark, and it is a constexpr of
+    theirs, so their cache entries are apart from unmarked ones. Triton without the hook: no pass,
+    the kernels keep Triton's barriers."""
+    from triton import knobs
+
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "add_stages_inspection_hook"):  # pragma: no cover
+        return
+    before = runtime.add_stages_inspection_hook
+    if getattr(before, "modelfleet_warp_barriers", False):
+        return
+
+    def hook(*args: Any) -> None:  # (backend,) stages, options, language, capability
+        if before is not None:
+            before(*args)
+        _add_warp_barriers_pass(next(a for a in args if isinstance(a, dict)))
+
+    hook.modelfleet_warp_barriers = True  # type: ignore[attr-defined]
+    runtime.add_stages_inspection_hook = hook
 
 
 if gluon is not None:
+    _install_warp_barriers_pass()
+
+    @gluon.jit
+    def _warp_barriers_mark():
+        """Marks the kernel's PTX for :func:`warp_barriers` (a comment; the register is dead)."""
+        gl.inline_asm_elementwise(WARP_BARRIERS_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _gdc_wait():
@@ -642,7 +755,7 @@ if gluon is not None:
         TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, TILES: gl.constexpr,
         ACT: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, T_MAJOR: gl.constexpr,
         INT4: gl.constexpr, SYM: gl.constexpr, STAGGER: gl.constexpr = False, LATE: gl.constexpr = False,
-        SCALES_EVICT: gl.constexpr = "",
+        SCALES_EVICT: gl.constexpr = "", WARP_BARRIERS: gl.constexpr = False,
     ):  # fmt: skip
         """Program (pair, TILES x 8 intermediate rows): tile j's rows g = gate rows 8 (TILES mt +
         j) + g, rows g + 8 = the same up rows; WARPS warps split the G groups, CHW chunks of 8 each
@@ -651,6 +764,8 @@ if gluon is not None:
         GW: gl.constexpr = CHW * GC  # groups per warp
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [WARPS, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+        if WARP_BARRIERS:
+            _warp_barriers_mark()
         pair = gl.program_id(0)
         mt = gl.program_id(1)
         if PDL:  # x and index come from the kernels before; moe_down may start loading its codes
@@ -706,7 +821,7 @@ if gluon is not None:
         stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_wt, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr,
         T_MAJOR: gl.constexpr, INT4: gl.constexpr, SYM: gl.constexpr, PRE: gl.constexpr,
-        SCALES_EVICT: gl.constexpr = "",
+        SCALES_EVICT: gl.constexpr = "", WARP_BARRIERS: gl.constexpr = False,
     ):  # fmt: skip
         """Program (token, 16 output rows); warp k = the token's pair k, summed across warps.
         T_MAJOR: the activations come t-major (two 8-byte loads per lane and chunk). PRE: how many
@@ -714,6 +829,8 @@ if gluon is not None:
         (:func:`_predecode`; the rest after it)."""
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [TOP_K, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [TOP_K, 1, 1, 1], [3, 2, 1, 0])
+        if WARP_BARRIERS:
+            _warp_barriers_mark()
         token = gl.program_id(0)
         mt = gl.program_id(1)
         CH: gl.constexpr = (G + GC - 1) // GC  # chunks (the last may run past G: masked)
@@ -895,7 +1012,8 @@ def moe_up(
         TOP_K=top_k, G=groups, CHW=chw, WARPS=warps, TILES=tiles, ACT=act.kind, HAS_BIAS=bias is not None,
         F16=x.dtype == torch.float16, PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
         STAGGER=STAGGER and tokens == 1 and bank.mxfp4, num_warps=warps, launch_pdl=True,
-        LATE=late, SCALES_EVICT=_scales_evict(tokens), **({"maxnreg": 80} if late else {}),
+        LATE=late, SCALES_EVICT=_scales_evict(tokens), WARP_BARRIERS=WARP_BARRIERS,
+        **({"maxnreg": 80} if late else {}),
     )  # fmt: skip
     return out
 
@@ -922,7 +1040,7 @@ def moe_down(
         zeros.stride(1), 0 if bias is None else bias.stride(0), weight.stride(0), out.stride(0),
         TOP_K=top_k, G=bank.in_features // 32, HAS_BIAS=bias is not None, F16=a.dtype == torch.float16,
         PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
-        PRE=_predecoded(bank, tokens), SCALES_EVICT=_scales_evict(tokens),
+        PRE=_predecoded(bank, tokens), SCALES_EVICT=_scales_evict(tokens), WARP_BARRIERS=WARP_BARRIERS,
         num_warps=top_k, launch_pdl=True,
         **_down_regs(bank, tokens),
     )  # fmt: skip
