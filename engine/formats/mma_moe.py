@@ -73,7 +73,9 @@ MXFP4's moe_down held to 112 registers (``DOWN_REGS_MXFP4``): 10.04 against 10.2
 against 10.88. The code words loaded evict-first, and at one token the scales and zero points too:
 MXFP4 9.64-9.79 us (49.5-49.6%), int4 10.46-10.49 (49.7-50.3%). The code conversions' scratch
 reuse guarded per warp, not per CTA (``WARP_BARRIERS``): MXFP4 9.70 -> 9.54 (51.0%), int4 10.72
--> 10.52 (50.3%); eight tokens 49.4 -> 48.4 and 52.9 -> 50.1.
+-> 10.52 (50.3%); eight tokens 49.4 -> 48.4 and 52.9 -> 50.1. moe_up's grid with an expert's row
+tiles consecutive at one token (``UP_ROWS_FIRST``): MXFP4 9.51-9.53 (50.3-50.6%), int4 10.42
+(50.0-50.3%).
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -142,6 +144,13 @@ STAGGER = True
 # H200, Qwen3-30B-A3B layer, the pair paired in one process: MXFP4 9.70 -> 9.54 us at one row
 # (51.0% of copy bandwidth), 49.37 -> 48.36 at eight; int4 10.72 -> 10.52 (50.3%), 52.86 -> 50.11.
 WARP_BARRIERS = True
+# moe_up's grid at one token with the row tiles fastest: programs launched one after another read
+# one expert's consecutive rows (one contiguous run of gate rows and one of up rows), rather than the
+# same rows of the 8 routed experts. H200, Qwen3-30B-A3B layer, the pair paired in one process, three
+# runs: MXFP4 9.58 -> 9.53, 9.57 -> 9.51 (50.6% of copy bandwidth); int4 10.52 -> 10.42, 10.48 ->
+# 10.42. From two tokens on it measured slower (eight, MXFP4: 49.6 -> 50.7 us), so there the pairs
+# stay fastest.
+UP_ROWS_FIRST = True
 CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
 
@@ -755,7 +764,7 @@ if gluon is not None:
         TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, TILES: gl.constexpr,
         ACT: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, T_MAJOR: gl.constexpr,
         INT4: gl.constexpr, SYM: gl.constexpr, STAGGER: gl.constexpr = False, LATE: gl.constexpr = False,
-        SCALES_EVICT: gl.constexpr = "", WARP_BARRIERS: gl.constexpr = False,
+        SCALES_EVICT: gl.constexpr = "", WARP_BARRIERS: gl.constexpr = False, ROWS_FIRST: gl.constexpr = False,
     ):  # fmt: skip
         """Program (pair, TILES x 8 intermediate rows): tile j's rows g = gate rows 8 (TILES mt +
         j) + g, rows g + 8 = the same up rows; WARPS warps split the G groups, CHW chunks of 8 each
@@ -766,8 +775,8 @@ if gluon is not None:
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
         if WARP_BARRIERS:
             _warp_barriers_mark()
-        pair = gl.program_id(0)
-        mt = gl.program_id(1)
+        pair = gl.program_id(1 if ROWS_FIRST else 0)  # ROWS_FIRST: the grid is (row tiles, pairs)
+        mt = gl.program_id(0 if ROWS_FIRST else 1)
         if PDL:  # x and index come from the kernels before; moe_down may start loading its codes
             _gdc_wait()
             if not LATE:
@@ -1005,14 +1014,16 @@ def moe_up(
     chw = -(-groups // CHUNK) // warps
     tiles = _up_tiles(tokens, chw, inter // 8)
     late = LATE_INT4 and tokens == 1 and not bank.mxfp4
-    _mma_up_kernel[(tokens * top_k, inter // 8 // tiles)](
+    rows_first = UP_ROWS_FIRST and tokens == 1
+    pairs, row_tiles = tokens * top_k, inter // 8 // tiles
+    _mma_up_kernel[(row_tiles, pairs) if rows_first else (pairs, row_tiles)](
         x, words, scales, zeros, index.reshape(-1), bias_t, out, inter, act.alpha, act.limit,
         x.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), zeros.stride(0),
         zeros.stride(1), 0 if bias is None else bias.stride(0), out.stride(0),
         TOP_K=top_k, G=groups, CHW=chw, WARPS=warps, TILES=tiles, ACT=act.kind, HAS_BIAS=bias is not None,
         F16=x.dtype == torch.float16, PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
         STAGGER=STAGGER and tokens == 1 and bank.mxfp4, num_warps=warps, launch_pdl=True,
-        LATE=late, SCALES_EVICT=_scales_evict(tokens), WARP_BARRIERS=WARP_BARRIERS,
+        LATE=late, SCALES_EVICT=_scales_evict(tokens), WARP_BARRIERS=WARP_BARRIERS, ROWS_FIRST=rows_first,
         **({"maxnreg": 80} if late else {}),
     )  # fmt: skip
     return out
