@@ -204,14 +204,14 @@ def test_the_tensor_core_kernels_match_the_exact_decode(
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("name", "switch", "other"),
-    [("mxfp4", "STAGGER", False), ("int4", "LATE_INT4", False), ("mxfp4", "DOWN_REGS_MXFP4", 0),
+    [("mxfp4", "STAGGER", False), ("int4", "LATE_INT4", True), ("mxfp4", "DOWN_REGS_MXFP4", 0),
      ("mxfp4", "PREDECODE_MXFP4", 2), ("mxfp4", "WARP_BARRIERS", False), ("int4", "WARP_BARRIERS", False),
      ("mxfp4", "UP_ROWS_FIRST", False)],
 )  # fmt: skip
 def test_the_one_token_scheduling_switches_leave_the_step_bit_for_bit(name, switch, other, monkeypatch):
     """At one token MXFP4's moe_up issues each chunk's code loads after the previous chunk's first
-    word (``STAGGER``: an address offset that is always 0), int4's lets moe_down launch once its
-    codes are in (``LATE_INT4``), MXFP4's moe_down is held to ``DOWN_REGS_MXFP4`` registers with
+    word (``STAGGER``: an address offset that is always 0), int4's can let moe_down launch once
+    its codes are in (``LATE_INT4``, off), MXFP4's moe_down is held to ``DOWN_REGS_MXFP4`` registers with
     none of its chunks decoded before its wait (``PREDECODE_MXFP4``), both kernels guard their
     conversions' scratch per warp (``WARP_BARRIERS``) and moe_up's grid runs an expert's row tiles
     first (``UP_ROWS_FIRST``): the step is the one with each switch set otherwise bit for bit (and

@@ -75,7 +75,8 @@ MXFP4 9.64-9.79 us (49.5-49.6%), int4 10.46-10.49 (49.7-50.3%). The code convers
 reuse guarded per warp, not per CTA (``WARP_BARRIERS``): MXFP4 9.70 -> 9.54 (51.0%), int4 10.72
 -> 10.52 (50.3%); eight tokens 49.4 -> 48.4 and 52.9 -> 50.1. moe_up's grid with an expert's row
 tiles consecutive at one token (``UP_ROWS_FIRST``): MXFP4 9.51-9.53 (50.3-50.6%), int4 10.42
-(50.0-50.3%).
+(50.0-50.3%); with those two, int4's late trigger no longer pays (``LATE_INT4`` off: 10.37-10.43 ->
+10.30-10.31, 50.5-50.6%).
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
@@ -129,8 +130,11 @@ MAX_CAPPED_CHUNKS = 3
 # moe_down's programs only fit on an SM as its moe_up programs leave (170 registers x 8 warps), so
 # their start hardly moves; H200, Qwen3-30B-A3B layer, paired in one process, three runs: the pair
 # 10.98 -> 10.86, 11.04 -> 10.88, 11.04 -> 10.91 us. MXFP4's (72 registers, spilling when held)
-# measured 10.49 -> 10.68.
-LATE_INT4 = True
+# measured 10.49 -> 10.68. Since moe_up's grid runs an expert's rows first (UP_ROWS_FIRST) and the
+# conversions' guards are per warp (WARP_BARRIERS) it is the other way: triggering at the start,
+# paired in one process, two runs: 10.43 -> 10.31 and 10.37 -> 10.30 us (50.6% of copy bandwidth),
+# against 10.37 for a second copy of the late trigger in the same run. Off, kept as a switch.
+LATE_INT4 = False
 # moe_up at one token, MXFP4: a warp issues chunk c's code loads once chunk c - 1's first word is in,
 # rather than all at once (H200, Qwen3-30B-A3B layer, paired in one process: the pair 10.30 -> 10.13
 # and 10.31 -> 10.10 us; int4 11.02 -> 11.06, within noise, so it keeps its loads together)
