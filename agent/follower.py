@@ -1,8 +1,8 @@
 """A tensor rank r > 0 of a stage: its share of the stage's layers, driven by the stage's rank 0.
 
 It serves no frame or client socket, only its own HTTP (/healthz, /readyz, /status, /metrics) so
-that every rank's pod answers its probes. It joins its stage's tensor group at rank 0's host,
-port + 3, loads its share, and runs the commands rank 0 broadcasts (:mod:`.tensor_group`) until
+that every rank's pod answers its probes. It joins its stage's tensor group at rank 0's host and
+rendezvous port, loads its share of the backend the plan names, and runs the commands rank 0 broadcasts (:mod:`.tensor_group`) until
 rank 0 says stop. When rank 0 disappears the process exits with an error (LeaderGone) so that it
 is restarted and meets the restarted rank 0 at the rendezvous again.
 """
@@ -13,10 +13,12 @@ import logging
 import signal
 import threading
 
-from ..engine.shard import Shard
+import torch
+
+from ..engine.backend import StageBackend
 from ..engine.tensor_parallel import close_tensor_group, init_tensor_group
 from .health import AgentStatus, Phase, StageMetrics, serve_http
-from .stage import AgentConfig, format_plan
+from .stage import AgentConfig, stage_backend
 from .tensor_group import Command, DistChannel, RankFollower
 
 log = logging.getLogger("modelfleet.agent")
@@ -35,7 +37,7 @@ class FollowerAgent:
         )  # fmt: skip
         self.metrics = StageMetrics(config.group_index, config.stage_index)
         self.stopping = threading.Event()
-        self.shard: Shard | None = None
+        self.backend: StageBackend | None = None
         self.handle_signals = False
 
     def install_signal_handlers(self) -> None:
@@ -50,19 +52,16 @@ class FollowerAgent:
 
     def run(self) -> None:
         stage, rank = self.stage, self.config.tp_rank
-        http_port = self.config.http_port or stage.port + 1
+        http_port = self.config.http_port or stage.http_port
         http = serve_http(self.config.http_host or stage.host, http_port, self.status, self.metrics)
         try:
             group = init_tensor_group(
-                rank, stage.tp_size, stage.host, stage.port + 3, stage.device, self.config.tensor_timeout_seconds
+                rank, stage.tp_size, stage.host, stage.rendezvous_port, stage.device, self.config.tensor_timeout_seconds
             )
-            self.shard = shard = Shard.load(
-                self.config.plan.model.path, stage.layer_start, stage.layer_end, device=stage.device,
-                dtype=self.config.plan.model.dtype, on_layer=self._loaded, tensor=group,
-                formats=format_plan(self.config.plan.model.formats),
-            )  # fmt: skip
-            follower = RankFollower(shard, DistChannel(group, shard.device), rank, on_command=self._applied)
-            self.status.weights_bytes, self.status.bytes_by_role = shard.weights_bytes, shard.bytes_by_role
+            self.backend = backend = stage_backend(self.config.plan, stage, group, self._loaded)
+            channel = DistChannel(group, torch.device(stage.device))
+            follower = RankFollower(backend, channel, rank, on_command=self._applied)
+            self.status.weights_bytes, self.status.bytes_by_role = backend.weights_bytes, backend.bytes_by_role
             self.status.phase = Phase.READY
             log.info("stage %d tensor rank %d of %d ready", stage.stage_index, rank, stage.tp_size)
             if self.handle_signals:
@@ -84,7 +83,7 @@ class FollowerAgent:
         if command.frame is not None:
             self.metrics.frames.inc()
             self.metrics.rows.inc(command.frame.rows)
-        assert self.shard is not None
-        self.status.kv_bytes = self.shard.kv_bytes
-        if self.shard.slots is not None:
-            self.status.slots_in_use = self.shard.slots.in_use()
+        assert self.backend is not None
+        self.status.kv_bytes = self.backend.kv_bytes
+        if self.backend.slots is not None:
+            self.status.slots_in_use = self.backend.slots.in_use()

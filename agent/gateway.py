@@ -43,6 +43,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.errors import ErrorCode
 from ..engine.sampling import SamplingParams
 from ..engine.spec import load_spec
 from ..plan import FleetPlan, PlanError
@@ -136,26 +137,45 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def head_error(message: str) -> ApiError:
-    """The head's refusal or failure as the HTTP status a client can act on."""
-    if "not ready" in message or "stopped answering" in message:
-        return ApiError(503, f"the fleet is not ready: {message}", retry_after_seconds=1)
-    if "busy" in message or "waited over" in message:
-        return ApiError(429, message, retry_after_seconds=1)
-    if "outside the vocabulary" in message or "the prompt has" in message:
-        return ApiError(400, message, "prompt")
-    return ApiError(500, f"the fleet failed the request: {message}")
+@dataclass(frozen=True)
+class HeadFailure:
+    """How the gateway answers a head's error code: the HTTP status, whether the message is a
+    stage's failure (prefixed for the client), and the ``reason`` label of a retry on another
+    head (None: every head would answer alike, or the request's queue time is spent)."""
+
+    status: int
+    retry: str | None
+    prefix: str = ""
+    param: str | None = None
+    retry_after_seconds: int | None = None
 
 
-def retry_reason(message: str) -> str | None:
-    """The ``reason`` label of a head's failure that another head may not repeat: ``head_refused``
-    (not ready, or busy) or ``stream_failed`` (its chain broke); None when every head would
-    answer alike (the request's own fault) or the request's queue time is spent."""
-    if head_error(message).status == 400 or "waited over" in message:
-        return None
-    if "not ready" in message or "busy" in message:
-        return "head_refused"
-    return "stream_failed"
+HEAD_FAILURES: dict[ErrorCode, HeadFailure] = {
+    ErrorCode.INPUT: HeadFailure(400, None, param="prompt"),
+    ErrorCode.CONTEXT_LENGTH: HeadFailure(400, None, param="prompt"),
+    ErrorCode.BUSY: HeadFailure(429, "head_refused", retry_after_seconds=1),
+    ErrorCode.QUEUE_TIMEOUT: HeadFailure(429, None, retry_after_seconds=1),
+    ErrorCode.NOT_READY: HeadFailure(503, "head_refused", retry_after_seconds=1),
+    ErrorCode.STAGE_LOST: HeadFailure(503, "stream_failed", "the fleet is not ready: ", retry_after_seconds=1),
+    ErrorCode.UNAVAILABLE: HeadFailure(503, "stream_failed", "the fleet is not ready: ", retry_after_seconds=1),
+    ErrorCode.CAPACITY: HeadFailure(500, "stream_failed", "the fleet failed the request: "),
+    ErrorCode.MALFORMED: HeadFailure(500, "stream_failed", "the fleet failed the request: "),
+    ErrorCode.INTERNAL: HeadFailure(500, "stream_failed", "the fleet failed the request: "),
+}
+CANCELLED_BY_HEAD = HeadFailure(500, None, "the fleet failed the request: ")
+
+
+def head_failure(finish_reason: str, code: str | None) -> HeadFailure:
+    """The answer to a head's ``cancelled``, or to its ``error`` with ``code``."""
+    if finish_reason != "error" or code is None:
+        return CANCELLED_BY_HEAD
+    return HEAD_FAILURES[ErrorCode(code)]
+
+
+def head_error(failure: HeadFailure, code: str | None, message: str) -> ApiError:
+    """The head's refusal or failure as the HTTP error a client can act on (OpenAI's ``code``
+    field carries the fleet's error code)."""
+    return ApiError(failure.status, failure.prefix + message, failure.param, code, failure.retry_after_seconds)
 
 
 class HeadsCollector:
@@ -248,15 +268,16 @@ class Outputs:
 
     token_ids: list[int]
     finish_reason: str | None
+    code: str | None
     error: str
 
     @classmethod
     def of(cls, msg: wire.OutputMsg) -> Outputs:
-        return cls(list(msg.token_ids), msg.finish_reason, msg.error)
+        return cls(list(msg.token_ids), msg.finish_reason, msg.code, msg.error)
 
     def add(self, msg: wire.OutputMsg) -> None:
         self.token_ids += msg.token_ids
-        self.finish_reason, self.error = msg.finish_reason, msg.error
+        self.finish_reason, self.code, self.error = msg.finish_reason, msg.code, msg.error
 
 
 @dataclass
@@ -537,8 +558,8 @@ class Gateway:
                         done = True
                         if msg.finish_reason in ("error", "cancelled"):
                             message = msg.error or "the head cancelled the request"
-                            retry = retry_reason(message) if msg.finish_reason == "error" else None
-                            yield Finish("error", head_error(message), retry)
+                            failure = head_failure(msg.finish_reason, msg.code)
+                            yield Finish("error", head_error(failure, msg.code, message), failure.retry)
                             return
                         tail = text.finish()
                         yield Text(tail, [])

@@ -1,16 +1,19 @@
 """A stage agent: one process holding layers [layer_start, layer_end) of one pipeline.
 
-Every stage receives frames on a PULL socket at its plan address, computes its shard, and
-pushes the result to the next stage. The last stage (the tail) samples the rows the head marked
-and pushes token ids straight back to the head. Stage 0 (the head) also runs the scheduler
-(:mod:`modelfleet.agent.head`): it admits client requests, builds frames and receives tokens.
+Every stage receives frames on a PULL socket at its plan address, computes its backend (the
+plan names it per stage: :func:`stage_backend`), and pushes the result to the next stage. The
+last stage (the tail) samples the frame's output rows and pushes token ids straight back to the
+head. Stage 0 also runs the head (:mod:`modelfleet.agent.head`): it admits client requests,
+schedules frames and receives tokens.
 
 Control messages (release, rewind, probe) travel the same path as frames, so each stage sees
 them in the order the head sent them. Nothing from the wire is trusted: a malformed message is
-counted and dropped; a frame the engine refuses becomes an error message for the head.
+counted and dropped. Rows the backend refuses (a slot's gap in positions, a full context) fail
+only their stream: the stage reports each such slot to the head with its error code and passes
+the frame's other rows on; a frame it cannot compute at all is reported whole.
 
-A stage with ``tp_size`` > 1 runs here as its rank 0: its model is a :class:`TensorStage`, which
-sends every engine call to the stage's other ranks (:mod:`.follower`) before running it.
+A stage with ``tp_size`` > 1 runs here as its rank 0: its backend is a :class:`TensorStage`,
+which sends every engine call to the stage's other ranks (:mod:`.follower`) before running it.
 """
 
 from __future__ import annotations
@@ -20,21 +23,24 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zmq
 
-from ..engine.errors import ModelfleetError
+from ..engine.backend import StageBackend, load_backend
+from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.formats.plain import PLAIN_DTYPES
 from ..engine.formats.plan import FormatPlan
 from ..engine.frame import Frame
-from ..engine.sampling import StreamSampler, sample_rows
-from ..engine.shard import Shard
-from ..engine.tensor_parallel import init_tensor_group
-from ..plan import FleetPlan, Formats
+from ..engine.sampling import TailSampler
+from ..engine.scheduler import Scheduler
+from ..engine.tensor_parallel import TensorGroup, init_tensor_group
+from ..plan import FleetPlan, Formats, StagePlan
 from . import transport as wire
+from .head import Head, HeadConfig, scheduler_config
 from .health import AgentStatus, Phase, StageMetrics, serve_http
 from .tensor_group import DistChannel, TensorGroupLost, TensorStage
 
@@ -48,6 +54,18 @@ def format_plan(formats: Formats) -> FormatPlan | None:
     the compute dtype (so a checkpoint shipped in a format keeps it). None: nothing to apply."""
     chosen = {role: name for role, name in formats.model_dump().items() if name not in PLAIN_DTYPES}
     return FormatPlan(**chosen) if chosen else None
+
+
+def stage_backend(
+    plan: FleetPlan, stage: StagePlan, tensor: TensorGroup | None, on_layer: Callable[[int, int], None] | None
+) -> StageBackend:
+    """The backend the plan names for ``stage`` (this rank's share when ``tensor`` is given): how
+    both a stage's rank 0 and its followers load."""
+    model = plan.model
+    return load_backend(
+        stage.backend, model.path, stage.layer_start, stage.layer_end, device=stage.device, dtype=model.dtype,
+        formats=format_plan(model.formats), tensor=tensor, on_layer=on_layer,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -88,27 +106,25 @@ class StageAgent:
         )  # fmt: skip
         self.metrics = StageMetrics(config.group_index, config.stage_index)
         self.stopping = threading.Event()
-        self.shard: Shard | TensorStage | None = None
-        self.samplers: dict[int, StreamSampler] = {}  # tail: per-slot sampling state
+        self.backend: StageBackend | None = None
+        self.sampler: TailSampler | None = None  # the tail's
         self.context = zmq.Context()
         self.inbox: zmq.Socket[Any] | None = None
         self.outbox: zmq.Socket[Any] | None = None
         self.authenticator: Any = None
         self.pending: deque[tuple[float, list[bytes]]] = deque()
-        self.head: Any = None  # HeadScheduler at stage 0
+        self.head: Head | None = None  # stage 0
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> None:
-        http_port = self.config.http_port or self.stage.port + 1
+        http_port = self.config.http_port or self.stage.http_port
         http = serve_http(self.config.http_host or self.stage.host, http_port, self.status, self.metrics)
         try:
             self.load()
             self.open_sockets()
             if self.is_head:
-                from .head import HeadScheduler
-
-                self.head = HeadScheduler(self)
+                self.head = self._head()
             self.status.phase = Phase.READY
             log.info(
                 "stage %d ready: layers [%d, %d)", self.stage.stage_index, self.stage.layer_start, self.stage.layer_end
@@ -122,6 +138,19 @@ class StageAgent:
             http.shutdown()
             self.close()
 
+    def _head(self) -> Head:
+        assert self.backend is not None
+        config = self.config
+        head_config = HeadConfig(
+            f"{self.stage.host}:{self.stage.client_port}", config.probe_interval_seconds,
+            config.unready_after_seconds, config.keys,
+        )  # fmt: skip
+        scheduler = Scheduler(scheduler_config(self.plan, self.backend, len(self.stages)))
+        return Head(
+            scheduler, self.backend, head_config, compute=self.compute, send=None if self.is_tail else self.send,
+            context=self.context, plan_hash=self.plan.plan_hash(), metrics=self.metrics, status=self.status,
+        )  # fmt: skip
+
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
@@ -132,22 +161,22 @@ class StageAgent:
 
     def load(self) -> None:
         """This rank's share of the stage's layers (all of them when tp_size is 1), then its KV cache."""
-        model, stage = self.plan.model, self.stage
+        stage = self.stage
         tensor = None
         if stage.tp_size > 1:  # rank 0 of the group: see tensor_group
             timeout = self.config.tensor_timeout_seconds
-            tensor = init_tensor_group(0, stage.tp_size, stage.host, stage.port + 3, stage.device, timeout)
-        shard = Shard.load(
-            model.path, stage.layer_start, stage.layer_end, device=stage.device, dtype=model.dtype,
-            on_layer=self._loaded, tensor=tensor, formats=format_plan(model.formats),
-        )  # fmt: skip
-        name = f"stage {stage.stage_index}"
-        self.shard = shard if tensor is None else TensorStage(shard, DistChannel(tensor, shard.device), name)
-        serving = self.plan.serving
+            tensor = init_tensor_group(0, stage.tp_size, stage.host, stage.rendezvous_port, stage.device, timeout)
+        backend = stage_backend(self.plan, stage, tensor, self._loaded)
+        if tensor is not None:
+            channel = DistChannel(tensor, torch.device(stage.device))
+            backend = TensorStage(backend, channel, f"stage {stage.stage_index}")
+        self.backend = backend
         budget = stage.kv_budget_bytes or None
-        self.shard.allocate_cache(self.plan.streams_per_group, serving.context_length, budget)
-        self.status.weights_bytes, self.status.kv_bytes = self.shard.weights_bytes, self.shard.kv_bytes
-        self.status.bytes_by_role = self.shard.bytes_by_role
+        backend.allocate_cache(self.plan.streams_per_group, self.plan.serving.context_length, budget)
+        self.status.weights_bytes, self.status.kv_bytes = backend.weights_bytes, backend.kv_bytes
+        self.status.bytes_by_role = backend.bytes_by_role
+        if self.is_tail:
+            self.sampler = TailSampler(backend.spec.eos_token_ids)
 
     def _loaded(self, done: int, total: int) -> None:
         self.status.layers_loaded = done
@@ -174,8 +203,8 @@ class StageAgent:
         self.status.peers = {"next": target.address}
 
     def close(self) -> None:
-        if isinstance(self.shard, TensorStage):
-            self.shard.close()
+        if isinstance(self.backend, TensorStage):
+            self.backend.close()
         for sock in (self.inbox, self.outbox, getattr(self.head, "clients", None)):
             if sock is not None:
                 sock.close(linger=0)
@@ -206,8 +235,8 @@ class StageAgent:
                     self.head.drain_clients()
                 self.head.tick()
             self._update_gauges()
-            if isinstance(self.shard, TensorStage):
-                self._tend_tensor_group(self.shard)
+            if isinstance(self.backend, TensorStage):
+                self._tend_tensor_group(self.backend)
 
     def _tend_tensor_group(self, tensor: TensorStage) -> None:
         """Heartbeats while idle; once a rank is lost, report Failed (the head turns unready), and
@@ -244,7 +273,9 @@ class StageAgent:
             self.metrics.errors.inc()
             log.exception("failed to handle a %s message", msg.TYPE)
             if isinstance(msg, wire.FrameMsg):
-                self.send(wire.ErrorMsg(code="internal", message=str(exc)[:4000], group=msg.group, step=msg.step))
+                self.send(wire.ErrorMsg(
+                    code=ErrorCode.INTERNAL.value, message=str(exc)[:4000], microbatch=msg.microbatch, step=msg.step,
+                ))  # fmt: skip
 
     def on_message(self, msg: wire.Message, arrived: float) -> None:
         """A message arriving at a stage after the head."""
@@ -276,58 +307,82 @@ class StageAgent:
     # ---- frames ---------------------------------------------------------------------------
 
     def compute(self, frame: Frame, arrived: float) -> torch.Tensor:
-        assert self.shard is not None
+        assert self.backend is not None
         started = time.perf_counter()
         self.metrics.queue_wait_seconds.inc(max(0.0, started - arrived))
-        out = self.shard(frame)
+        out = self.backend.forward(frame)
         self.metrics.compute_seconds.inc(time.perf_counter() - started)
         self.metrics.frames.inc()
         self.metrics.rows.inc(frame.rows)
         return out
 
     def on_frame(self, msg: wire.FrameMsg, arrived: float) -> None:
-        frame = Frame(msg.slots, msg.positions, token_ids=msg.token_ids, hidden=msg.hidden)
+        assert self.backend is not None
+        output_rows = torch.tensor(msg.output_rows, dtype=torch.int64)
+        frame = Frame(msg.slots, msg.positions, token_ids=msg.token_ids, hidden=msg.hidden, output_rows=output_rows)
+        refused = self.backend.refusals(frame)
+        for slot, exc in refused.items():  # only these streams fail; the frame's other rows go on
+            self._refuse(msg, exc, slot)
+        kept = [r for r, slot in enumerate(msg.slots.tolist()) if slot not in refused]
+        if not kept:
+            return
+        if refused:
+            frame = frame.keep_rows(kept)
         try:
             out = self.compute(frame, arrived)
         except ModelfleetError as exc:
-            self.metrics.errors.inc()
-            log.warning("refused frame %d of group %d: %s", msg.step, msg.group, exc)
-            code = "unavailable" if isinstance(exc, TensorGroupLost) else "capacity"
-            self.send(wire.ErrorMsg(code=code, message=str(exc)[:4000], group=msg.group, step=msg.step))
+            self._refuse(msg, exc, None)
             return
+        slots = frame.slots.tolist()
+        rows = [] if frame.output_rows is None else frame.output_rows.tolist()
+        starts = tuple(s for s in msg.new_streams if s.slot in set(slots))
         if self.is_tail:
-            self.send(self.sample(msg, out))
+            self.send(self.sample(msg, starts, [slots[r] for r in rows], out))
         else:
             self.send(wire.FrameMsg(
-                group=msg.group, step=msg.step, slots=msg.slots, positions=msg.positions, hidden=out,
-                sample_rows=msg.sample_rows, new_streams=msg.new_streams,
+                microbatch=msg.microbatch, step=msg.step, slots=frame.slots, positions=frame.positions, hidden=out,
+                output_rows=tuple(rows), new_streams=starts,
             ))  # fmt: skip
 
-    def sample(self, msg: wire.FrameMsg, logits: torch.Tensor) -> wire.TokensMsg:
-        """Tail: sample the marked rows with each stream's own parameters."""
-        assert self.shard is not None
-        for start in msg.new_streams:
-            self.samplers[start.slot] = StreamSampler(start.sampling_params(), self.shard.spec.eos_token_ids)
-        rows = list(msg.sample_rows)
-        slots = msg.slots[rows]
-        samplers = [self.samplers[s] for s in slots.tolist()]
-        tokens = sample_rows(logits[rows], samplers)
+    def _refuse(self, msg: wire.FrameMsg, exc: ModelfleetError, slot: int | None) -> None:
+        self.metrics.errors.inc()
+        which = "frame" if slot is None else f"slot {slot} of frame"
+        log.warning("refused %s %d of microbatch %d: %s", which, msg.step, msg.microbatch, exc)
+        self.send(wire.ErrorMsg(
+            code=exc.code.value, message=str(exc)[:4000], slot=slot, microbatch=msg.microbatch, step=msg.step,
+        ))  # fmt: skip
+
+    def sample(
+        self, msg: wire.FrameMsg, starts: tuple[wire.StreamStart, ...], slots: list[int], logits: torch.Tensor
+    ) -> wire.TokensMsg:
+        """Tail: one token per output row with each stream's own parameters; a row that cannot be
+        sampled is reported on its own and has no token."""
+        assert self.sampler is not None
+        for start in starts:
+            self.sampler.start(start.slot, start.sampling_params())
+        tokens, errors = self.sampler.sample(slots, logits)
+        for slot, exc in errors.items():
+            self._refuse(msg, exc, slot)
+        kept = [s for s in slots if s in tokens]
+        positions = dict(zip(msg.slots.tolist(), msg.positions.tolist(), strict=True))  # each slot's last row
         return wire.TokensMsg(
-            group=msg.group, step=msg.step, slots=slots, positions=msg.positions[rows],
-            token_ids=torch.tensor(tokens, dtype=torch.int64),
+            microbatch=msg.microbatch, step=msg.step, slots=torch.tensor(kept, dtype=torch.int64),
+            positions=torch.tensor([positions[s] for s in kept], dtype=torch.int64),
+            token_ids=torch.tensor([tokens[s] for s in kept], dtype=torch.int64),
         )  # fmt: skip
 
     def release(self, slots: tuple[int, ...]) -> None:
-        assert self.shard is not None and self.shard.slots is not None
+        assert self.backend is not None and self.backend.slots is not None
         for slot in slots:
-            if slot < self.shard.slots.max_slots:
-                self.shard.release(slot)
-            self.samplers.pop(slot, None)
+            if slot < self.backend.slots.max_slots:
+                self.backend.release(slot)
+            if self.sampler is not None:
+                self.sampler.release(slot)
 
     def rewind(self, slot: int, position: int) -> None:
-        assert self.shard is not None
+        assert self.backend is not None
         try:
-            self.shard.rewind(slot, position)
+            self.backend.rewind(slot, position)
         except ModelfleetError as exc:
             log.warning("refused a rewind: %s", exc)
 
@@ -351,7 +406,7 @@ class StageAgent:
         self.metrics.bytes("next", "out", sum(len(p) for p in parts))
 
     def _update_gauges(self) -> None:
-        if self.shard is not None and self.shard.slots is not None:
-            in_use = self.shard.slots.in_use()
+        if self.backend is not None and self.backend.slots is not None:
+            in_use = self.backend.slots.in_use()
             self.status.slots_in_use = in_use
             self.metrics.active_slots.set(in_use)

@@ -33,10 +33,10 @@ from typing import Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..engine.errors import ModelfleetError
+from ..engine.backend import StageBackend
+from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.frame import Frame
-from ..engine.kvcache import SlotTable
-from ..engine.shard import Shard
+from ..engine.kvcache import SlotState, SlotTable
 from ..engine.spec import ModelSpec
 from ..engine.tensor_parallel import TensorGroup, close_tensor_group
 
@@ -54,6 +54,8 @@ DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 class TensorGroupLost(ModelfleetError):
     """A rank of a stage's tensor group stopped answering; the stage cannot compute until restarted."""
 
+    code = ErrorCode.UNAVAILABLE
+
 
 class CommandError(ModelfleetError):
     """A command header that no leader sends (a bug or a mismatched version of modelfleet)."""
@@ -61,7 +63,7 @@ class CommandError(ModelfleetError):
 
 class Op(enum.IntEnum):
     HEARTBEAT = 0  # nothing to run; keeps the followers' wait under the collective timeout
-    FORWARD = 1  # frame: slots, positions, then token ids or hidden states
+    FORWARD = 1  # frame: slots, positions, token ids or hidden states; arg0: output rows (+1), then them
     RELEASE = 2  # arg0: slot
     REWIND = 3  # arg0: slot, arg1: position
     ALLOCATE = 4  # arg0: max_slots, arg1: max_context, arg2: KV budget bytes (0: none)
@@ -121,18 +123,25 @@ def encode_header(command: Command) -> torch.Tensor:
             if frame.hidden.dtype not in DTYPE_CODES:
                 raise CommandError(f"hidden states of dtype {frame.hidden.dtype} cannot be sent to tensor ranks")
             dtype_code = DTYPE_CODES[frame.hidden.dtype]
-    return torch.tensor([int(command.op), rows, int(payload), width, dtype_code, *command.args], dtype=torch.int64)
+    args = command.args
+    if frame is not None:  # 0: every row is an output row; n + 1: the n rows that follow the payload
+        args = (0 if frame.output_rows is None else int(frame.output_rows.shape[0]) + 1, 0, 0)
+    return torch.tensor([int(command.op), rows, int(payload), width, dtype_code, *args], dtype=torch.int64)
 
 
 def payload_tensors(command: Command) -> list[torch.Tensor]:
-    """What follows the header, in order: slots [R], positions [R], token ids [R] or hidden [R, H]."""
+    """What follows the header, in order: slots [R], positions [R], token ids [R] or hidden [R, H],
+    then the output rows [N] when the frame names N > 0 of them."""
     frame = command.frame
     if frame is None:
         return []
     data = frame.token_ids if frame.token_ids is not None else frame.hidden
     assert data is not None
     ints = [frame.slots.to(torch.int64), frame.positions.to(torch.int64)]
-    return [t.contiguous().cpu() for t in (*ints, data if frame.token_ids is None else data.to(torch.int64))]
+    out = [*ints, data if frame.token_ids is None else data.to(torch.int64)]
+    if frame.output_rows is not None and frame.output_rows.numel():
+        out.append(frame.output_rows.to(torch.int64))
+    return [t.contiguous().cpu() for t in out]
 
 
 def send_command(channel: Channel, command: Command) -> None:
@@ -145,22 +154,28 @@ def receive_command(channel: Channel) -> Command:
     header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
     channel.broadcast(header)
     op, rows, payload, width, dtype_code, *args = (int(w) for w in header.tolist())
-    command = _check_header(op, rows, payload, width, dtype_code)
+    command = _check_header(op, rows, payload, width, dtype_code, args[0])
     if command.op != Op.FORWARD:
         return Command(command.op, args=(args[0], args[1], args[2]))
     slots, positions = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
     channel.broadcast(slots)
     channel.broadcast(positions)
+    token_ids = hidden = None
     if payload == Payload.TOKEN_IDS:
         token_ids = torch.empty(rows, dtype=torch.int64)
         channel.broadcast(token_ids)
-        return Command(Op.FORWARD, Frame(slots, positions, token_ids=token_ids))
-    hidden = torch.empty(rows, width, dtype=DTYPES[dtype_code])
-    channel.broadcast(hidden)
-    return Command(Op.FORWARD, Frame(slots, positions, hidden=hidden))
+    else:
+        hidden = torch.empty(rows, width, dtype=DTYPES[dtype_code])
+        channel.broadcast(hidden)
+    output_rows = None
+    if args[0] > 0:
+        output_rows = torch.empty(args[0] - 1, dtype=torch.int64)
+        if output_rows.numel():
+            channel.broadcast(output_rows)
+    return Command(Op.FORWARD, Frame(slots, positions, token_ids=token_ids, hidden=hidden, output_rows=output_rows))
 
 
-def _check_header(op: int, rows: int, payload: int, width: int, dtype_code: int) -> Command:
+def _check_header(op: int, rows: int, payload: int, width: int, dtype_code: int, output_rows: int) -> Command:
     """The header's sizes, validated before anything is allocated from them."""
     if op not in Op.__members__.values():
         raise CommandError(f"tensor command op {op} is unknown; ops are {[int(o) for o in Op]}")
@@ -172,6 +187,8 @@ def _check_header(op: int, rows: int, payload: int, width: int, dtype_code: int)
         raise CommandError(f"tensor command's hidden states [{rows}, {width}] of dtype code {dtype_code} are invalid")
     if payload not in (Payload.TOKEN_IDS, Payload.HIDDEN):
         raise CommandError(f"tensor command's frame payload {payload} is neither token ids nor hidden states")
+    if not 0 <= output_rows <= rows + 1:
+        raise CommandError(f"tensor command names {output_rows - 1} output rows of a {rows}-row frame")
     return Command(Op.FORWARD)
 
 
@@ -180,10 +197,11 @@ def _check_header(op: int, rows: int, payload: int, width: int, dtype_code: int)
 
 @dataclass
 class TensorStage:
-    """Rank 0's model: the stage's :class:`Shard` (this rank's share) behind the calls the stage
-    makes, each sent to the other ranks first. Reads (spec, slots, sizes) are the shard's own."""
+    """Rank 0's backend: the stage's own backend (this rank's share) behind the calls the stage
+    makes, each sent to the other ranks first. Reads (spec, slots, sizes, refusals) are local:
+    every rank holds the same slot table, so they would all answer alike."""
 
-    shard: Shard
+    backend: StageBackend
     channel: Channel
     name: str  # "stage 1" in messages
     heartbeat_seconds: float = 1.0
@@ -193,43 +211,66 @@ class TensorStage:
 
     @property
     def spec(self) -> ModelSpec:
-        return self.shard.spec
+        return self.backend.spec
+
+    @property
+    def layer_start(self) -> int:
+        return self.backend.layer_start
+
+    @property
+    def layer_end(self) -> int:
+        return self.backend.layer_end
 
     @property
     def slots(self) -> SlotTable | None:
-        return self.shard.slots
+        return self.backend.slots
 
     @property
     def weights_bytes(self) -> int:
-        return self.shard.weights_bytes
+        return self.backend.weights_bytes
 
     @property
     def kv_bytes(self) -> int:
-        return self.shard.kv_bytes
+        return self.backend.kv_bytes
 
     @property
     def bytes_by_role(self) -> dict[str, dict[str, int]]:
-        return self.shard.bytes_by_role
+        return self.backend.bytes_by_role
 
-    def __call__(self, frame: Frame) -> torch.Tensor:
+    def refusals(self, frame: Frame) -> dict[int, ModelfleetError]:
+        return self.backend.refusals(frame)
+
+    def forward(self, frame: Frame) -> torch.Tensor:
         if self.lost is not None:
             raise TensorGroupLost(self.lost)
-        out = self._run(Command(Op.FORWARD, frame), lambda: self.shard(frame))
+        out = self._run(Command(Op.FORWARD, frame), lambda: self.backend.forward(frame))
         assert out is not None  # a lost group raised
         return out
+
+    __call__ = forward
 
     def allocate_cache(self, max_slots: int, max_context: int, kv_budget_bytes: int | None = None) -> None:
         args = (max_slots, max_context, kv_budget_bytes or 0)
         self._run(
-            Command(Op.ALLOCATE, args=args), lambda: self.shard.allocate_cache(max_slots, max_context, kv_budget_bytes)
+            Command(Op.ALLOCATE, args=args),
+            lambda: self.backend.allocate_cache(max_slots, max_context, kv_budget_bytes),
         )
 
     def release(self, slot: int) -> None:
         """Kept locally even once the group is lost, so the head's slot bookkeeping stays whole."""
-        self._state(Command(Op.RELEASE, args=(slot, 0, 0)), lambda: self.shard.release(slot))
+        self._state(Command(Op.RELEASE, args=(slot, 0, 0)), lambda: self.backend.release(slot))
 
     def rewind(self, slot: int, position: int) -> None:
-        self._state(Command(Op.REWIND, args=(slot, position, 0)), lambda: self.shard.rewind(slot, position))
+        self._state(Command(Op.REWIND, args=(slot, position, 0)), lambda: self.backend.rewind(slot, position))
+
+    def export_slot(self, slot: int) -> SlotState:
+        raise CommandError(
+            f"{self.name} is a tensor group: each rank holds a share of slot {slot}'s state, and moving a "
+            "stream's state between tensor groups is not supported yet"
+        )
+
+    def import_slot(self, slot: int, state: SlotState) -> None:
+        self.export_slot(slot)
 
     def heartbeat(self) -> None:
         """Called from the stage's loop: a heartbeat when nothing was sent for ``heartbeat_seconds``."""
@@ -277,7 +318,7 @@ class LeaderGone(ModelfleetError):
 class RankFollower:
     """A rank r > 0: receives each command from rank 0 and runs it on its own share."""
 
-    shard: Shard
+    backend: StageBackend
     channel: Channel
     rank: int
     on_command: Callable[[Command], None] = lambda _command: None  # after each command ran: status, metrics
@@ -305,11 +346,11 @@ class RankFollower:
         a0, a1, a2 = command.args
         if command.op == Op.FORWARD:
             assert command.frame is not None
-            self.shard(command.frame)
+            self.backend.forward(command.frame)
         elif command.op == Op.RELEASE:
-            if self.shard.slots is not None and a0 < self.shard.slots.max_slots:
-                self.shard.release(a0)
+            if self.backend.slots is not None and a0 < self.backend.slots.max_slots:
+                self.backend.release(a0)
         elif command.op == Op.REWIND:
-            self.shard.rewind(a0, a1)
+            self.backend.rewind(a0, a1)
         elif command.op == Op.ALLOCATE:
-            self.shard.allocate_cache(a0, a1, a2 or None)
+            self.backend.allocate_cache(a0, a1, a2 or None)

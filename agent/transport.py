@@ -38,10 +38,11 @@ import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from ..engine.errors import ModelfleetError
+from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.sampling import SamplingParams
+from ..engine.scheduler import FinishReason
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 MAX_HEADER_BYTES = 1 << 20
 MAX_ROWS = 1 << 16  # rows in one frame
@@ -62,6 +63,8 @@ RESERVED_KEYS = frozenset({"v", "type", "tensors"})
 
 class MalformedMessage(ModelfleetError, ValueError):
     """A message that does not match its schema; ``reason`` says which field and why."""
+
+    code = ErrorCode.MALFORMED
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -301,7 +304,9 @@ POSITION = Int(0, MAX_POSITION)
 COUNTER = Int(0, INT64_MAX)
 INT_IDS = Tensor(("int64",), 1)
 PLAN_HASH = Str(64, pattern=r"[0-9a-f]{64}|")  # empty when the sender has no plan
-ERROR_CODES = frozenset({"malformed", "capacity", "input", "unavailable", "internal"})
+ERROR_CODES = frozenset(code.value for code in ErrorCode)
+ERROR_CODE = Str(32, choices=ERROR_CODES)
+MICROBATCH = Int(0, MAX_SLOTS)
 
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids")
@@ -335,21 +340,23 @@ class Message(Checked):
 
 @dataclass(frozen=True, eq=False)
 class FrameMsg(Message):
-    """Rows of independent streams for the next stage (see engine.frame.Frame).
+    """Rows of independent streams for the next stage (see engine.frame.Frame), one step of one
+    microbatch (the head's set of streams that share frames).
 
     Stage 0 sends ``token_ids`` [R] only when the receiver embeds; later stages send ``hidden``
-    [R, hidden_size] float32. ``sample_rows`` are the rows whose output the tail samples (the
-    last row of a finished prefill, every decode row, every speculative row).
+    [R, hidden_size] float32. ``output_rows`` are the rows whose output the tail samples (the
+    last row of a finished prefill, every decode row, every speculative row); the tail computes
+    the head for those rows only.
     """
 
     TYPE: ClassVar[str] = "frame"
-    group: int = wire(Int(0, MAX_SLOTS))
+    microbatch: int = wire(MICROBATCH)
     step: int = wire(COUNTER)
     slots: torch.Tensor = wire(INT_IDS)  # [R] int64
     positions: torch.Tensor = wire(INT_IDS)  # [R] int64
     token_ids: torch.Tensor | None = wire(Tensor(("int64",), 1, optional=True), None)  # [R]
     hidden: torch.Tensor | None = wire(Tensor(("float32",), 2, optional=True), None)  # [R, H]
-    sample_rows: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_ROWS - 1)), ())
+    output_rows: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_ROWS - 1)), ())
     new_streams: tuple[StreamStart, ...] = wire(Records(StreamStart, MAX_SLOTS), ())
 
     def check(self) -> None:
@@ -363,20 +370,21 @@ class FrameMsg(Message):
         _values_in("frame.positions", self.positions, 0, MAX_POSITION)
         if self.token_ids is not None:
             _values_in("frame.token_ids", self.token_ids, 0, MAX_TOKEN_ID)
-        if any(b <= a for a, b in zip(self.sample_rows, self.sample_rows[1:], strict=False)):
-            raise MalformedMessage(f"frame.sample_rows must increase strictly, got {list(self.sample_rows)}")
-        if self.sample_rows and self.sample_rows[-1] >= rows:
-            raise MalformedMessage(f"frame.sample_rows names row {self.sample_rows[-1]} of a {rows}-row frame")
+        if any(b <= a for a, b in zip(self.output_rows, self.output_rows[1:], strict=False)):
+            raise MalformedMessage(f"frame.output_rows must increase strictly, got {list(self.output_rows)}")
+        if self.output_rows and self.output_rows[-1] >= rows:
+            raise MalformedMessage(f"frame.output_rows names row {self.output_rows[-1]} of a {rows}-row frame")
         _new_streams_in_frame(self.new_streams, self.slots)
 
 
 @dataclass(frozen=True, eq=False)
 class TokensMsg(Message):
     """Sampled tokens, tail -> head: stream in ``slots[i]`` got ``token_ids[i]`` for ``positions[i]``.
-    Sent for every frame the tail computes, with no rows when the frame sampled none."""
+    Sent for every frame the tail computes, with no rows when the frame sampled none; a stream
+    refused on the way (an ``error`` message with its slot) has no row here."""
 
     TYPE: ClassVar[str] = "tokens"
-    group: int = wire(Int(0, MAX_SLOTS))
+    microbatch: int = wire(MICROBATCH)
     step: int = wire(COUNTER)
     slots: torch.Tensor = wire(INT_IDS)  # [N] int64
     positions: torch.Tensor = wire(INT_IDS)  # [N] int64
@@ -440,20 +448,21 @@ class ProbeAckMsg(Message):
 
 @dataclass(frozen=True)
 class ErrorMsg(Message):
-    """A failure to report upstream; ``slot`` when it concerns one stream."""
+    """A failure to report to the head: of one stream of a frame (``slot`` set: only that stream
+    fails, the frame's other rows go on), or of a whole frame (``slot`` None)."""
 
     TYPE: ClassVar[str] = "error"
-    code: str = wire(Str(32, choices=ERROR_CODES))
+    code: str = wire(ERROR_CODE)
     message: str = wire(Str(4096))
     slot: int | None = wire(Optional(SLOT), None)
-    group: int | None = wire(Optional(Int(0, MAX_SLOTS)), None)  # the frame that failed, when one did
+    microbatch: int | None = wire(Optional(MICROBATCH), None)  # the frame that failed, when one did
     step: int | None = wire(Optional(COUNTER), None)
 
 
 # ---- the head's client protocol (gateway or FleetClient <-> head, DEALER/ROUTER) ------------
 
 REQUEST_ID = Int(0, INT64_MAX)
-FINISH_REASONS = frozenset({"stop", "length", "cancelled", "error"})
+FINISH_REASONS = frozenset(reason.value for reason in FinishReason)
 
 
 @dataclass(frozen=True, eq=False)
@@ -486,13 +495,20 @@ class SubmitMsg(Message):
 
 @dataclass(frozen=True)
 class OutputMsg(Message):
-    """New tokens of a request, head -> client; ``finish_reason`` set on its last message."""
+    """New tokens of a request, head -> client; ``finish_reason`` set on its last message. A
+    request that ends in ``error`` carries a ``code`` (what a program acts on) and an ``error``
+    message (what a person reads)."""
 
     TYPE: ClassVar[str] = "output"
     request_id: int = wire(REQUEST_ID)
     token_ids: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_TOKEN_ID)), ())
     finish_reason: str | None = wire(Optional(Str(16, choices=FINISH_REASONS)), None)
+    code: str | None = wire(Optional(ERROR_CODE), None)
     error: str = wire(Str(4096), "")
+
+    def check(self) -> None:
+        if (self.finish_reason == "error") != (self.code is not None):
+            raise MalformedMessage("output.code is set exactly when output.finish_reason is 'error'")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ A frame holds R rows. Row r belongs to the stream in KV slot ``slots[r]`` at abs
 ``positions[r]``. Rows of one stream are consecutive in the frame and in position (a prefill
 window, or a single decode row); rows of different streams are independent. The first shard
 takes ``token_ids`` [R]; every later shard takes ``hidden`` [R, hidden_size] in float32.
+``output_rows`` names the rows whose output is wanted at the end of the model (the rows a token is
+sampled from): the last shard computes the head for those rows only. None: every row.
 """
 
 from __future__ import annotations
@@ -39,10 +41,25 @@ class Frame:
     positions: torch.Tensor  # [R] int64
     token_ids: torch.Tensor | None = None  # [R] int64, first shard only
     hidden: torch.Tensor | None = None  # [R, H] float32, later shards
+    output_rows: torch.Tensor | None = None  # [N] int64, increasing row indices; None: all R rows
 
     @property
     def rows(self) -> int:
         return int(self.slots.shape[0])
+
+    def keep_rows(self, rows: list[int]) -> Frame:
+        """The frame of only ``rows`` (increasing), with its output rows renumbered."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        output = None
+        if self.output_rows is not None:
+            kept = {r: i for i, r in enumerate(rows)}
+            output = torch.tensor([kept[r] for r in self.output_rows.tolist() if r in kept], dtype=torch.int64)
+        return Frame(
+            self.slots[index], self.positions[index],
+            token_ids=None if self.token_ids is None else self.token_ids[index],
+            hidden=None if self.hidden is None else self.hidden[index],
+            output_rows=output,
+        )  # fmt: skip
 
     @staticmethod
     def of_streams(streams: list[tuple[int, int, list[int]]], hidden: torch.Tensor | None = None) -> Frame:

@@ -1,24 +1,29 @@
 """Single-process generation over one or more shards: the reference the pipeline must match.
 
 ``LocalModel`` chains shards in one process (residuals pass between them in float32, as they
-would between machines). ``generate_batch`` runs several streams at once: each stream's
-prompt is prefilled in its own frame, then every live stream contributes one decode row to a
-shared frame per step.
+would between machines); it is a :class:`~modelfleet.engine.backend.StageBackend` of the whole
+model. ``generate_batch`` is a short loop of the fleet's own :class:`~.scheduler.Scheduler`
+over it: whole prompts prefill in one frame, then every live stream adds one decode row to a
+shared frame per step (a fixed-shape CUDA-graph step where the model allows).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, ModelfleetError
 from .formats.plan import FormatPlan
 from .frame import Frame
-from .sampling import SamplingParams, StreamSampler, sample_rows
+from .kvcache import SlotState, SlotTable
+from .sampling import SamplingParams, TailSampler
+from .scheduler import Event, Finish, Refusal, Scheduler, SchedulerConfig, Step, Token
 from .shard import Shard
 from .spec import ModelSpec, load_spec
 from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, supports_static_decode
@@ -90,11 +95,52 @@ class LocalModel:
                     total.setdefault(role, {})[fmt] = total.get(role, {}).get(fmt, 0) + nbytes
         return total
 
+    @property
+    def layer_start(self) -> int:
+        return 0
+
+    @property
+    def layer_end(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def slots(self) -> SlotTable | None:
+        return self.shards[0].slots
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(s.kv_bytes for s in self.shards)
+
+    def allocate_cache(self, max_slots: int, max_context: int, kv_budget_bytes: int | None = None) -> None:
+        for shard in self.shards:
+            shard.allocate_cache(max_slots, max_context, kv_budget_bytes)
+        self._decoders.clear()
+
+    def refusals(self, frame: Frame) -> dict[int, ModelfleetError]:
+        return self.shards[0].refusals(frame)
+
     def forward(self, frame: Frame) -> torch.Tensor:
         x = self.shards[0](frame)
         for shard in self.shards[1:]:
-            x = shard(Frame(frame.slots, frame.positions, hidden=x))
+            x = shard(Frame(frame.slots, frame.positions, hidden=x, output_rows=frame.output_rows))
         return x
+
+    def run_step(self, step: Step) -> torch.Tensor:
+        """Logits [N, vocab] of a scheduler step's output rows."""
+        if step.decode_only:
+            return self.decode(step.token_ids, step.slots, step.positions)
+        return self.forward(step.frame())
+
+    def export_slot(self, slot: int) -> SlotState:
+        states = [shard.export_slot(slot) for shard in self.shards]
+        return SlotState(states[0].length, tuple(layer for state in states for layer in state.layers))
+
+    def import_slot(self, slot: int, state: SlotState) -> None:
+        start = 0
+        for shard in self.shards:
+            layers = state.layers[start : start + len(shard.kv)]
+            shard.import_slot(slot, SlotState(state.length, layers))
+            start += len(shard.kv)
 
     def decode(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Logits [B, vocab] for one decode row per stream."""
@@ -107,6 +153,7 @@ class LocalModel:
         return self._decoders[batch].step(tokens, slots, positions)
 
     def acquire(self) -> int:
+        """A free slot, claimed on every shard (for callers that drive frames by hand)."""
         slot = self.shards[0].acquire()
         for shard in self.shards[1:]:
             shard._slots().claim(slot)
@@ -135,28 +182,15 @@ class GenerationResult:
         return (len(self.token_ids) - 1) / decode_s if len(self.token_ids) > 1 and decode_s > 0 else 0.0
 
 
-@dataclass
-class _Stream:
-    slot: int
-    sampler: StreamSampler
-    result: GenerationResult
-    position: int
-    last_token: int = -1
-    done: bool = False
-
-
-def validate_prompt(model: LocalModel, prompt_ids: Sequence[int]) -> None:
-    if not prompt_ids:
-        raise InputError("the prompt is empty; give at least one token")
-    vocab = model.spec.vocab_size
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-    if len(prompt_ids) >= model.max_context:
-        raise InputError(
-            f"the prompt has {len(prompt_ids)} tokens; the context budget is {model.max_context} per stream "
-            f"(the prompt must be shorter to leave room for generated tokens)"
-        )
+def scheduler_for(model: LocalModel, streams: int) -> Scheduler:
+    """One process's scheduler: every stream seated at once (as the model's slots allow), whole
+    prompts in one window, one microbatch, one step at a time."""
+    slots = model.slots.max_slots if model.slots is not None else 1
+    return Scheduler(SchedulerConfig(
+        max_streams=slots, context_length=model.max_context, vocab_size=model.spec.vocab_size,
+        eos_token_ids=model.spec.eos_token_ids, window_rows=model.max_context, max_queue=max(streams, 1),
+        queue_timeout_seconds=math.inf,
+    ))  # fmt: skip
 
 
 def generate_batch(
@@ -165,53 +199,56 @@ def generate_batch(
     params: SamplingParams | Sequence[SamplingParams],
     on_token: Callable[[int, int], None] | None = None,
 ) -> list[GenerationResult]:
-    """Generate for every prompt concurrently; on_token(stream_index, token_id) as they come."""
+    """Generate for every prompt concurrently (more prompts than slots wait for one);
+    on_token(stream_index, token_id) as they come."""
     per_stream = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    scheduler = scheduler_for(model, len(prompts))
     for prompt in prompts:
-        validate_prompt(model, prompt)
+        if (refusal := scheduler.refusal(prompt)) is not None:
+            raise InputError(refusal.message)
+    results = [GenerationResult(len(prompt)) for prompt in prompts]
+    sampler = TailSampler(model.spec.eos_token_ids)
     start = time.perf_counter()
-    streams: list[_Stream] = []
+    for index, (prompt, p) in enumerate(zip(prompts, per_stream, strict=True)):
+        admitted = scheduler.submit(index, prompt, p, 0.0)
+        assert not isinstance(admitted, Refusal)  # checked above; the queue holds every prompt
+    seated: set[int] = set()
     try:
-        for prompt, p in zip(prompts, per_stream, strict=True):
-            slot = model.acquire()
-            stream = _Stream(slot, StreamSampler(p, model.spec.eos_token_ids), GenerationResult(len(prompt)), 0)
-            streams.append(stream)
-            logits = model.forward(Frame.of_streams([(slot, 0, list(prompt))]))
-            stream.position = len(prompt)
-            _accept(stream, stream.sampler.sample(logits[-1]), model, start, on_token, len(streams) - 1)
-        while live := [s for s in streams if not s.done]:
-            logits = model.decode([s.last_token for s in live], [s.slot for s in live], [s.position for s in live])
-            tokens = sample_rows(logits, [s.sampler for s in live])
-            for s, token in zip(live, tokens, strict=True):
-                s.position += 1
-                _accept(s, token, model, start, on_token, streams.index(s))
+        while not scheduler.idle:
+            for step in scheduler.schedule(time.perf_counter() - start):
+                for stream in step.new_streams:
+                    sampler.start(stream.slot, stream.params)
+                    seated.add(stream.slot)
+                tokens, errors = sampler.sample([s.slot for s in step.sampled], model.run_step(step))
+                if errors:
+                    raise next(iter(errors.values()))
+                now = time.perf_counter() - start
+                for event in scheduler.complete(step.id, tokens):
+                    _deliver(event, results, now, on_token)
+                    if isinstance(event, Finish):
+                        model.release(event.stream.slot)
+                        sampler.release(event.stream.slot)
+                        seated.discard(event.stream.slot)
     finally:
-        for s in streams:
-            model.release(s.slot)
-    return [s.result for s in streams]
+        for slot in seated:
+            model.release(slot)
+    return results
 
 
-def _accept(
-    s: _Stream,
-    token: int,
-    model: LocalModel,
-    start: float,
-    on_token: Callable[[int, int], None] | None,
-    index: int,
+def _deliver(
+    event: Event, results: list[GenerationResult], now: float, on_token: Callable[[int, int], None] | None
 ) -> None:
-    now = time.perf_counter() - start
-    if not s.result.token_ids and s.result.time_to_first_token_s == 0.0:
-        s.result.time_to_first_token_s = now
-    s.result.total_s = now
-    if token in s.sampler.stop_ids:
-        s.result.finish_reason, s.done = "stop", True
-        return
-    s.result.token_ids.append(token)
-    s.last_token = token
-    if on_token is not None:
-        on_token(index, token)
-    if len(s.result.token_ids) >= s.sampler.params.max_tokens or s.position + 1 >= model.max_context:
-        s.result.finish_reason, s.done = "length", True
+    index = cast(int, event.stream.key)
+    result = results[index]
+    if not result.token_ids and result.time_to_first_token_s == 0.0:
+        result.time_to_first_token_s = now
+    result.total_s = now
+    if isinstance(event, Token):
+        result.token_ids.append(event.token_id)
+        if on_token is not None:
+            on_token(index, event.token_id)
+    else:
+        result.finish_reason = event.reason.value
 
 
 def generate(

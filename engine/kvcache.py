@@ -21,6 +21,15 @@ import torch
 from .errors import CapacityError
 
 
+@dataclass(frozen=True)
+class SlotState:
+    """One stream's state on one stage, to move it elsewhere: the slot's length and each cached
+    layer's stored rows ({name: [capacity, *shape]}, CPU tensors; a ring layer as its ring)."""
+
+    length: int
+    layers: tuple[dict[str, torch.Tensor], ...]
+
+
 @dataclass
 class SlotTable:
     max_slots: int

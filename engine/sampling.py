@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, ModelfleetError
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,40 @@ class StreamSampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def sample_rows(logits: torch.Tensor, samplers: list[StreamSampler]) -> list[int]:
-    """One token per row of logits [B, V]; greedy rows share one argmax and one device read."""
-    greedy = logits.argmax(dim=-1).tolist() if any(s.params.greedy for s in samplers) else []
-    return [greedy[row] if s.params.greedy else s.sample(logits[row]) for row, s in enumerate(samplers)]
+class TailSampler:
+    """The samplers of the last stage, one per slot: the one implementation of tail sampling.
+
+    A stream's sampler starts when its first rows pass (``start``) and ends with its slot
+    (``release``). ``sample`` draws one token per output row; a row that cannot be sampled fails
+    alone, so one stream's values never fail another stream of the same frame.
+    """
+
+    def __init__(self, eos_token_ids: tuple[int, ...] = ()):
+        self.eos_token_ids = eos_token_ids
+        self.samplers: dict[int, StreamSampler] = {}
+
+    def start(self, slot: int, params: SamplingParams) -> None:
+        self.samplers[slot] = StreamSampler(params, self.eos_token_ids)
+
+    def release(self, slot: int) -> None:
+        self.samplers.pop(slot, None)
+
+    def sample(self, slots: list[int], logits: torch.Tensor) -> tuple[dict[int, int], dict[int, ModelfleetError]]:
+        """logits [N, V] of the output rows, whose streams are in ``slots`` -> ({slot: token}, {slot: error})."""
+        tokens: dict[int, int] = {}
+        errors: dict[int, ModelfleetError] = {}
+        known = [(row, slot) for row, slot in enumerate(slots) if slot in self.samplers]
+        for slot in slots:
+            if slot not in self.samplers:
+                errors[slot] = InputError(f"slot {slot} has no sampler: its stream's first rows never reached the tail")
+        greedy = [row for row, slot in known if self.samplers[slot].params.greedy]
+        if greedy:
+            picked = logits[greedy].argmax(dim=-1).tolist()
+            tokens.update((slots[row], token) for row, token in zip(greedy, picked, strict=True))
+        for row, slot in known:
+            if not self.samplers[slot].params.greedy:
+                try:
+                    tokens[slot] = self.samplers[slot].sample(logits[row])
+                except RuntimeError as exc:  # torch.multinomial on a distribution that is not one
+                    errors[slot] = InputError(f"sampling failed for these sampling parameters: {exc}")
+        return tokens, errors

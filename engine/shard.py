@@ -2,24 +2,26 @@
 and the final norm and head when it is last, with its own per-slot KV state.
 
 ``forward(frame)`` returns float32 hidden states [R, hidden] to pass to the next shard, or,
-for the last shard, float32 logits [R, vocab]. Loading reads only the tensors this shard owns.
+for the last shard, float32 logits [N, vocab] of the frame's output rows (all R rows when the
+frame names none). Loading reads only the tensors this shard owns. A Shard is the torch
+:class:`~modelfleet.engine.backend.StageBackend`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, TensorSource
-from .errors import CapacityError, InputError
+from .errors import CapacityError, InputError, ModelfleetError
 from .formats.plan import FormatPlan
 from .frame import Frame, Segment, segments_of
-from .kvcache import LayerKV, SlotTable
+from .kvcache import LayerKV, SlotState, SlotTable
 from .layers import Dense, Experts, FrameContext, RMSNorm
+from .models import REWIND_SLACK_POSITIONS, LayerCache, cache_layout
 from .models import family as family_module
 from .quantize import QuantizedEmbedding, apply_embedding_format, apply_formats, bytes_by_role, prepare_kernels
 from .quantized_checkpoint import QuantizedCheckpoint, fill_quantized, open_checkpoint
@@ -229,22 +231,21 @@ class Shard(nn.Module):
 
     # ---- KV state -------------------------------------------------------------------------
 
-    def _attentions(self) -> list[Any]:
-        return [layer.attention for layer in self.layers]
+    def cache_layouts(self) -> list[LayerCache]:
+        """What each of this shard's layers caches (this rank's share), as the model family says."""
+        size = 1 if self.tensor is None else self.tensor.size
+        return [cache_layout(self.spec, i).for_rank(size) for i in range(self.layer_start, self.layer_end)]
 
     def kv_bytes_per_position(self) -> int:
         item = torch.empty((), dtype=self.dtype).element_size()
-        total = 0
-        for attention in self._attentions():
-            for shape in attention.cache_shapes().values():
-                count = 1
-                for d in shape:
-                    count *= d
-                total += count * item
-        return total
+        return sum(layout.values_per_position * item for layout in self.cache_layouts())
 
     def allocate_cache(
-        self, max_slots: int, max_context: int, kv_budget_bytes: int | None = None, rewind_slack: int = 64
+        self,
+        max_slots: int,
+        max_context: int,
+        kv_budget_bytes: int | None = None,
+        rewind_slack: int = REWIND_SLACK_POSITIONS,
     ) -> None:
         """Size per-slot KV state; sliding-window layers keep only window + rewind_slack positions."""
         if max_slots < 1 or max_context < 1:
@@ -254,24 +255,24 @@ class Shard(nn.Module):
                 f"max_context={max_context} exceeds the model's max_position_embeddings="
                 f"{self.spec.max_position_embeddings}"
             )
-        attentions = self._attentions()
-        windows = [getattr(a, "window", None) for a in attentions]
-        capacities = [max_context if w is None else min(max_context, w + rewind_slack) for w in windows]
+        layouts = self.cache_layouts()
+        capacities = [layout.positions(max_context, rewind_slack) for layout in layouts]
         item = torch.empty((), dtype=self.dtype).element_size()
-        need = 0
-        for attention, cap in zip(attentions, capacities, strict=True):
-            for shape in attention.cache_shapes().values():
-                need += max_slots * cap * item * int(torch.Size(shape).numel())
+        need = item * max_slots * sum(cap * c.values_per_position for c, cap in zip(layouts, capacities, strict=True))
         if kv_budget_bytes is not None and need > kv_budget_bytes:
             raise CapacityError(
                 f"KV cache for {max_slots} slots x {max_context} positions needs {need} bytes, over the "
                 f"shard's budget of {kv_budget_bytes} bytes; lower max_slots or max_context, or raise the budget"
             )
         self.kv = [
-            LayerKV(max_slots, cap, a.cache_shapes(), self.dtype, self.device, ring=cap < max_context)
-            for a, cap in zip(attentions, capacities, strict=True)
+            LayerKV(max_slots, cap, dict(layout.shapes), self.dtype, self.device, ring=cap < max_context)
+            for layout, cap in zip(layouts, capacities, strict=True)
         ]
-        rings = [cap - w + 1 for cap, w in zip(capacities, windows, strict=True) if w is not None and cap < max_context]
+        rings = [
+            cap - layout.window + 1
+            for layout, cap in zip(layouts, capacities, strict=True)
+            if layout.window is not None and cap < max_context
+        ]
         self.slots = SlotTable(max_slots, max_context, min(rings) if rings else None)
 
     def _slots(self) -> SlotTable:
@@ -289,6 +290,31 @@ class Shard(nn.Module):
     def rewind(self, slot: int, position: int) -> None:
         self._slots().rewind(slot, position)
 
+    def export_slot(self, slot: int) -> SlotState:
+        """The slot's stream as it is here: its length and every layer's stored rows (CPU copies)."""
+        length = self._slots().length(slot)
+        layers = tuple({name: t[slot].to("cpu", copy=True) for name, t in kv.tensors.items()} for kv in self.kv)
+        return SlotState(length, layers)
+
+    def import_slot(self, slot: int, state: SlotState) -> None:
+        """Make ``slot`` hold a stream exported from a shard of the same layers and cache sizes."""
+        table = self._slots()
+        table._check_slot(slot)
+        if len(state.layers) != len(self.kv):
+            raise CapacityError(f"slot state has {len(state.layers)} layers; this shard caches {len(self.kv)}")
+        for kv, stored in zip(self.kv, state.layers, strict=True):
+            for name, t in kv.tensors.items():
+                if name not in stored or stored[name].shape != t[slot].shape:
+                    got = None if name not in stored else list(stored[name].shape)
+                    raise CapacityError(
+                        f"slot state's {name!r} has shape {got}; this shard stores {list(t[slot].shape)}"
+                    )
+        for kv, stored in zip(self.kv, state.layers, strict=True):
+            for name, t in kv.tensors.items():
+                t[slot].copy_(stored[name])
+        table.claim(slot)
+        table.lengths[slot] = state.length
+
     # ---- compute --------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -299,7 +325,21 @@ class Shard(nn.Module):
         x = self._input(frame)
         x = self.run_layers(x, FrameContext(segments, frame.positions.to(self.device)))
         self.commit_segments(segments)
+        if frame.output_rows is not None and self.head is not None:
+            x = x[frame.output_rows.to(self.device)]
         return self.output(x)
+
+    def refusals(self, frame: Frame) -> dict[int, ModelfleetError]:
+        """The slots whose rows this shard would refuse (a gap in positions, no room in the
+        context), each with its reason; the rest of the frame can be computed without them."""
+        refused: dict[int, ModelfleetError] = {}
+        table = self._slots()
+        for seg in segments_of(frame.slots.tolist(), frame.positions.tolist()):
+            try:
+                table.check_segment(seg.slot, seg.pos_start, seg.rows)
+            except ModelfleetError as exc:
+                refused[seg.slot] = exc
+        return refused
 
     def check_segments(self, segments: list[Segment]) -> None:
         table = self._slots()

@@ -104,7 +104,7 @@ def test_an_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> Non
 
 def test_a_prompt_longer_than_the_context_budget_names_both_lengths(multi_file: Path) -> None:
     lm = LocalModel.load(multi_file, max_context=16)
-    with pytest.raises(InputError, match="the prompt has 20 tokens; the context budget is 16"):
+    with pytest.raises(InputError, match="the prompt has 20 tokens; the context length is 16"):
         generate(lm, list(range(20)), SamplingParams())
 
 

@@ -574,7 +574,8 @@ class FailingHead(SilentHead):
     def on_submit(self, client: bytes, msg: wire.SubmitMsg) -> None:
         for token in self.tokens:
             self.send(client, wire.OutputMsg(request_id=msg.request_id, token_ids=(token,)))
-        self.send(client, wire.OutputMsg(request_id=msg.request_id, finish_reason="error", error=BROKEN_CHAIN))
+        self.send(client, wire.OutputMsg(request_id=msg.request_id, finish_reason="error", code="stage_lost",
+                                          error=BROKEN_CHAIN))  # fmt: skip
 
 
 class VanishingHead(SilentHead):

@@ -42,20 +42,20 @@ def _ids(*values: int) -> torch.Tensor:
 def _prefill_frame() -> FrameMsg:
     starts = (StreamStart(0, temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1, stop_token_ids=(2, 7)),)
     return FrameMsg(
-        group=1, step=7, slots=_ids(0, 0, 0, 3), positions=_ids(0, 1, 2, 41), token_ids=_ids(5, 9, 11, 4),
-        sample_rows=(2, 3), new_streams=starts,
+        microbatch=1, step=7, slots=_ids(0, 0, 0, 3), positions=_ids(0, 1, 2, 41), token_ids=_ids(5, 9, 11, 4),
+        output_rows=(2, 3), new_streams=starts,
     )  # fmt: skip
 
 
 def _hidden_frame() -> FrameMsg:
     hidden = torch.randn(3, 64, dtype=torch.float32)
-    return FrameMsg(group=0, step=2**40, slots=_ids(4, 5, 5), positions=_ids(9, 100, 101), hidden=hidden)
+    return FrameMsg(microbatch=0, step=2**40, slots=_ids(4, 5, 5), positions=_ids(9, 100, 101), hidden=hidden)
 
 
 MESSAGES: dict[str, Callable[[], Message]] = {
     "frame_of_token_ids": _prefill_frame,
     "frame_of_hidden_states": _hidden_frame,
-    "tokens": lambda: TokensMsg(group=1, step=8, slots=_ids(0, 3), positions=_ids(3, 42), token_ids=_ids(17, 2)),
+    "tokens": lambda: TokensMsg(microbatch=1, step=8, slots=_ids(0, 3), positions=_ids(3, 42), token_ids=_ids(17, 2)),
     "release": lambda: ReleaseMsg(slots=(0, 3)),
     "rewind": lambda: RewindMsg(slot=3, position=40),
     "probe": lambda: ProbeMsg(nonce=2**64 - 1, sent_ns=123, plan_hash="ab" * 32),
@@ -135,7 +135,7 @@ def test_decoded_tensors_own_writable_storage_apart_from_the_received_frames():
 
 def test_a_non_contiguous_tensor_is_sent_as_its_contiguous_bytes():
     hidden = torch.arange(12, dtype=torch.float32).reshape(4, 3).t()  # [3, 4], strided
-    sent = FrameMsg(group=0, step=0, slots=_ids(0, 1, 2), positions=_ids(0, 0, 0), hidden=hidden)
+    sent = FrameMsg(microbatch=0, step=0, slots=_ids(0, 1, 2), positions=_ids(0, 0, 0), hidden=hidden)
     got = transport.decode(transport.encode(sent))
     assert isinstance(got, FrameMsg) and got.hidden is not None
     assert torch.equal(got.hidden, hidden)
@@ -181,7 +181,7 @@ MALFORMED: dict[str, tuple[Callable[[], list[Any]], str]] = {
     "a truncated header": (lambda: [FRAME_PARTS[0][:-3], *FRAME_PARTS[1:]], "not valid msgpack"),
     "trailing bytes after the header": (lambda: [FRAME_PARTS[0] + b"\x00", *FRAME_PARTS[1:]], "not valid msgpack"),
     "a header that is a list": (lambda: [msgpack.packb([1, "frame"])], "header must be a map"),
-    "a wrong protocol version": (lambda: _tampered(_prefill_frame(), _set("v", 2)), "protocol version v=2"),
+    "a wrong protocol version": (lambda: _tampered(_prefill_frame(), _set("v", 1)), "protocol version v=1"),
     "a version given as text": (lambda: _tampered(_prefill_frame(), _set("v", "1")), "protocol version"),
     "no version": (lambda: _tampered(_prefill_frame(), lambda h: h.pop("v")), "protocol version v=None"),
     "an unknown type": (lambda: _tampered(_prefill_frame(), _set("type", "shutdown")), "type 'shutdown' is unknown"),
@@ -193,8 +193,8 @@ MALFORMED: dict[str, tuple[Callable[[], list[Any]], str]] = {
     ),
     "a negative step": (lambda: _tampered(_prefill_frame(), _set("step", -1)), "frame.step=-1 is outside"),
     "a float for an integer": (
-        lambda: _tampered(_prefill_frame(), _set("group", 1.0)),
-        "frame.group must be an integer",
+        lambda: _tampered(_prefill_frame(), _set("microbatch", 1.0)),
+        "frame.microbatch must be an integer",
     ),
     "top_p of zero": (lambda: _tampered(_prefill_frame(), _set_stream("top_p", 0.0)), "new_streams[0].top_p=0.0"),
     "a NaN temperature": (
@@ -245,7 +245,7 @@ MALFORMED: dict[str, tuple[Callable[[], list[Any]], str]] = {
         "frame.positions has 3 rows",
     ),
     "both token ids and hidden states": (lambda: _both_inputs(), "exactly one of token_ids and hidden"),
-    "a sample row past the frame": (lambda: _tampered(_prefill_frame(), _set("sample_rows", [4])), "row 4 of a 4-row"),
+    "a sample row past the frame": (lambda: _tampered(_prefill_frame(), _set("output_rows", [4])), "row 4 of a 4-row"),
     "a new stream with no rows": (lambda: _tampered(_prefill_frame(), _set_stream("slot", 9)), "starts slot(s) [9]"),
     "an extension type": (lambda: [msgpack.packb({"v": 1, "x": msgpack.ExtType(1, b"\x80\x04")})], "extension type 1"),
     "a timestamp": (lambda: [msgpack.packb({"v": 1, "t": msgpack.Timestamp(0)})], "header.t has type Timestamp"),

@@ -1,0 +1,95 @@
+"""What a stage executes: the :class:`StageBackend` protocol and :func:`load_backend`.
+
+A stage agent, a tensor-parallel follower and ``modelfleet generate`` hold their layers through
+this protocol only, so a backend (torch today, OpenVINO next) plugs in without touching the
+request path. A backend owns layers ``[layer_start, layer_end)`` of one model and their per-slot
+state; the head decides which slot holds which stream (:mod:`.scheduler`), a backend only keeps
+the state. ``forward`` returns float32 hidden states [R, hidden] from a stage before the last,
+and float32 logits [N, vocab] of the frame's ``output_rows`` from the last.
+
+A tensor-parallel group wraps a backend (:class:`modelfleet.agent.tensor_group.TensorStage`); a
+chain of backends in one process is :class:`modelfleet.engine.generate.LocalModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .errors import InputError, ModelfleetError
+from .formats.plan import FormatPlan
+from .frame import Frame
+from .kvcache import SlotState, SlotTable
+from .shard import Shard
+from .spec import ModelSpec
+from .tensor_parallel import TensorGroup
+
+BACKENDS = ("torch", "openvino")  # the names a fleet plan's stage may give
+
+
+@runtime_checkable
+class StageBackend(Protocol):
+    spec: ModelSpec
+    layer_start: int
+    layer_end: int
+
+    @property
+    def slots(self) -> SlotTable | None:
+        """The slot table once :meth:`allocate_cache` ran."""
+
+    @property
+    def weights_bytes(self) -> int: ...
+
+    @property
+    def kv_bytes(self) -> int: ...
+
+    @property
+    def bytes_by_role(self) -> dict[str, dict[str, int]]:
+        """{role: {format: resident bytes}}: experts, attention, head, embeddings, other."""
+
+    def allocate_cache(self, max_slots: int, max_context: int, kv_budget_bytes: int | None = None) -> None: ...
+
+    def refusals(self, frame: Frame) -> dict[int, ModelfleetError]:
+        """Slots whose rows :meth:`forward` would refuse, with why; computed before any work."""
+
+    def forward(self, frame: Frame) -> torch.Tensor: ...
+
+    def release(self, slot: int) -> None: ...
+
+    def rewind(self, slot: int, position: int) -> None:
+        """Keep positions [0, position) of the slot's stream."""
+
+    def export_slot(self, slot: int) -> SlotState: ...
+
+    def import_slot(self, slot: int, state: SlotState) -> None: ...
+
+
+def load_backend(
+    name: str,
+    model_dir: str | Path,
+    layer_start: int,
+    layer_end: int,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    formats: FormatPlan | None = None,
+    tensor: TensorGroup | None = None,
+    on_layer: Callable[[int, int], None] | None = None,
+    progress: bool = False,
+) -> StageBackend:
+    """The backend ``name`` holding layers [layer_start, layer_end) of the checkpoint (this rank's
+    share of them when ``tensor`` is given)."""
+    if name == "torch":
+        return Shard.load(
+            model_dir, layer_start, layer_end, device=device, dtype=dtype, formats=formats, tensor=tensor,
+            on_layer=on_layer, progress=progress,
+        )  # fmt: skip
+    if name == "openvino":
+        raise InputError(
+            "backend 'openvino' is not built in this release: stages run on torch (CPU or CUDA devices); "
+            "set the stage's backend to torch (spec.backend: torch, modelfleet up --backend torch)"
+        )
+    raise InputError(f"backend {name!r} is unknown; choose one of {', '.join(BACKENDS)}")

@@ -1,0 +1,333 @@
+"""The one scheduler of the request path: admission, prefill windows, decode rows, stop and length.
+
+Pure: no sockets, threads or clock reads (time is passed in), so every decision is a table test.
+``modelfleet generate`` (:func:`modelfleet.engine.generate.generate_batch`) and the fleet's head
+(:mod:`modelfleet.agent.head`) drive the same :class:`Scheduler`; each owns only the doing: a
+local backend, or frames over sockets.
+
+The cycle: :meth:`Scheduler.submit` admits a stream or returns a :class:`Refusal`;
+:meth:`Scheduler.schedule` seats queued streams in free slots and returns the :class:`Step` each
+microbatch can send now; the caller computes a step (or sends it down the pipeline) and hands the
+sampled tokens to :meth:`Scheduler.complete`, which returns the :class:`Token` and
+:class:`Finish` events to deliver. A finished stream's slot is free at once: the caller releases
+it on its backends before it sends the next step (a pipeline's control messages travel in order
+with its frames, so no stage sees the slot's next stream before the release).
+
+Invariants:
+- A stream's rows are scheduled in position order and each position once; at most one row whose
+  token is due (its *sample row*) is in flight per stream: a decode row needs the last token.
+- A microbatch (the streams that share frames) sends a frame when nothing of it is in flight, or,
+  while fewer than ``frames_in_flight`` of its frames are, when one of its ready streams still has
+  prompt rows: prefill windows stream back to back, and decode rows re-join one frame.
+- Tokens are matched to streams through the step that carried their rows, never through slots
+  alone, so a token computed for a stream that has since finished (and whose slot was reused)
+  is dropped. A step is in flight until its tokens come back, it fails, or all its streams end.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ErrorCode, InputError
+from .frame import Frame
+from .sampling import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token was sampled (it is not part of the output)
+    LENGTH = "length"  # max_tokens reached, or the context is full
+    CANCELLED = "cancelled"  # the client gave up
+    ERROR = "error"  # the stream failed; its Finish carries a code and a message
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_streams: int  # KV slots: streams seated at once
+    context_length: int  # positions per stream, prompt and output together
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()  # stop tokens of a stream that names none
+    window_rows: int = 8  # prompt rows of one stream per frame
+    microbatches: int = 1  # sets of streams whose frames travel separately
+    frames_in_flight: int = 1  # per microbatch, while prompt rows remain (see the module's invariants)
+    max_queue: int = 64  # streams waiting for a slot
+    queue_timeout_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_streams", "context_length", "vocab_size", "window_rows", "microbatches", "frames_in_flight"):
+            if getattr(self, name) < 1:
+                raise InputError(f"scheduler {name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def streams_per_microbatch(self) -> int:
+        return -(-self.max_streams // self.microbatches)
+
+
+@dataclass(eq=False)
+class StreamState:
+    """One stream's bookkeeping; ``key`` is the caller's name for it (a request id, an index)."""
+
+    key: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    arrived_at: float
+    slot: int = -1  # -1 while queued
+    microbatch: int = -1
+    scheduled: int = 0  # positions sent to the backend: prompt windows, then decode rows
+    generated: list[int] = field(default_factory=list)  # committed output tokens
+    awaiting: bool = False  # a sample row of this stream is in flight
+    drafts: list[int] = field(default_factory=list)  # proposed tokens not yet confirmed (speculation)
+    finish: FinishReason | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def confirmed(self) -> int:
+        """Positions every stage holds for good: the prompt and the committed output."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.scheduled < len(self.prompt)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Token:
+    stream: StreamState
+    token_id: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    stream: StreamState
+    reason: FinishReason
+    code: ErrorCode | None = None  # set when reason is ERROR
+    message: str = ""
+
+
+Event = Token | Finish
+
+
+@dataclass(frozen=True)
+class Step:
+    """One frame's worth of rows: stream rows in order, the rows whose token is due, new streams."""
+
+    id: int
+    microbatch: int
+    slots: tuple[int, ...]
+    positions: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    output_rows: tuple[int, ...]  # rows whose output (a token) is wanted, increasing
+    sampled: tuple[StreamState, ...]  # the stream of each output row
+    streams: tuple[StreamState, ...]  # every stream with rows here, in row order
+    new_streams: tuple[StreamState, ...]  # streams whose first rows are here: the tail starts their samplers
+    sent_at: float
+
+    @property
+    def rows(self) -> int:
+        return len(self.slots)
+
+    @property
+    def decode_only(self) -> bool:
+        """One row per stream, each sampled, none starting: a step a fixed-shape (graph) decode can run."""
+        return len(self.output_rows) == self.rows and not self.new_streams
+
+    def frame(self) -> Frame:
+        return Frame(
+            torch.tensor(self.slots, dtype=torch.int64),
+            torch.tensor(self.positions, dtype=torch.int64),
+            token_ids=torch.tensor(self.token_ids, dtype=torch.int64),
+            output_rows=torch.tensor(self.output_rows, dtype=torch.int64),
+        )
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.queue: deque[StreamState] = deque()
+        self.free_slots = list(range(config.max_streams))
+        self.microbatches: list[list[StreamState]] = [[] for _ in range(config.microbatches)]
+        self.in_flight: dict[int, Step] = {}
+        self._ids = itertools.count()
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def submit(self, key: Hashable, prompt: Sequence[int], params: SamplingParams, now: float) -> StreamState | Refusal:
+        refusal = self.refusal(prompt)
+        if refusal is not None:
+            return refusal
+        stop = params.stop_token_ids if params.stop_token_ids is not None else self.config.eos_token_ids
+        stream = StreamState(key, list(prompt), params, frozenset(stop), now)
+        self.queue.append(stream)
+        return stream
+
+    def refusal(self, prompt: Sequence[int]) -> Refusal | None:
+        config = self.config
+        if len(self.queue) >= config.max_queue and not self.free_slots:
+            return Refusal(
+                ErrorCode.BUSY,
+                f"all {config.max_streams} streams are busy and the queue holds {config.max_queue}; retry later",
+            )
+        if not prompt:
+            return Refusal(ErrorCode.INPUT, "the prompt is empty; give at least one token")
+        if len(prompt) >= config.context_length:
+            return Refusal(
+                ErrorCode.CONTEXT_LENGTH,
+                f"the prompt has {len(prompt)} tokens; the context length is {config.context_length} "
+                "(the prompt must be shorter to leave room for generated tokens)",
+            )
+        if bad := [t for t in prompt if not 0 <= t < config.vocab_size]:
+            return Refusal(ErrorCode.INPUT, f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+        return None
+
+    def expire(self, now: float) -> list[Finish]:
+        """Queued streams that waited over ``queue_timeout_seconds`` for a slot."""
+        limit, expired = self.config.queue_timeout_seconds, []
+        while self.queue and now - self.queue[0].arrived_at > limit:
+            stream = self.queue.popleft()
+            message = f"waited over {limit:.0f} s for a free slot (queue_timeout_seconds)"
+            expired.append(self._finish(stream, FinishReason.ERROR, ErrorCode.QUEUE_TIMEOUT, message))
+        return expired
+
+    # ---- stepping --------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> list[Step]:
+        """Seat queued streams, then the next step of every microbatch that may send one."""
+        self._seat()
+        steps = []
+        for index, streams in enumerate(self.microbatches):
+            if self._may_send(index, streams):
+                steps.append(self._step(index, [s for s in streams if not s.awaiting], now))
+        return steps
+
+    def _seat(self) -> None:
+        per = self.config.streams_per_microbatch
+        while self.queue and self.free_slots:
+            index = min(range(len(self.microbatches)), key=lambda m: len(self.microbatches[m]))
+            if len(self.microbatches[index]) >= per:
+                return
+            stream = self.queue.popleft()
+            stream.slot, stream.microbatch = self.free_slots.pop(0), index
+            self.microbatches[index].append(stream)
+
+    def _may_send(self, index: int, streams: list[StreamState]) -> bool:
+        ready = [s for s in streams if not s.awaiting]
+        if not ready:
+            return False
+        flying = sum(1 for step in self.in_flight.values() if step.microbatch == index)
+        return flying == 0 or (flying < self.config.frames_in_flight and any(s.prefilling for s in ready))
+
+    def _step(self, index: int, streams: list[StreamState], now: float) -> Step:
+        slots: list[int] = []
+        positions: list[int] = []
+        tokens: list[int] = []
+        output_rows: list[int] = []
+        sampled: list[StreamState] = []
+        new: list[StreamState] = []
+        for stream in streams:
+            if stream.scheduled == 0:
+                new.append(stream)
+            if stream.prefilling:
+                rows = stream.prompt[stream.scheduled : stream.scheduled + self.config.window_rows]
+            else:
+                rows = [stream.generated[-1]]
+            first = stream.scheduled if stream.prefilling else stream.confirmed - 1
+            slots += [stream.slot] * len(rows)
+            positions += range(first, first + len(rows))
+            tokens += rows
+            stream.scheduled = first + len(rows)
+            if not stream.prefilling:  # the row after the last prompt row, or a decode row: its token is due
+                stream.awaiting = True
+                output_rows.append(len(slots) - 1)
+                sampled.append(stream)
+        step = Step(
+            next(self._ids), index, tuple(slots), tuple(positions), tuple(tokens), tuple(output_rows),
+            tuple(sampled), tuple(streams), tuple(new), now,
+        )  # fmt: skip
+        self.in_flight[step.id] = step
+        return step
+
+    def complete(self, step_id: int, tokens: Mapping[int, int]) -> list[Event]:
+        """The tokens sampled for a step, by slot. A sampled stream missing from ``tokens`` was
+        failed on its own (:meth:`fail`); a step no longer in flight was failed whole."""
+        step = self.in_flight.pop(step_id, None)
+        if step is None:
+            return []
+        events: list[Event] = []
+        for stream in step.sampled:
+            if stream.done:
+                continue
+            stream.awaiting = False
+            if stream.slot in tokens:
+                events += self.accept(stream, tokens[stream.slot])
+        return events
+
+    def accept(self, stream: StreamState, token: int) -> list[Event]:
+        """The stop and length rules, written once."""
+        if token in stream.stop_ids:
+            return [self._finish(stream, FinishReason.STOP)]
+        stream.generated.append(token)
+        events: list[Event] = [Token(stream, token)]
+        if len(stream.generated) >= stream.params.max_tokens or stream.confirmed >= self.config.context_length:
+            events.append(self._finish(stream, FinishReason.LENGTH))
+        return events
+
+    # ---- failures --------------------------------------------------------------------------
+
+    def fail(self, stream: StreamState, code: ErrorCode, message: str) -> Finish | None:
+        """One stream fails; the others of its steps go on. None: it had finished already."""
+        return None if stream.done else self._finish(stream, FinishReason.ERROR, code, message)
+
+    def cancel(self, stream: StreamState) -> Finish | None:
+        return None if stream.done else self._finish(stream, FinishReason.CANCELLED)
+
+    def fail_step(self, step_id: int, code: ErrorCode, message: str) -> list[Finish]:
+        """A step's result will not come (its frame was refused whole): its streams fail."""
+        step = self.in_flight.pop(step_id, None)
+        if step is None:
+            return []
+        return [f for s in step.streams if (f := self.fail(s, code, message)) is not None]
+
+    def fail_stalled(self, now: float, silent_seconds: float, code: ErrorCode, message: str) -> list[Finish]:
+        """Every step in flight for longer than ``silent_seconds`` fails with its streams."""
+        stalled = [step.id for step in self.in_flight.values() if now - step.sent_at > silent_seconds]
+        return [finish for step_id in stalled for finish in self.fail_step(step_id, code, message)]
+
+    def _finish(
+        self, stream: StreamState, reason: FinishReason, code: ErrorCode | None = None, message: str = ""
+    ) -> Finish:
+        stream.finish = reason
+        if stream.slot < 0:
+            if stream in self.queue:
+                self.queue.remove(stream)
+        else:
+            self.microbatches[stream.microbatch].remove(stream)
+            self.free_slots.append(stream.slot)
+            self.free_slots.sort()
+        for step_id in [i for i, step in self.in_flight.items() if all(s.done for s in step.streams)]:
+            del self.in_flight[step_id]  # nothing of it is awaited any more
+        return Finish(stream, reason, code, message)
+
+    # ---- what the caller reports -----------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return sum(len(streams) for streams in self.microbatches)
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.active
