@@ -16,6 +16,7 @@ import zmq
 
 from ..engine.errors import ModelfleetError
 from ..engine.sampling import SamplingParams
+from ..plan import StagePlan, stage_at
 from . import transport as wire
 
 
@@ -28,6 +29,7 @@ class Completion:
     request_id: int
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    code: str | None = None  # an ErrorCode value when finish_reason is "error"
     error: str = ""
     submitted_at: float = 0.0
     token_times: list[float] = field(default_factory=list)  # perf_counter time each token arrived
@@ -36,15 +38,15 @@ class Completion:
 
 
 class FleetClient:
-    def __init__(self, head_address: str, keys: wire.KeyPair | None = None, timeout_seconds: float = 60.0):
-        """head_address: the head stage's plan address host:port (clients connect to port + 2)."""
-        host, port = head_address.rsplit(":", 1)
+    def __init__(self, head: StagePlan | str, keys: wire.KeyPair | None = None, timeout_seconds: float = 60.0):
+        """head: the head stage of the plan, or its address host:port (clients connect to its client port)."""
+        stage = stage_at(head) if isinstance(head, str) else head
         self.context: zmq.Context[Any] = zmq.Context.instance()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         if keys is not None:
             wire.curve_client(self.socket, keys, keys.public)
-        self.socket.connect(f"tcp://{host}:{int(port) + 2}")
+        self.socket.connect(f"tcp://{stage.host}:{stage.client_port}")
         self.timeout = timeout_seconds
         self.ids = itertools.count(int(time.time() * 1000) % (1 << 40))
         self.results: dict[int, Completion] = {}
@@ -89,7 +91,8 @@ class FleetClient:
         result.token_ids += msg.token_ids
         result.token_times += [now] * len(msg.token_ids)
         if msg.finish_reason is not None:
-            result.finish_reason, result.error, result.finished_at = msg.finish_reason, msg.error, now
+            result.finish_reason, result.code, result.error = msg.finish_reason, msg.code, msg.error
+            result.finished_at = now
 
     def wait(self, request_ids: Sequence[int]) -> list[Completion]:
         """Block until every request has finished (or the client timeout passes)."""

@@ -172,6 +172,22 @@ def test_streams_arriving_and_leaving_mid_flight_do_not_disturb_the_others(secur
     assert results[8].finish_reason == "cancelled"
 
 
+def test_a_stream_whose_values_cannot_be_sampled_fails_alone_with_a_code(secure_fleet, tiny_checkpoint) -> None:
+    """The tail fails the one row it cannot sample (a temperature so small that the distribution
+    overflows) and reports that slot alone: the streams sharing its frames finish untouched."""
+    prompts, params = prompts_and_params(4)
+    expected = reference(tiny_checkpoint("qwen3_moe")[0], prompts, params)
+    with secure_fleet.client() as client:
+        ids = [client.submit(p, s) for p, s in zip(prompts[:2], params[:2], strict=True)]
+        bad = client.submit(prompts[0], SamplingParams(temperature=1e-300, max_tokens=8, seed=1))
+        ids += [client.submit(p, s) for p, s in zip(prompts[2:], params[2:], strict=True)]
+        results = client.wait([*ids, bad])
+    assert [r.token_ids for r in results[:4]] == expected
+    failed = results[4]
+    assert failed.finish_reason == "error" and failed.code == "input" and "sampling failed" in failed.error
+    assert [secure_fleet.status(s)["slots_in_use"] for s in range(STAGES)] == [0, 0, 0]
+
+
 def test_a_cancelled_stream_frees_its_slot_on_every_stage(secure_fleet) -> None:
     with secure_fleet.client() as client:
         request = client.submit([9, 8, 7, 6], SamplingParams(max_tokens=240, stop_token_ids=()))
@@ -228,11 +244,11 @@ def test_killing_a_stage_fails_requests_fast_and_the_restarted_stage_rejoins(sec
         secure_fleet.local.children[1].process.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         result = client.wait([request])[0]
-        assert result.finish_reason == "error" and "stopped answering" in result.error
+        assert result.finish_reason == "error" and result.code == "stage_lost" and "stopped answering" in result.error
         assert time.monotonic() - killed_at < 5.0
         wait_until(lambda: secure_fleet.readyz() == 503, 5, "/readyz turns false")
         refused = client.generate([1, 2], SamplingParams(max_tokens=2))
-        assert refused.finish_reason == "error" and "not ready" in refused.error
+        assert refused.finish_reason == "error" and refused.code == "not_ready" and "not ready" in refused.error
         secure_fleet.local.children[1].process.wait()
         secure_fleet.restart(1)
         wait_until(lambda: secure_fleet.readyz() == 200, 60, "the fleet is ready again")
