@@ -3,7 +3,7 @@ moe_down) of one decode step of a Qwen3-30B-A3B-shaped layer (hidden 2048, exper
 128 experts, top-8), 16 steps with different routings in one CUDA graph, so launch gaps and the
 kernels' overlap (programmatic dependent launch) count as they do in decode. Prints every pair's
 time and share of the same run's copy bandwidth, and the best pair per format as the entry for
-``engine.formats.triton_moe.MEASURED``. MXFP4 steps of up to ``mma_moe.MAX_TOKENS`` tokens run on
+``engine.formats.triton_moe.MEASURED``. MXFP4 steps of up to ``mma_moe.CONFIG.max_tokens`` tokens run on
 the tensor-core kernels on Hopper (:mod:`engine.formats.mma_moe`, no launch configuration): the
 sweep turns them off to time the Triton pairs, and prints the tensor-core pair beside them.
 
@@ -18,6 +18,7 @@ noise picks the configuration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import itertools
 import statistics
@@ -102,7 +103,8 @@ def main() -> None:
             x = torch.randn(rows, fb.HIDDEN, device="cuda").to(torch.bfloat16)
             used = statistics.mean(i.unique().numel() * per_expert for i, _ in routings)
             results = []
-            mma_tokens, mma_moe.MAX_TOKENS = mma_moe.MAX_TOKENS, 0  # the Triton kernels for every step
+            kept_config = mma_moe.CONFIG
+            mma_moe.CONFIG = dataclasses.replace(kept_config, max_tokens=0)  # the Triton kernels for every step
             try:
                 for (u_rows, wide, u_warps), (d_rows, d_warps, chunk) in itertools.product(UP, DOWN):
                     up = {"ROWS": u_rows, "WIDE": wide, "num_warps": u_warps}
@@ -113,7 +115,7 @@ def main() -> None:
                         us = graph_us(steps, fb)
                     results.append((us, up, dn))
             finally:
-                mma_moe.MAX_TOKENS = mma_tokens
+                mma_moe.CONFIG = kept_config
             if kept is None:
                 triton_moe.MEASURED.pop(key)
             else:

@@ -120,7 +120,7 @@ class LocalModel:
         return self.shards[0].refusals(frame)
 
     def forward(self, frame: Frame) -> torch.Tensor:
-        x = self.shards[0](frame)
+        x: torch.Tensor = self.shards[0](frame)
         for shard in self.shards[1:]:
             x = shard(Frame(frame.slots, frame.positions, hidden=x, output_rows=frame.output_rows))
         return x

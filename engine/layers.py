@@ -229,7 +229,8 @@ class Attention(nn.Module):
                 out[rs] = attend_with_cache(
                     kv, seg, q[rs], {"k": k[rs], "v": v[rs]}, self.scale, self.window, self.sinks
                 )
-        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+        y: torch.Tensor = self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+        return y
 
 
 def attend_with_cache(
@@ -263,7 +264,8 @@ class GatedMLP(nn.Module):
         self.gate, self.up, self.down = gate, up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        y: torch.Tensor = self.down(F.silu(self.gate(x)) * self.up(x))
+        return y
 
 
 def silu_glu(h: torch.Tensor) -> torch.Tensor:
@@ -430,7 +432,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         index, weight = self.route(self.router_proj(x))
-        out = self.experts(x, index, weight)
+        out: torch.Tensor = self.experts(x, index, weight)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
@@ -444,5 +446,6 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.attention, self.post_norm, self.mlp = input_norm, attention, post_norm, mlp
 
     def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
-        h = x + self.attention(self.input_norm(x), ctx, kv)
-        return h + self.mlp(self.post_norm(h))
+        h: torch.Tensor = x + self.attention(self.input_norm(x), ctx, kv)
+        out: torch.Tensor = h + self.mlp(self.post_norm(h))
+        return out

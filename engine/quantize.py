@@ -36,7 +36,7 @@ from .layers import (
 )
 
 if TYPE_CHECKING:
-    from .formats.triton_moe import PackedBank
+    from .formats.banks import PackedBank
 
 DTYPE_FORMATS = {dtype: name for name, dtype in PLAIN_DTYPES.items()}
 
@@ -128,9 +128,10 @@ class QuantizedExperts(nn.Module):
         fused = self.fused_kernels(x)
         if fused is not None:
             from .formats import triton_moe
+            from .formats.banks import Activation
 
             gate_up, down, act = fused
-            activation = triton_moe.Activation(*act)
+            activation = Activation(*act)
             return triton_moe.moe_pair(x, index, weight, gate_up, down, self.gate_up_bias, self.down_bias, activation)
         flat = index.reshape(-1)
         h = self.gate_up.gathered_matmul(x, flat, index.shape[1])  # [T*k, 2I]
@@ -270,7 +271,7 @@ def resident_tensors(root: nn.Module) -> Iterator[tuple[str, str, int]]:
     for path, module in modules:
         dot = f"{path}." if path else ""
         if is_quantized(module) or isinstance(module, QuantizedEmbedding):
-            for name, weight in module.quantized_weights().items():  # type: ignore[operator]
+            for name, weight in module.quantized_weights().items():
                 if id(weight) not in seen_weights:
                     seen_weights.add(id(weight))
                     yield f"{dot}{name}", weight.format, weight.nbytes

@@ -94,9 +94,12 @@ class TailSampler:
         """logits [N, V] of the output rows, whose streams are in ``slots`` -> ({slot: token}, {slot: error})."""
         tokens: dict[int, int] = {}
         errors: dict[int, ModelfleetError] = {}
-        known = [(row, slot) for row, slot in enumerate(slots) if slot in self.samplers]
-        for slot in slots:
-            if slot not in self.samplers:
+        samplers = [self.samplers.get(slot) for slot in slots]
+        if all(s is not None and s.params.greedy for s in samplers):  # the common case: one argmax, one read
+            return dict(zip(slots, logits.argmax(dim=-1).tolist(), strict=True)), errors
+        known = [(row, slot) for row, slot in enumerate(slots) if samplers[row] is not None]
+        for slot, sampler in zip(slots, samplers, strict=True):
+            if sampler is None:
                 errors[slot] = InputError(f"slot {slot} has no sampler: its stream's first rows never reached the tail")
         greedy = [row for row, slot in known if self.samplers[slot].params.greedy]
         if greedy:

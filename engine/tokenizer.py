@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from .errors import CheckpointError
 
@@ -25,7 +26,7 @@ class TextTokenizer:
         except Exception as exc:  # the tokenizers library raises plain Exception subclasses
             raise CheckpointError(f"{path}: cannot be read as a tokenizer ({exc})") from exc
         config_path = Path(model_dir) / "tokenizer_config.json"
-        self.config: dict = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
 
     @staticmethod
     def exists(model_dir: str | Path) -> bool:

@@ -9,8 +9,11 @@ scale gives errors of order 1).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
+import subprocess
+import sys
 from collections import defaultdict
 
 import numpy as np
@@ -19,6 +22,7 @@ import torch
 from gpu_cases import cuda_matmul_cases, cuda_only
 
 from modelfleet.engine.formats import Int4Weight, MXFP4Weight, QuantizedWeight, quantize
+from modelfleet.engine.formats.banks import ACT_SILU, CONFIG, Activation, KernelConfig, PackedBank
 from modelfleet.engine.formats.base import from_nibble_major, to_nibble_major, triton_available, unpack_nibbles
 from modelfleet.engine.layers import ClampedSwiGLU, silu_glu
 from modelfleet.engine.quantize import QuantizedExperts
@@ -195,50 +199,20 @@ def test_the_tensor_core_kernels_match_the_exact_decode(
     y = layer(x.cuda(), index.cuda(), weight.cuda())
     assert y.dtype == dtype and y.shape == (tokens, hidden)
     assert_tokens_close(y, reference_moe(layer, x.float(), index, weight.float()))
-    monkeypatch.setattr(mma_moe, "MAX_TOKENS", 0)  # the Triton kernels on the same step
+    monkeypatch.setattr(mma_moe, "CONFIG", dataclasses.replace(mma_moe.CONFIG, max_tokens=0))  # the Triton kernels
     assert not mma_moe.up_applies(x.cuda(), index.cuda(), gate_up)
     assert_tokens_close(y, layer(x.cuda(), index.cuda(), weight.cuda()).double().cpu())
 
 
 @cuda_only
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("name", "switch", "other"),
-    [("mxfp4", "STAGGER", False), ("int4", "LATE_INT4", True), ("mxfp4", "DOWN_REGS_MXFP4", 0),
-     ("mxfp4", "PREDECODE_MXFP4", 2), ("mxfp4", "WARP_BARRIERS", False), ("int4", "WARP_BARRIERS", False),
-     ("mxfp4", "UP_ROWS_FIRST", False)],
-)  # fmt: skip
-def test_the_one_token_scheduling_switches_leave_the_step_bit_for_bit(name, switch, other, monkeypatch):
-    """At one token MXFP4's moe_up issues each chunk's code loads after the previous chunk's first
-    word (``STAGGER``: an address offset that is always 0), int4's can let moe_down launch once
-    its codes are in (``LATE_INT4``, off), MXFP4's moe_down is held to ``DOWN_REGS_MXFP4`` registers with
-    none of its chunks decoded before its wait (``PREDECODE_MXFP4``), both kernels guard their
-    conversions' scratch per warp (``WARP_BARRIERS``) and moe_up's grid runs an expert's row tiles
-    first (``UP_ROWS_FIRST``): the step is the one with each switch set otherwise bit for bit (and
-    both match the float64 exact decode)."""
-    from modelfleet.engine.formats import mma_moe
-
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the tensor-core kernels run on compute capability 9 (Hopper)")
-    layer = mxfp4_layer(8, 2048, 768, silu_glu, False, name)  # moe_up: 2 chunks per warp, moe_down: 3
-    generator = torch.Generator().manual_seed(5)
-    index = torch.randperm(8, generator=generator)[:8].reshape(1, 8).cuda()
-    weight = torch.softmax(torch.randn(1, 8, generator=generator), dim=-1).to(torch.bfloat16).cuda()
-    x = torch.randn(1, 2048, generator=generator).to(torch.bfloat16).cuda()
-    assert getattr(mma_moe, switch) != other
-    scheduled = layer(x, index, weight)
-    monkeypatch.setattr(mma_moe, switch, other)
-    assert torch.equal(scheduled, layer(x, index, weight))
-    assert_tokens_close(scheduled, reference_moe(layer, x.float().cpu(), index.cpu(), weight.float().cpu()))
-
-
-@cuda_only
-@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["mxfp4", "int4"])
 def test_the_ptx_pass_leaves_eight_tokens_bit_for_bit_with_fewer_cta_barriers(name, monkeypatch):
-    """``WARP_BARRIERS`` from two tokens on too (two tiles per moe_up program: more conversions):
-    the kernels compiled with it carry fewer CTA barriers than those without, the step is the same
-    bit for bit, and it matches the float64 exact decode."""
+    """The PTX pass (``mma_moe.warp_barriers``) from two tokens on too (two tiles per moe_up
+    program: more conversions): the kernels compiled with it carry fewer CTA barriers than those
+    compiled without it, the step is the same bit for bit, and it matches the float64 exact decode."""
+    from triton import knobs
+
     from modelfleet.engine.formats import mma_moe
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -250,20 +224,21 @@ def test_the_ptx_pass_leaves_eight_tokens_bit_for_bit_with_fewer_cta_barriers(na
     x = torch.randn(8, 2048, generator=generator).to(torch.bfloat16).cuda()
 
     kernels = (mma_moe._mma_up_kernel, mma_moe._mma_down_kernel)
-    for kernel in kernels:  # this test's compilations only (Triton's disk cache may serve them)
-        monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
+    monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")  # Triton's disk cache does not key on the pass
 
-    def cta_barriers(marked: bool) -> int:
-        compiled = [k for f in kernels for c in f.device_caches.values() for k in c[0].values()]
-        ptx = [k.asm["ptx"] for k in compiled if (mma_moe.WARP_BARRIERS_MARK in k.asm["ptx"]) == marked]
-        assert len(ptx) == 2  # the step's moe_up and moe_down
-        return sum(p.count("bar.sync") for p in ptx)
+    def step_and_cta_barriers() -> tuple[torch.Tensor, int]:
+        for kernel in kernels:  # this step's compilations only
+            monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
+        y = layer(x, index, weight)
+        ptx = [k.asm["ptx"] for f in kernels for c in f.device_caches.values() for k in c[0].values()]
+        assert len(ptx) == 2 and all(mma_moe.WARP_BARRIERS_MARK in p for p in ptx)  # moe_up and moe_down
+        return y, sum(p.count("bar.sync") for p in ptx)
 
-    assert mma_moe.WARP_BARRIERS
-    y = layer(x, index, weight)
-    monkeypatch.setattr(mma_moe, "WARP_BARRIERS", False)
-    assert torch.equal(y, layer(x, index, weight))
-    assert cta_barriers(True) < cta_barriers(False)
+    mma_moe.install_ptx_pass()
+    y, with_pass = step_and_cta_barriers()
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)  # installed once: stays off
+    y_plain, without_pass = step_and_cta_barriers()
+    assert torch.equal(y, y_plain) and with_pass < without_pass
     assert_tokens_close(y, reference_moe(layer, x.float().cpu(), index.cpu(), weight.float().cpu()))
 
 
@@ -276,7 +251,7 @@ def test_the_ptx_pass_leaves_eight_tokens_bit_for_bit_with_fewer_cta_barriers(na
 def test_the_tensor_core_pair_passes_its_activations_t_major(tokens, top_k, act, biased, dtype):
     """moe_pair on tensor cores: moe_up stores the activations t-major (exactly ``t_major`` of the
     plain order), moe_down reads them so to the same result bit for bit, and the step matches the
-    float64 exact decode, up to MAX_TOKENS tokens (GPT-OSS's 90 groups: masked chunks)."""
+    float64 exact decode, up to CONFIG.max_tokens tokens (GPT-OSS's 90 groups: masked chunks)."""
     from modelfleet.engine.formats import mma_moe, triton_moe
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -287,8 +262,8 @@ def test_the_tensor_core_pair_passes_its_activations_t_major(tokens, top_k, act,
     weight = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=-1).to(dtype)
     x = torch.randn(tokens, 2880, generator=generator).to(dtype).cuda()
     gate_up, down, kind = layer.fused_kernels(x)
-    assert tokens <= mma_moe.MAX_TOKENS and mma_moe.up_applies(x, index.cuda(), gate_up)
-    act_ = triton_moe.Activation(*kind)
+    assert tokens <= CONFIG.max_tokens and mma_moe.up_applies(x, index.cuda(), gate_up)
+    act_ = Activation(*kind)
     bias_up, bias_down = layer.gate_up_bias, layer.down_bias
     plain = mma_moe.moe_up(x, index.cuda(), gate_up, bias_up, act_)
     stored = mma_moe.moe_up(x, index.cuda(), gate_up, bias_up, act_, t_major=True)
@@ -303,12 +278,12 @@ def test_the_tensor_core_pair_passes_its_activations_t_major(tokens, top_k, act,
 @cuda_only
 @pytest.mark.gpu
 def test_the_tensor_core_mxfp4_kernels_leave_other_steps_to_triton():
-    """A top_k that is not a power of two, or more tokens than MAX_TOKENS, run on the Triton
+    """A top_k that is not a power of two, or more tokens than CONFIG.max_tokens, run on the Triton
     kernels, with the same results."""
     from modelfleet.engine.formats import mma_moe
 
     layer = mxfp4_layer(4, 512, 256, silu_glu, False)
-    for tokens, top_k in ((1, 3), (mma_moe.MAX_TOKENS + 1, 2)):
+    for tokens, top_k in ((1, 3), (CONFIG.max_tokens + 1, 2)):
         x = torch.randn(tokens, 512).to(torch.bfloat16)
         index = torch.stack([torch.randperm(4)[:top_k] for _ in range(tokens)])
         weight = torch.softmax(torch.randn(tokens, top_k), dim=-1).to(torch.bfloat16)
@@ -425,7 +400,7 @@ def _conversion(a: int = 233, b: int = 235, c: int = 240, d: int = 242) -> str:
 
 
 def test_the_ptx_pass_makes_only_a_warp_local_conversions_reuse_guard_a_warp_barrier():
-    """The PTX pass behind ``WARP_BARRIERS``: a CTA barrier between two warp-local conversions at
+    """The PTX pass (``mma_moe.warp_barriers``): a CTA barrier between two warp-local conversions at
     the same addresses (each warp rewrites only what it read back) becomes a warp barrier; one
     before a conversion at other addresses, before a cross-warp exchange (a CTA barrier between its
     stores and loads), before stmatrix, or after other shared-memory work stays."""
@@ -587,16 +562,16 @@ def test_the_fused_moe_kernels_in_the_interpreter(name):
     gate_up, down = layer.gate_up.fused_bank, layer.down.fused_bank
     assert gate_up() is None  # CPU tensors: not for the engine; built by hand below
 
-    def packed(w: QuantizedWeight) -> triton_moe.PackedBank:
+    def packed(w: QuantizedWeight) -> PackedBank:
         if isinstance(w, MXFP4Weight):
-            return triton_moe.PackedBank(w._major, w.scales, None, mxfp4=True)
+            return PackedBank(w._major, w.scales, None, mxfp4=True)
         assert isinstance(w, Int4Weight)
         zeros = None if w.symmetric else w.zero_points()
-        return triton_moe.PackedBank(w._major_codes, w.scales, zeros, mxfp4=False)
+        return PackedBank(w._major_codes, w.scales, zeros, mxfp4=False)
 
     index, weight = routing(3, seed=0)
     x = torch.randn(3, HIDDEN)  # float32: the interpreter's bf16 arithmetic is numpy's float32 anyway
-    act = triton_moe.Activation(2, 1.702, 7.0)
+    act = Activation(2, 1.702, 7.0)
     a = triton_moe.moe_up(x, index, packed(layer.gate_up), layer.gate_up_bias, act)
     y = triton_moe.moe_down(a, index, weight, packed(layer.down), layer.down_bias)
     assert_tokens_close(y, reference_moe(layer, x, index, weight), tolerance=5e-5)  # the decode costs ~1e-5
@@ -644,16 +619,16 @@ def test_the_fused_moe_kernels_loop_over_chunks_of_groups_in_the_interpreter(nam
     for weight in (gate_up, down):
         weight.to_nibble_major()  # type: ignore[attr-defined]
         if isinstance(weight, MXFP4Weight):
-            banks.append(triton_moe.PackedBank(weight._major, weight.scales, None, mxfp4=True))
+            banks.append(PackedBank(weight._major, weight.scales, None, mxfp4=True))
         else:
             assert isinstance(weight, Int4Weight)
             zeros = None if weight.symmetric else weight.zero_points()
-            banks.append(triton_moe.PackedBank(weight._major_codes, weight.scales, zeros, mxfp4=False))
+            banks.append(PackedBank(weight._major_codes, weight.scales, zeros, mxfp4=False))
     index = torch.tensor([[2, 0], [1, 2]])
     weight = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
     generator = torch.Generator().manual_seed(10)
     x, a = torch.randn(2, k, generator=generator), torch.randn(4, k, generator=generator)
-    up = triton_moe.moe_up(x, index, banks[0], None, triton_moe.Activation(triton_moe.ACT_SILU))
+    up = triton_moe.moe_up(x, index, banks[0], None, Activation(ACT_SILU))
     h = torch.stack([gate_up.dequantize()[int(e)].double() @ x[p // 2].double() for p, e in enumerate(index.flatten())])
     assert_tokens_close(up, silu_glu(h), tolerance=5e-5)
     y = triton_moe.moe_down(a, index, weight, banks[1], None)
@@ -672,7 +647,7 @@ def test_the_fused_moe_kernels_loop_over_chunks_of_groups_in_the_interpreter(nam
 def test_moe_down_takes_a_configured_chunk_of_groups_in_the_interpreter(name, monkeypatch):
     """768 inputs are 24 groups: the bank's one chunk of 32 (8 masked) or, configured, three
     chunks of 8 whose codes are all loaded before the wait; both give the exact-decode sums. A
-    chunk that does not divide the groups, or would need more than MAX_DOWN_CHUNKS loads, falls
+    chunk that does not divide the groups, or would need more than CONFIG.max_down_chunks loads, falls
     back to the bank's."""
     from modelfleet.engine.formats import triton_moe
 
@@ -680,11 +655,11 @@ def test_moe_down_takes_a_configured_chunk_of_groups_in_the_interpreter(name, mo
     down = bank(name, (experts, rows, k), seed=11)
     down.to_nibble_major()  # type: ignore[attr-defined]
     if isinstance(down, MXFP4Weight):
-        packed = triton_moe.PackedBank(down._major, down.scales, None, mxfp4=True)
+        packed = PackedBank(down._major, down.scales, None, mxfp4=True)
     else:
         assert isinstance(down, Int4Weight)
         zeros = None if down.symmetric else down.zero_points()
-        packed = triton_moe.PackedBank(down._major_codes, down.scales, zeros, mxfp4=False)
+        packed = PackedBank(down._major_codes, down.scales, zeros, mxfp4=False)
     meta = triton_moe._bank_launch(packed)[2]
     assert triton_moe._down_meta(packed, meta, {"CHUNK": 8})["EARLY"] == 3
     assert triton_moe._down_meta(packed, meta, {"ROWS": 2}) == {**meta, "ROWS": 2, "EARLY": 1}  # the bank's chunk
@@ -754,7 +729,7 @@ def test_the_measured_configurations_are_chosen_by_token_count_in_the_interprete
 
 @interpreted
 def test_moe_down_is_held_to_its_register_cap_where_its_words_fit_in_the_interpreter():
-    """MXFP4's moe_down at one token is held to ``DOWN_REGS_MXFP4`` registers where a warp's code
+    """MXFP4's moe_down at one token is held to ``CONFIG.down_regs_mxfp4`` registers where a warp's code
     words fit under it (Qwen3's 768-wide experts: 3 chunks of 8 groups), not for GPT-OSS's 2880 (12
     chunks, which spill even uncapped), nor from two tokens on, nor for int4."""
     from types import SimpleNamespace
@@ -764,9 +739,65 @@ def test_moe_down_is_held_to_its_register_cap_where_its_words_fit_in_the_interpr
     def regs(inter: int, mxfp4: bool, tokens: int) -> dict[str, int]:
         return mma_moe._down_regs(SimpleNamespace(in_features=inter, mxfp4=mxfp4), tokens)  # type: ignore[arg-type]
 
-    cap = {"maxnreg": mma_moe.DOWN_REGS_MXFP4}
-    assert mma_moe.DOWN_REGS_MXFP4 and regs(768, True, 1) == cap and regs(256, True, 1) == cap
+    cap = {"maxnreg": CONFIG.down_regs_mxfp4}
+    assert regs(768, True, 1) == cap and regs(256, True, 1) == cap
     assert regs(2880, True, 1) == {} and regs(768, True, 2) == {} and regs(768, False, 1) == {}
+
+
+@interpreted
+def test_only_int4_predecodes_and_only_one_token_evicts_its_scales_first_in_the_interpreter():
+    """At one token int4's moe_down decodes every chunk halfway before its wait and the scales and
+    zero points are loaded evict-first; MXFP4 predecodes nothing (it is register-capped instead),
+    and from two tokens on neither happens."""
+    from types import SimpleNamespace
+
+    from modelfleet.engine.formats import mma_moe
+
+    def predecoded(inter: int, mxfp4: bool, tokens: int) -> int:
+        return mma_moe._predecoded(SimpleNamespace(in_features=inter, mxfp4=mxfp4), tokens)  # type: ignore[arg-type]
+
+    assert predecoded(768, False, 1) == 3 and predecoded(2880, False, 1) == 12
+    assert predecoded(768, True, 1) == 0 and predecoded(768, False, 2) == 0
+    assert mma_moe._scales_evict(1) == "evict_first" and mma_moe._scales_evict(2) == ""
+    with pytest.raises(ValueError, match="int4"):
+        mma_moe._chunk_asm(pre=True)
+
+
+def test_importing_the_kernels_leaves_triton_alone_until_install_ptx_pass_chains_it_once():
+    """``import mma_moe`` sets no Triton hook. ``install_ptx_pass()`` chains the hook set before it
+    (called first, with the same arguments) and makes the PTX stage rewrite the marked kernels'
+    barriers (only theirs); a second call changes nothing. In a fresh process: the import is the
+    point."""
+    pytest.importorskip("triton", reason="needs triton")
+    same = "\n".join([_conversion(), "\tbar.sync \t0;", _conversion()])
+    script = f"""
+from triton import knobs
+assert knobs.runtime.add_stages_inspection_hook is None
+from modelfleet.engine.formats import mma_moe, triton_moe
+assert knobs.runtime.add_stages_inspection_hook is None, "the import installed a hook"
+seen = []
+knobs.runtime.add_stages_inspection_hook = lambda *args: seen.append(args)
+mma_moe.install_ptx_pass()
+hook = knobs.runtime.add_stages_inspection_hook
+mma_moe.install_ptx_pass()
+assert knobs.runtime.add_stages_inspection_hook is hook, "installed twice"
+stages = {{"ptx": lambda src, metadata: src}}
+hook("backend", stages, "options", "language", 90)
+assert [args[1] is stages for args in seen] == [True], seen
+marked = mma_moe.WARP_BARRIERS_MARK + "\\n" + {same!r}
+assert stages["ptx"](marked, None) == mma_moe.warp_barriers(marked)[0] != marked
+assert stages["ptx"]({same!r}, None) == {same!r}
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("max_chunk", 48), ("gemm_block_n", 0), ("max_tokens", -1), ("down_regs_mxfp4", 1.5)]
+)
+def test_the_kernel_config_rejects_a_bad_tunable_naming_it(field, value):
+    with pytest.raises(ValueError, match=f"KernelConfig.{field}"):
+        KernelConfig(**{field: value})
+    assert KernelConfig() == CONFIG  # the one in use is the defaults
 
 
 def _read_bound_module():  # type: ignore[no-untyped-def]

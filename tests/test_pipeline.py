@@ -211,7 +211,9 @@ def test_malformed_and_unauthenticated_messages_are_dropped_while_the_fleet_serv
         good.connect(f"tcp://{stage1.address}")
         before = secure_fleet.metric(1, "modelfleet_stage_malformed_messages_total")
         good.send_multipart([b"\x93not a header"])
-        frame = wire.encode(wire.TokensMsg(microbatch=0, step=1, slots=_ids([1]), positions=_ids([1]), token_ids=_ids([1])))
+        frame = wire.encode(
+            wire.TokensMsg(microbatch=0, step=1, slots=_ids([1]), positions=_ids([1]), token_ids=_ids([1]))
+        )
         good.send_multipart([frame[0], frame[1][:-1], frame[2], frame[3]])
         drops = "modelfleet_stage_malformed_messages_total"
         wait_until(lambda: secure_fleet.metric(1, drops) >= before + 2, 30, "both malformed messages dropped")

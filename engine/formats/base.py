@@ -23,14 +23,12 @@ import functools
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-if TYPE_CHECKING:  # the kernels' module imports triton, which CPU machines lack
-    from .triton_moe import PackedBank
-
 from ..errors import ModelfleetError
+from .banks import PackedBank
 
 BLOCK = 32  # values per int4 scale group and per MX block, along the input dimension
 
@@ -286,7 +284,7 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 2n] of values 0..15 -> uint8 [..., n] (low nibble first); an odd length pads a 0."""
     if values.shape[-1] % 2:
         values = torch.nn.functional.pad(values, (0, 1))
-    pairs = values.to(torch.uint8).unflatten(-1, (-1, 2))
+    pairs: torch.Tensor = values.to(torch.uint8).unflatten(-1, (-1, 2))
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 

@@ -24,11 +24,12 @@ CUDA uses the Triton kernel when triton is importable; elsewhere, the decode-in-
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from . import int4_cpu
+from .banks import CONFIG, PackedBank
 from .base import (
     BLOCK,
     FormatError,
@@ -48,9 +49,6 @@ from .base import (
     unpack_nibbles,
 )
 from .tiled import tiled_matmul
-
-if TYPE_CHECKING:
-    from .triton_moe import PackedBank
 
 SYMMETRIC_ZERO = 8
 
@@ -164,12 +162,13 @@ class Int4Weight(QuantizedWeight):
         return {name: t for name, t in held.items() if t is not None}
 
     def dequantize(self) -> torch.Tensor:
-        q = unpack_nibbles(self.codes).to(torch.float32).unflatten(-1, (self.groups, BLOCK))
+        q: torch.Tensor = unpack_nibbles(self.codes).to(torch.float32).unflatten(-1, (self.groups, BLOCK))
         z = self.zero_points().to(torch.float32)[..., None]
         return ((q - z) * self.scales.to(torch.float32)[..., None]).flatten(-2)
 
     def _rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        q = unpack_nibbles(self.codes[index]).to(torch.float32).unflatten(-1, (self.groups, BLOCK))  # [n, G, 32]
+        # q: [n, G, 32]
+        q: torch.Tensor = unpack_nibbles(self.codes[index]).to(torch.float32).unflatten(-1, (self.groups, BLOCK))
         z: torch.Tensor | float = float(SYMMETRIC_ZERO)  # a Python float: no host copy (graph capture)
         if self.zeros is not None:
             z = unpack_nibbles(self.zeros[index])[:, : self.groups].to(torch.float32)[..., None]
@@ -184,7 +183,8 @@ class Int4Weight(QuantizedWeight):
         q = unpack_nibbles(self.codes[:, k_start // 2 : k_end // 2]).to(torch.float32)
         z = self.zero_points()[:, g_start:g_end].to(torch.float32)[..., None]
         s = self.scales[:, g_start:g_end].to(torch.float32)[..., None]
-        return ((q.unflatten(-1, (g_end - g_start, BLOCK)) - z) * s).flatten(-2).to(dtype)
+        columns: torch.Tensor = ((q.unflatten(-1, (g_end - g_start, BLOCK)) - z) * s).flatten(-2).to(dtype)
+        return columns
 
     # --- kernels -------------------------------------------------------------------------------
 
@@ -234,8 +234,6 @@ class Int4Weight(QuantizedWeight):
         """The bank as :mod:`.triton_moe`'s fused kernels read it, or None (not a prepared CUDA bank)."""
         if self._major_codes is None or not self._major_codes.is_cuda:
             return None
-        from .triton_moe import PackedBank
-
         return PackedBank(self._major_codes, self.scales, self._cuda_zero_points(), mxfp4=False)
 
     def _cuda_zero_points(self) -> torch.Tensor | None:
@@ -256,7 +254,7 @@ class Int4Weight(QuantizedWeight):
             from . import triton_kernels
 
             codes, major = self._cuda_codes()
-            if x.shape[0] <= triton_kernels.GEMV_MAX_ROWS:
+            if x.shape[0] <= CONFIG.gemv_max_rows:
                 return triton_kernels.nibble_gemv(
                     x, codes, self.scales, self._cuda_zero_points(), None, 1, mxfp4=False, nibble_major=major
                 )

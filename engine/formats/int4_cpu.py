@@ -33,7 +33,8 @@ def kernel_supports(out_features: int, in_features: int) -> bool:
 def to_kernel_codes(codes: torch.Tensor) -> torch.Tensor:
     """Our packed codes uint8 [N, K/2] -> the kernel's uint8 [N, K/2]."""
     values = unpack_nibbles(codes).to(torch.int32)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    kernel_codes: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    return kernel_codes
 
 
 def kernel_scale_bias(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -45,7 +46,8 @@ def kernel_scale_bias(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dt
 
 def kernel_matmul(x: torch.Tensor, kernel_codes: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
     """x: [rows, K] in scale_bias's dtype -> [rows, N]."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, kernel_codes, BLOCK, scale_bias)
+    y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, kernel_codes, BLOCK, scale_bias)
+    return y
 
 
 def kernel_permutation(out_features: int, in_features: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .banks import CONFIG
 from .base import (
     FormatError,
     QuantizedWeight,
@@ -87,12 +88,12 @@ class Int8Weight(QuantizedWeight):
     def _matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu" and self.in_features % KERNEL_K_MULTIPLE == 0:
             dtype = _kernel_dtype(x.dtype)
-            y = torch.ops.aten._weight_int8pack_mm(x.to(dtype), self.codes, self._scales_for(dtype))
+            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.to(dtype), self.codes, self._scales_for(dtype))
             return y.to(x.dtype)
         if self.device.type == "cuda" and triton_available():
             from . import triton_kernels
 
-            if x.shape[0] <= triton_kernels.GEMV_MAX_ROWS:
+            if x.shape[0] <= CONFIG.gemv_max_rows:
                 return triton_kernels.int8_gemv(x, self.codes, self.scales, None, 1)
             return triton_kernels.int8_matmul(x, self.codes, self.scales)
         return tiled_matmul(x, self.decode_columns, self.out_features)

@@ -5,10 +5,9 @@ products run on ``mma.sync.m16n8k16`` (f16 in, float32 accumulate), reading the 
 the Triton kernels hold them (nibble-major codes, E8M0 or fp16 scales [E, N, G], uint8 zero
 points): no second layout.
 
-Why: MXFP4's CUDA-core decode (two conversions and two FMAs per pair of nibbles) costs ~5.4
-instructions per nibble and bounded the one-token step (moe_up alone 12.8 us of a 14.1 us pair,
-7.1 us without its decode). Here a code word costs 10 integer instructions to become four exact
-f16 pairs, and the MACs go to the tensor cores.
+Why: MXFP4's CUDA-core decode (two conversions and two FMAs per pair of nibbles) bounded the
+one-token step; here a code word costs 10 integer instructions to become four exact f16 pairs, and
+the MACs go to the tensor cores.
 
 Mapping (the hardware's m16n8k16 fragments, lane = 4 g + t): a warp computes a 16-row tile; lane
 (g, t) holds word t of each 32-input group for rows g and g + 8. In nibble-major order
@@ -33,14 +32,18 @@ inputs that meet odd i divided by 16, so the MMA still sums q x. The fold takes 
 group's input sum (from the lanes that loaded the group: two shfl per chunk), s (D - z Y). Zero
 points come in the same operand as the lane's two fp16 scales; int4_sym's are 8. At one token
 moe_down converts its int4 words to fragment order and shifts them before waiting on moe_up
-(``PREDECODE``): only the ANDs and MMAs are left after the wait (MXFP4: E and O of its first
-``PREDECODE_MXFP4`` chunks, leaving their prmts). ptxas sinks such work past
+(:func:`_predecoded`): only the ANDs and MMAs are left after the wait (MXFP4's moe_down predecodes
+nothing: it is held to a register cap instead, :func:`_down_regs`). ptxas sinks such work past
 ``griddepcontrol.wait``, so the wait runs under a predicate computed from every prepared word
 (always true, not foldable) and the activations' addresses add the 0 it returns.
 
 Loads: each lane reads whole 16-byte groups (4 rows x 128 contiguous bytes per instruction), and
 a layout conversion through shared memory hands lane (g, t) its words (loading them in fragment
-order directly, 16 bytes per row per instruction, made moe_up 20% slower).
+order directly, 16 bytes per row per instruction, is slower for moe_up). The conversions are
+warp-local; :func:`warp_barriers`, a pass on the kernels' PTX, turns the CTA barriers that only
+guard their scratch's reuse into warp barriers. :func:`install_ptx_pass` adds it to Triton's
+pipeline; :func:`moe_up` and :func:`moe_down` call it before their first launch (launch the kernels
+only through them), and importing this module leaves Triton as it is.
 
 Inputs in f16: x is scaled by 2^-k per warp (undone exactly in the fold). MXFP4: k > 0 only
 when the warp's largest |x| reaches 2^15 (so nothing overflows f16); inputs below 2^-14 (x 2^k)
@@ -54,35 +57,23 @@ Between the two kernels (:func:`.triton_moe.moe_pair`) the activations travel t-
 reads. From two tokens on, a moe_up program computes two tiles of 8 rows, its warps packing the
 inputs once for both (``_up_tiles``).
 
-Measured (H200, Qwen3-30B-A3B-shaped layer in MXFP4, the pair in a CUDA graph): one token
-10.8 us (44% of copy bandwidth; 11.9 us with the shift decode and a shfl per group, 14.0 us on
-the Triton kernels), two 17.8, four 30.1 (Triton 40.2), eight 52.8 (Triton 71.7), hence
-``MAX_TOKENS``. A GPT-OSS-20B-shaped layer (hidden 2880 = 90 groups, top-4, clamped SwiGLU,
-biases): 33.2 us at one token (40.2 before, 50.2 on the Triton kernels), 56.8 at two (115.0).
-int4 (Qwen3 shape, zero points): one token 11.6 us (45%) against 13.1 on the Triton kernels,
-two 19.2 (21.1), four 32.4 (37.0), eight 55.7 (65.2); with the in-place pairs and moe_down's
-predecode at one token, 11.0-11.2 us (47-48%) against 11.9 in the same run. MXFP4 with its first
-two chunks predecoded: 10.5-10.6 us (45-46%) against 10.8-10.9; E and O sharing the sign bits
-(ten instructions per word): 10.39 against 10.55 (46.3%), eight tokens 50.6 against 52.9. Scales
-by prmt and bf16 magnitudes by shift: 10.27-10.34 against 10.39-10.43; int4 10.99-11.15 (47-48%).
-MXFP4's moe_up issuing chunk c's loads after chunk c - 1's first word is in (``STAGGER``, one
-token): 10.10-10.13 against 10.30-10.31 (47.2-47.8%). int4's moe_up letting moe_down launch once
-its codes are in (``LATE_INT4``): 10.86-10.91 against 10.98-11.04 (47.8-48.6%). The warp's largest
-input by one redux.sync, moe_down's pairs summed in each thread after one layout conversion and
-MXFP4's moe_down held to 112 registers (``DOWN_REGS_MXFP4``): 10.04 against 10.26, int4 10.70
-against 10.88. The code words loaded evict-first, and at one token the scales and zero points too:
-MXFP4 9.64-9.79 us (49.5-49.6%), int4 10.46-10.49 (49.7-50.3%). The code conversions' scratch
-reuse guarded per warp, not per CTA (``WARP_BARRIERS``): MXFP4 9.70 -> 9.54 (51.0%), int4 10.72
--> 10.52 (50.3%); eight tokens 49.4 -> 48.4 and 52.9 -> 50.1. moe_up's grid with an expert's row
-tiles consecutive at one token (``UP_ROWS_FIRST``): MXFP4 9.51-9.53 (50.3-50.6%), int4 10.42
-(50.0-50.3%); with those two, int4's late trigger no longer pays (``LATE_INT4`` off: 10.37-10.43 ->
-10.30-10.31, 50.5-50.6%).
+At one token the schedule differs from two tokens on (each a measured decision): MXFP4's moe_up
+staggers its chunks' code loads (``STAGGER``), moe_up's grid runs an expert's row tiles as
+consecutive programs (``ROWS_FIRST``), the scales and zero points are loaded evict-first
+(:func:`_scales_evict`), int4's moe_down predecodes and MXFP4's is register-capped. The
+measurements behind these and the alternatives dropped are in
+``docs/results/kernel_tuning_history.md``.
 
 Applies on compute capability 9 with bf16/fp16 activations, MXFP4 banks (any group count: the
 last chunk of 8 groups is masked, as GPT-OSS's 90 need, and a lane loads its two scale bytes
-apart) or int4 banks with fp16 scales and an even group count, top_k a power of two up to 8, and token counts up to ``MAX_TOKENS`` (``up_applies``,
-``down_applies``); elsewhere the Triton kernels run. The kernels use inline PTX (mma, prmt,
-predicated FMA), so they run only on the GPU, not in triton's interpreter.
+apart) or int4 banks with fp16 scales and an even group count, top_k a power of two up to 8, and
+token counts up to ``CONFIG.max_tokens`` (``up_applies``, ``down_applies``); elsewhere the
+Triton kernels run. The kernels use inline PTX (mma, prmt, predicated FMA), so they run only on
+the GPU, not in triton's interpreter.
+
+One module: the asm texts, the Gluon helpers that wrap them, the two kernels, their PTX pass and
+their launchers share the fragment layout and the chunk asm's operand numbering, which no part
+can change alone.
 """
 
 # The kernels grow tuples of tensors in static loops (ws = ws + (load,)), which mypy types as the
@@ -98,8 +89,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import triton.language as tl
 
+from .banks import CONFIG
+
 if TYPE_CHECKING:
-    from .triton_moe import Activation, PackedBank
+    from .banks import Activation, PackedBank
 
 try:  # Gluon ships with triton >= 3.5
     from triton.experimental import gluon
@@ -107,54 +100,6 @@ try:  # Gluon ships with triton >= 3.5
 except ImportError:  # pragma: no cover - older triton: the Triton kernels serve every case
     gluon = None
 
-INT4 = True  # int4 banks on tensor cores too (else the Triton kernels)
-MAX_TOKENS = 8  # measured (the pair, t-major between): faster than the Triton pair at 1, 2, 4 and 8 tokens
-# moe_down decodes its codes halfway before waiting on moe_up (``_predecode``) at one token:
-# H200, Qwen3-30B-A3B layer, the pair 11.9 -> 11.0-11.2 us for int4. The words then live across the
-# wait (170 registers): from two tokens on that costs more than it saves (int4 18.5 -> 19.8 us at
-# two). MXFP4's E / O bytes take twice its words' registers: all 3 chunks (176 registers) gained
-# nothing (11.0 -> 11.1), the first PREDECODE_MXFP4 = 2 (131) 10.8-10.9 -> 10.5-10.6. Since then
-# MXFP4's moe_down at one token predecodes nothing and is held to DOWN_REGS_MXFP4 = 112 registers
-# (8 warps: 28672 of the SM's 65536, so it fits beside four of moe_up's programs of 72 registers,
-# not three), and starts about 0.6 us sooner as moe_up's programs leave: paired in one process
-# (H200, Qwen3-30B-A3B layer, the pair), 10.01 -> 9.92 and 9.95 -> 9.88 us against the two chunks
-# predecoded at 130 registers; those spill when held to 112 (10.29). Only where a warp's words fit
-# under the cap (up to MAX_CAPPED_CHUNKS chunks of 8 groups: 768-wide experts; GPT-OSS's 2880 have 12
-# chunks, which spill even uncapped, and held to 112 spill 4x as much). 0: no cap.
-PREDECODE = True
-PREDECODE_MXFP4 = 0
-DOWN_REGS_MXFP4 = 112
-MAX_CAPPED_CHUNKS = 3
-# moe_up at one token, int4: the programs let moe_down launch once their last chunk's codes are in,
-# not at their start (held to moe_up's 80 registers, which the trigger's placement would raise to 93).
-# moe_down's programs only fit on an SM as its moe_up programs leave (170 registers x 8 warps), so
-# their start hardly moves; H200, Qwen3-30B-A3B layer, paired in one process, three runs: the pair
-# 10.98 -> 10.86, 11.04 -> 10.88, 11.04 -> 10.91 us. MXFP4's (72 registers, spilling when held)
-# measured 10.49 -> 10.68. Since moe_up's grid runs an expert's rows first (UP_ROWS_FIRST) and the
-# conversions' guards are per warp (WARP_BARRIERS) it is the other way: triggering at the start,
-# paired in one process, two runs: 10.43 -> 10.31 and 10.37 -> 10.30 us (50.6% of copy bandwidth),
-# against 10.37 for a second copy of the late trigger in the same run. Off, kept as a switch.
-LATE_INT4 = False
-# moe_up at one token, MXFP4: a warp issues chunk c's code loads once chunk c - 1's first word is in,
-# rather than all at once (H200, Qwen3-30B-A3B layer, paired in one process: the pair 10.30 -> 10.13
-# and 10.31 -> 10.10 us; int4 11.02 -> 11.06, within noise, so it keeps its loads together)
-STAGGER = True
-# The code words' layout conversions (load order -> fragment order, through shared memory) are
-# warp-local: each warp reads back only what it wrote, so Triton syncs the warp between a
-# conversion's stores and loads, but guards the scratch's reuse by the next conversion with a CTA
-# barrier (bar.sync), 5 of them in moe_down and 3 in moe_up at one token, which hold every warp to
-# the slowest. Where the next conversion is the same one (same addresses, so each warp rewrites just
-# what it read), a warp barrier orders that reuse (``warp_barriers``, a pass on the kernels' PTX).
-# H200, Qwen3-30B-A3B layer, the pair paired in one process: MXFP4 9.70 -> 9.54 us at one row
-# (51.0% of copy bandwidth), 49.37 -> 48.36 at eight; int4 10.72 -> 10.52 (50.3%), 52.86 -> 50.11.
-WARP_BARRIERS = True
-# moe_up's grid at one token with the row tiles fastest: programs launched one after another read
-# one expert's consecutive rows (one contiguous run of gate rows and one of up rows), rather than the
-# same rows of the 8 routed experts. H200, Qwen3-30B-A3B layer, the pair paired in one process, three
-# runs: MXFP4 9.58 -> 9.53, 9.57 -> 9.51 (50.6% of copy bandwidth); int4 10.52 -> 10.42, 10.48 ->
-# 10.42. From two tokens on it measured slower (eight, MXFP4: 49.6 -> 50.7 us), so there the pairs
-# stay fastest.
-UP_ROWS_FIRST = True
 CHUNK = 8  # groups per chunk: one 8-byte load of a row's scales
 GC = tl.constexpr(CHUNK)
 
@@ -204,8 +149,8 @@ def _pair_int4(i: int, w: str, w8: str, a: str) -> str:
 
 
 # int4: a row's operand e = its fp16 scales of groups 2t, 2t + 1 (low word) and their zero points
-# (bytes 0, 1 of the high word) -> s0, s1, z0, z1 as float32 (reading the zero points by a prmt into
-# 2^23's bits, less 2^23, gave moe_up 95 registers instead of 80: slower at one row)
+# (bytes 0, 1 of the high word) -> s0, s1, z0, z1 as float32 (integer converts: a prmt into 2^23's
+# bits costs moe_up registers)
 _SCALES_INT4 = (
     "mov.b64 {{lo, hi}}, {e}; mov.b32 {{h0, h1}}, lo; cvt.f32.f16 {s0}, h0; cvt.f32.f16 {s1}, h1;"
     " and.b32 x, hi, 0xff; cvt.rn.f32.u32 {z0}, x; shr.u32 x, hi, 8; and.b32 x, x, 0xff; cvt.rn.f32.u32 {z1}, x;"
@@ -225,9 +170,11 @@ def _chunk_asm(int4: bool = False, pre: bool = False) -> str:
     ``_SCALES_INT4`` reads them, and the sum starts at -s z Y for the lane's two groups (Y fetched
     from the lanes that own them), since the codes decode to q, not q - z.
 
-    pre: the words come decoded halfway (:func:`_predecode`, before moe_down's wait), two registers
-    each: $16 + k / $24 + k E / O (MXFP4) or w / w >> 8 (int4) of rows g, $32 + k / $40 + k of
-    rows g + 8; the operands above from $32 on move up by 16."""
+    pre (int4 only): the words come decoded halfway (:func:`_predecode`, before moe_down's wait),
+    two registers each: $16 + k / $24 + k w / w >> 8 of rows g, $32 + k / $40 + k of rows g + 8;
+    the operands above from $32 on move up by 16."""
+    if pre and not int4:
+        raise ValueError("only int4 words come predecoded (MXFP4's moe_down decodes after its wait)")
     up = 16 if pre else 0
     b0s = [f"${32 + up + 8 * j}" for j in range(4)]
     es_a, es_b, fac, own = f"${64 + up}", f"${72 + up}", f"${80 + up}", f"${88 + up}"
@@ -257,9 +204,8 @@ def _chunk_asm(int4: bool = False, pre: bool = False) -> str:
             "mov.b32 za, 0; mov.b32 acca, 0; mov.b32 accb, 0;",
         ]
     for k in range(CHUNK):
-        if pre:  # E, O (MXFP4) or w, w >> 8 (int4) of rows g and of rows g + 8
+        if pre:  # w, w >> 8 of rows g and of rows g + 8
             wa, xa, wb, xb = (f"${16 + 8 * j + k}" for j in range(4))
-            ea, oa, eb, ob = wa, xa, wb, xb
         else:
             wa, wb, xa, xb = f"${16 + k}", f"${24 + k}", "ea", "eb"
             ea, oa, eb, ob = "ea", "oa", "eb", "ob"
@@ -297,12 +243,8 @@ CHUNK_ASM = tl.constexpr(_chunk_asm())
 CHUNK_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 48 + ["l"] * 16 + ["f"] * 8))
 CHUNK_ASM_INT4 = tl.constexpr(_chunk_asm(int4=True))
 CHUNK_CONSTRAINTS_INT4 = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 48 + ["l"] * 16 + ["f"] * 16))
-CHUNK_ASM_PRE = tl.constexpr(_chunk_asm(pre=True))
-CHUNK_CONSTRAINTS_PRE = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 64 + ["l"] * 16 + ["f"] * 8))
 CHUNK_ASM_INT4_PRE = tl.constexpr(_chunk_asm(int4=True, pre=True))
 CHUNK_CONSTRAINTS_INT4_PRE = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 64 + ["l"] * 16 + ["f"] * 16))
-# a code word halfway decoded (MXFP4: the E and O bytes of ``_EO``), for ``_chunk_asm(pre=True)``
-EO_ASM = tl.constexpr("{ .reg .b32 x, y, z; " + _EO.format(w="$2", e="$0", o="$1") + " }")
 # 8 inputs x[4i + t] (i = 0..7, bf16 or f16) -> 4 f16 pairs (x[4i + t], x[4i + 16 + t]) x scale: pairs 0 and 2
 # times $12, 1 and 3 times $13 (int4: $12 / 16, as they meet its codes 16 q)
 _PACK = """{{
@@ -353,9 +295,7 @@ WARP_MAX = tl.constexpr("redux.sync.max.s32 $0, $1, 0xffffffff;")
 _ALWAYS = "{ .reg .pred p; .reg .b32 y; mul.lo.u32 y, $1, $1; add.u32 y, y, 1; setp.ne.u32 p, y, 0;"
 WAIT_AFTER = tl.constexpr(_ALWAYS + " @p griddepcontrol.wait; and.b32 $0, y, 0; }")
 ZERO_AFTER = tl.constexpr(_ALWAYS + " selp.b32 $0, 0, 1, p; }")
-LAUNCH_AFTER = tl.constexpr(_ALWAYS + " @p griddepcontrol.launch_dependents; and.b32 $0, y, 0; }")
-# in the PTX of the kernels compiled with WARP_BARRIERS (a comment by a dead move): the PTX pass
-# rewrites only those
+# in the PTX of this module's kernels (a comment by a dead move): the PTX pass rewrites only those
 WARP_BARRIERS_MARK = "// modelfleet: warp-local conversions"
 WARP_BARRIERS_ASM = tl.constexpr("mov.u32 $0, 0; " + WARP_BARRIERS_MARK)
 
@@ -427,18 +367,27 @@ def _add_warp_barriers_pass(stages: dict[str, Callable[[Any, Any], Any]]) -> Non
     stages["ptx"] = ptx_stage
 
 
-def _install_warp_barriers_pass() -> None:
+_ptx_pass_installed = False
+
+
+def install_ptx_pass() -> None:
     """Adds :func:`warp_barriers` to Triton's pipeline (its stages hook, chained after any hook set
-    before). Only kernels compiled with WARP_BARRIERS carry the mark, and it is a constexpr of
-    theirs, so their cache entries are apart from unmarked ones. Triton without the hook: no pass,
-    the kernels keep Triton's barriers."""
+    before), once per process; :func:`moe_up` and :func:`moe_down` call it before they launch. Only
+    this module's kernels carry the mark the pass looks for. Triton's disk cache does not key on
+    the hook: a kernel compiled before the pass is installed (launched other than through those
+    two) would be cached with Triton's barriers. Triton without the hook: no pass, the kernels keep
+    Triton's barriers."""
+    global _ptx_pass_installed
+    if _ptx_pass_installed:
+        return
     from triton import knobs
 
+    _ptx_pass_installed = True
     runtime = getattr(knobs, "runtime", None)
     if runtime is None or not hasattr(runtime, "add_stages_inspection_hook"):  # pragma: no cover
         return
     before = runtime.add_stages_inspection_hook
-    if getattr(before, "modelfleet_warp_barriers", False):
+    if getattr(before, "modelfleet_warp_barriers", False):  # another copy of this module installed it
         return
 
     def hook(*args: Any) -> None:  # (backend,) stages, options, language, capability
@@ -451,7 +400,6 @@ def _install_warp_barriers_pass() -> None:
 
 
 if gluon is not None:
-    _install_warp_barriers_pass()
 
     @gluon.jit
     def _warp_barriers_mark():
@@ -477,11 +425,6 @@ if gluon is not None:
     def _zero_after(x):
         """0, once x is loaded (:func:`_after`)."""
         return _after(x, ZERO_AFTER, True)
-
-    @gluon.jit
-    def _gdc_launch_dependents_after(x):
-        """griddepcontrol.launch_dependents once x is in (:func:`_after`); returns 0."""
-        return _after(x, LAUNCH_AFTER)
 
     @gluon.jit
     def _warp_max(m):
@@ -535,8 +478,8 @@ if gluon is not None:
     def _magnitude(xs, F16: gl.constexpr):
         """The largest |x| of the 8 inputs as its bits (ordered as integers), exponent at bit 7
         (bf16) or 10 (f16). bf16: each sign shifted out (an IMAD, off the integer pipe that the
-        decode keeps busy) rather than masked off (f16 keeps the mask: ptxas then gives int4's
-        moe_up 95 registers instead of 80)."""
+        decode keeps busy) rather than masked off (f16 keeps the mask: the shift costs int4's
+        moe_up registers)."""
         if F16:
             m = xs[0].to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF
             for i in gl.static_range(1, 8):
@@ -628,8 +571,7 @@ if gluon is not None:
             if STAGGER and c > 0:  # chunk c's code loads issued once chunk c - 1's first word is in
                 # (x 64: a multiple of 16 bytes, so the loads stay 16 bytes wide)
                 at = at + _zero_after(gl.reduce(ws_a[c - 1], 3, _first, keep_dims=True)) * 64
-            # the codes are read once per step: first out of L1 and L2 (H200, Qwen3-30B-A3B pair, paired in
-            # one process: MXFP4 9.89 -> 9.73 us at one row, 52.0 -> 49.9 at eight; int4 10.82 -> 10.73)
+            # the codes are read once per step: first out of L1 and L2
             ws_a = ws_a + (gl.load(at + c * GC * 4, mask=ok, other=0, eviction_policy="evict_first"),)
             ws_b = ws_b + (gl.load(at + b_words + c * GC * 4, mask=ok, other=0, eviction_policy="evict_first"),)
             k = c * GC + 2 * t  # the lane's first group of the chunk, from a8
@@ -667,12 +609,10 @@ if gluon is not None:
         return ws_a, ws_b, es_a, es_b, xss
 
     @gluon.jit
-    def _predecode(w, INT4: gl.constexpr):
-        """A chunk's converted words halfway decoded, for ``_chunk_asm(pre=True)``: MXFP4 the E and
-        O bytes of ``_EO``, int4 the word and the word >> 8 (the shift the ANDs share)."""
-        if INT4:
-            return w, w >> 8  # arithmetic: the sign-filled bits are masked off
-        return gl.inline_asm_elementwise(EO_ASM, "=r,=r,r", [w], dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
+    def _predecode(w):
+        """A chunk's converted int4 words halfway decoded, for ``_chunk_asm(int4=True, pre=True)``:
+        the word and the word >> 8 (the shift the ANDs share)."""
+        return w, w >> 8  # arithmetic: the sign-filled bits are masked off
 
     @gluon.jit
     def _first(a, b):
@@ -687,8 +627,8 @@ if gluon is not None:
     ):  # fmt: skip
         """Rows g and g + 8 of each of a warp's TILES 16-row tiles summed over its CHUNKS chunks of
         groups ([W, 8, 1, 4] each, a tuple per tile): wss_*[j] tile j's chunks' code words as
-        loaded (converted here to lane (g, t)'s words; the first PRE chunks already converted and
-        halfway decoded, a pair each, :func:`_predecode`), ess_*[j] its rows' scales (as
+        loaded (converted here to lane (g, t)'s words; int4: the first PRE chunks already converted
+        and halfway decoded, a pair each, :func:`_predecode`), ess_*[j] its rows' scales (as
         :func:`_chunk_loads` gives them), xss the lane's own group's inputs per chunk (WORDS: as
         :func:`_input_words` loads them), shared by the tiles: packed into B once per chunk."""
         if WORDS:
@@ -724,15 +664,11 @@ if gluon is not None:
                     wa = gl.convert_layout(wss_a[j][c], LF)
                     wb = gl.convert_layout(wss_b[j][c], LF)
                     ins = [wa, wb, p[0], p[1], p[2], p[3], ess_a[j][c], ess_b[j][c], fac]
-                if c < PRE and INT4:
+                if c < PRE:  # int4 only
                     pa, pb = gl.inline_asm_elementwise(
                         CHUNK_ASM_INT4_PRE, CHUNK_CONSTRAINTS_INT4_PRE, ins + [owns[c]],
                         dtype=(gl.float32, gl.float32), is_pure=True, pack=8,
                     )  # fmt: skip
-                elif c < PRE:
-                    pa, pb = gl.inline_asm_elementwise(
-                        CHUNK_ASM_PRE, CHUNK_CONSTRAINTS_PRE, ins, dtype=(gl.float32, gl.float32), is_pure=True, pack=8
-                    )
                 elif INT4:
                     pa, pb = gl.inline_asm_elementwise(
                         CHUNK_ASM_INT4, CHUNK_CONSTRAINTS_INT4, ins + [owns[c]], dtype=(gl.float32, gl.float32),
@@ -767,24 +703,24 @@ if gluon is not None:
         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, CHW: gl.constexpr, WARPS: gl.constexpr, TILES: gl.constexpr,
         ACT: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, T_MAJOR: gl.constexpr,
-        INT4: gl.constexpr, SYM: gl.constexpr, STAGGER: gl.constexpr = False, LATE: gl.constexpr = False,
-        SCALES_EVICT: gl.constexpr = "", WARP_BARRIERS: gl.constexpr = False, ROWS_FIRST: gl.constexpr = False,
+        INT4: gl.constexpr, SYM: gl.constexpr, STAGGER: gl.constexpr = False, SCALES_EVICT: gl.constexpr = "",
+        ROWS_FIRST: gl.constexpr = False,
     ):  # fmt: skip
         """Program (pair, TILES x 8 intermediate rows): tile j's rows g = gate rows 8 (TILES mt +
         j) + g, rows g + 8 = the same up rows; WARPS warps split the G groups, CHW chunks of 8 each
         (the last may run past G: masked), each warp computing its chunks of all TILES tiles with
-        the inputs packed once. T_MAJOR: activations stored t-major (see :func:`t_major`)."""
+        the inputs packed once. T_MAJOR: activations stored t-major (see :func:`t_major`). STAGGER:
+        chunk c's code loads wait for chunk c - 1's first word. ROWS_FIRST: the grid is (row tiles,
+        pairs), so consecutive programs read one expert's consecutive rows."""
         GW: gl.constexpr = CHW * GC  # groups per warp
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [WARPS, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
-        if WARP_BARRIERS:
-            _warp_barriers_mark()
-        pair = gl.program_id(1 if ROWS_FIRST else 0)  # ROWS_FIRST: the grid is (row tiles, pairs)
+        _warp_barriers_mark()
+        pair = gl.program_id(1 if ROWS_FIRST else 0)
         mt = gl.program_id(0 if ROWS_FIRST else 1)
         if PDL:  # x and index come from the kernels before; moe_down may start loading its codes
             _gdc_wait()
-            if not LATE:
-                _gdc_launch_dependents()
+            _gdc_launch_dependents()
         expert = gl.load(index_ptr + pair).to(gl.int64)
         lw, lg, lq, lj = _axes(WARPS, LL)  # loads: whole groups, 128 contiguous bytes per row
         lgg = lw * GW + lq  # [W, 1, GC, 1]: the load's groups of chunk 0
@@ -810,8 +746,6 @@ if gluon is not None:
             wss_u = wss_u + (ws_u,)
             ess_g = ess_g + (es_g,)
             ess_u = ess_u + (es_u,)
-        if PDL and LATE:  # moe_down may launch once every program's last codes are in (LATE_INT4)
-            _gdc_launch_dependents_after(gl.reduce(wss_u[TILES - 1][CHW - 1], 3, _xor))
         accs_g, accs_u = _tile_sums(wss_g, wss_u, ess_g, ess_u, xss, w, g, gi, t, CHW, F16, LF, False, INT4, TILES)
         lead = gl.sum(t, axis=0) == 0
         lg = gl.sum(g, axis=0) + gl.sum(t, axis=0) * 0  # [8, 1, 4]: lanes (g, t) hold gate / up row 8 tile + g
@@ -834,16 +768,15 @@ if gluon is not None:
         stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_ze, stride_zn, stride_be, stride_wt, stride_om,
         TOP_K: gl.constexpr, G: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr,
         T_MAJOR: gl.constexpr, INT4: gl.constexpr, SYM: gl.constexpr, PRE: gl.constexpr,
-        SCALES_EVICT: gl.constexpr = "", WARP_BARRIERS: gl.constexpr = False,
+        SCALES_EVICT: gl.constexpr = "",
     ):  # fmt: skip
         """Program (token, 16 output rows); warp k = the token's pair k, summed across warps.
-        T_MAJOR: the activations come t-major (two 8-byte loads per lane and chunk). PRE: how many
-        chunks are converted to fragment order and halfway decoded before the wait
+        T_MAJOR: the activations come t-major (two 8-byte loads per lane and chunk). PRE (int4
+        only): how many chunks are converted to fragment order and halfway decoded before the wait
         (:func:`_predecode`; the rest after it)."""
         LF: gl.constexpr = gl.BlockedLayout([1, 1, GC, 1], [1, 8, 1, 4], [TOP_K, 1, 1, 1], [3, 1, 2, 0])
         LL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 4, 8, 1], [TOP_K, 1, 1, 1], [3, 2, 1, 0])
-        if WARP_BARRIERS:
-            _warp_barriers_mark()
+        _warp_barriers_mark()
         token = gl.program_id(0)
         mt = gl.program_id(1)
         CH: gl.constexpr = (G + GC - 1) // GC  # chunks (the last may run past G: masked)
@@ -864,8 +797,8 @@ if gluon is not None:
             pre_h = ()
             for c in gl.static_range(CH):
                 if c < PRE:
-                    pre_g = pre_g + (_predecode(gl.convert_layout(ws_g[c], LF), INT4),)
-                    pre_h = pre_h + (_predecode(gl.convert_layout(ws_h[c], LF), INT4),)
+                    pre_g = pre_g + (_predecode(gl.convert_layout(ws_g[c], LF)),)
+                    pre_h = pre_h + (_predecode(gl.convert_layout(ws_h[c], LF)),)
                 else:
                     pre_g = pre_g + (ws_g[c],)
                     pre_h = pre_h + (ws_h[c],)
@@ -905,7 +838,7 @@ if gluon is not None:
         wk = gl.load(weight_ptr + token * stride_wt + k).to(gl.float32)
         # the pairs summed in each thread: one layout conversion (one CTA barrier) hands every warp
         # all the pairs' sums of its lane's rows, rather than gl.sum over the warp axis (shuffles and
-        # three barriers per half); int4's moe_down also takes 136 registers instead of 170
+        # three barriers per half), and fewer registers
         LR: gl.constexpr = gl.BlockedLayout([TOP_K, 1, 1, 1], [1, 8, 1, 4], [1, 1, TOP_K, 1], [3, 1, 2, 0])
         y_g = gl.sum(gl.convert_layout(acc_g * wk, LR), axis=0)  # [8, 1, 4], the same in every warp
         y_h = gl.sum(gl.convert_layout(acc_h * wk, LR), axis=0)
@@ -926,9 +859,8 @@ def _up_warps(groups: int) -> int:
 
 def _up_tiles(tokens: int, chunks_per_warp: int, units: int) -> int:
     """moe_up's tiles per program: 2 from two tokens on where a warp's codes of both fit (up to 2
-    chunks each) and the units of 8 rows pair up: the inputs packed once per two tiles (H200,
-    Qwen3-30B-A3B layer: 2-4.5% faster at 2-8 tokens). One token keeps 1: the longer programs
-    delay moe_down (the pair measured 11.1 -> 12.5 us)."""
+    chunks each) and the units of 8 rows pair up: the inputs packed once per two tiles. One token
+    keeps 1: the longer programs delay moe_down."""
     return 2 if tokens >= 2 and chunks_per_warp <= 2 and units % 2 == 0 else 1
 
 
@@ -937,10 +869,10 @@ def _serves(x: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
     MXFP4 or int4 bank, top_k a power of two up to 8 (warps and lanes are laid out by it)."""
     if gluon is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if not bank.mxfp4 and not (INT4 and bank.scales.dtype == torch.float16 and bank.in_features % 64 == 0):
+    if not bank.mxfp4 and not (bank.scales.dtype == torch.float16 and bank.in_features % 64 == 0):
         return False  # int4: fp16 scales, an even group count (a lane's two scales in one load)
     tokens, top_k = index.shape
-    return tokens <= MAX_TOKENS and top_k in (1, 2, 4, 8) and torch.cuda.get_device_capability(x.device)[0] == 9
+    return tokens <= CONFIG.max_tokens and top_k in (1, 2, 4, 8) and torch.cuda.get_device_capability(x.device)[0] == 9
 
 
 def up_applies(x: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool:
@@ -956,28 +888,27 @@ def down_applies(a: torch.Tensor, index: torch.Tensor, bank: PackedBank) -> bool
 
 
 def _predecoded(bank: PackedBank, tokens: int) -> int:
-    """How many of its chunks moe_down decodes halfway before its wait: int4 all, MXFP4 up to
-    ``PREDECODE_MXFP4``, at one token only (else 0)."""
-    if not PREDECODE or tokens > 1:
+    """How many of its chunks moe_down decodes halfway before its wait: at one token every chunk
+    of an int4 bank (the words then live across the wait, which from two tokens on costs more than
+    it saves); MXFP4 none (its E / O bytes take twice the registers: it is capped instead)."""
+    if tokens > 1 or bank.mxfp4:
         return 0
-    chunks = -(-bank.in_features // 32 // CHUNK)
-    return min(chunks, PREDECODE_MXFP4) if bank.mxfp4 else chunks
+    return -(-bank.in_features // 32 // CHUNK)
 
 
 def _down_regs(bank: PackedBank, tokens: int) -> dict[str, int]:
-    """moe_down's register cap, as a launch option: ``DOWN_REGS_MXFP4`` for MXFP4 at one token where
-    a warp's code words fit under it (up to ``MAX_CAPPED_CHUNKS`` chunks of 8 groups), else none."""
+    """moe_down's register cap, as a launch option: ``CONFIG.down_regs_mxfp4`` for MXFP4 at one
+    token where a warp's code words fit under it (up to ``CONFIG.max_capped_chunks`` chunks of 8
+    groups), else none."""
     chunks = -(-bank.in_features // 32 // CHUNK)
-    capped = DOWN_REGS_MXFP4 and tokens == 1 and bank.mxfp4 and chunks <= MAX_CAPPED_CHUNKS
-    return {"maxnreg": DOWN_REGS_MXFP4} if capped else {}
+    capped = tokens == 1 and bank.mxfp4 and chunks <= CONFIG.max_capped_chunks
+    return {"maxnreg": CONFIG.down_regs_mxfp4} if capped else {}
 
 
 def _scales_evict(tokens: int) -> str:
     """The scales' and zero points' eviction policy: at one token every routed expert's are read by
-    one program and once, so first out of L1 and L2 (H200, Qwen3-30B-A3B pair, paired in one
-    process, two runs: MXFP4 9.72 -> 9.64 and 9.90 -> 9.79 us, int4 10.57 -> 10.46 and 10.63 -> 10.49
-    (up to 50.3% of copy bandwidth)); from two tokens on, tokens routed to one expert share them
-    (evict-first measured 49.7 -> 50.2 and 49.7 -> 50.5 us at eight, MXFP4)."""
+    one program and once, so first out of L1 and L2; from two tokens on, tokens routed to one
+    expert share them."""
     return "evict_first" if tokens == 1 else ""
 
 
@@ -1007,6 +938,7 @@ def moe_up(
     """As :func:`.triton_moe.moe_up` (x [T, H], index [T, k] -> activations [T*k, I]); see
     ``up_applies``. t_major: the activations stored as :func:`t_major` orders them, for
     ``moe_down(t_major=True)``."""
+    install_ptx_pass()
     tokens, top_k = index.shape
     inter = bank.rows // 2
     words, scales, x = _words(bank.codes), bank.scales.contiguous(), x.contiguous()
@@ -1017,8 +949,7 @@ def moe_up(
     warps = _up_warps(groups)
     chw = -(-groups // CHUNK) // warps
     tiles = _up_tiles(tokens, chw, inter // 8)
-    late = LATE_INT4 and tokens == 1 and not bank.mxfp4
-    rows_first = UP_ROWS_FIRST and tokens == 1
+    rows_first = tokens == 1  # from two tokens on the pairs stay fastest
     pairs, row_tiles = tokens * top_k, inter // 8 // tiles
     _mma_up_kernel[(row_tiles, pairs) if rows_first else (pairs, row_tiles)](
         x, words, scales, zeros, index.reshape(-1), bias_t, out, inter, act.alpha, act.limit,
@@ -1026,9 +957,8 @@ def moe_up(
         zeros.stride(1), 0 if bias is None else bias.stride(0), out.stride(0),
         TOP_K=top_k, G=groups, CHW=chw, WARPS=warps, TILES=tiles, ACT=act.kind, HAS_BIAS=bias is not None,
         F16=x.dtype == torch.float16, PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
-        STAGGER=STAGGER and tokens == 1 and bank.mxfp4, num_warps=warps, launch_pdl=True,
-        LATE=late, SCALES_EVICT=_scales_evict(tokens), WARP_BARRIERS=WARP_BARRIERS, ROWS_FIRST=rows_first,
-        **({"maxnreg": 80} if late else {}),
+        STAGGER=tokens == 1 and bank.mxfp4, num_warps=warps, launch_pdl=True,  # int4 keeps its loads together
+        SCALES_EVICT=_scales_evict(tokens), ROWS_FIRST=rows_first,
     )  # fmt: skip
     return out
 
@@ -1043,6 +973,7 @@ def moe_down(
 ) -> torch.Tensor:
     """As :func:`.triton_moe.moe_down` (a [T*k, I] -> [T, H]); see ``down_applies``. t_major: a
     as ``moe_up(t_major=True)`` stores it."""
+    install_ptx_pass()
     tokens, top_k = index.shape
     words, scales = _words(bank.codes), bank.scales.contiguous()
     zeros = scales if bank.zeros is None else bank.zeros.contiguous()
@@ -1055,8 +986,7 @@ def moe_down(
         zeros.stride(1), 0 if bias is None else bias.stride(0), weight.stride(0), out.stride(0),
         TOP_K=top_k, G=bank.in_features // 32, HAS_BIAS=bias is not None, F16=a.dtype == torch.float16,
         PDL=True, T_MAJOR=t_major, INT4=not bank.mxfp4, SYM=bank.zeros is None,
-        PRE=_predecoded(bank, tokens), SCALES_EVICT=_scales_evict(tokens), WARP_BARRIERS=WARP_BARRIERS,
-        num_warps=top_k, launch_pdl=True,
+        PRE=_predecoded(bank, tokens), SCALES_EVICT=_scales_evict(tokens), num_warps=top_k, launch_pdl=True,
         **_down_regs(bank, tokens),
     )  # fmt: skip
     return out

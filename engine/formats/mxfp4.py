@@ -24,10 +24,10 @@ weight never exists). CUDA uses the Triton kernel when triton is importable.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 
+from .banks import CONFIG, PackedBank
 from .base import (
     BLOCK,
     FormatError,
@@ -44,9 +44,6 @@ from .base import (
     triton_available,
 )
 from .tiled import tiled_matmul
-
-if TYPE_CHECKING:
-    from .triton_moe import PackedBank
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_BIAS = 127
@@ -127,7 +124,8 @@ class MXFP4Weight(QuantizedWeight):
         if self._blocks is not None:
             return self._blocks
         assert self._major is not None
-        return from_nibble_major(self._major).unflatten(-1, (-1, BYTES_PER_BLOCK))
+        blocks: torch.Tensor = from_nibble_major(self._major).unflatten(-1, (-1, BYTES_PER_BLOCK))
+        return blocks
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -161,8 +159,6 @@ class MXFP4Weight(QuantizedWeight):
     def fused_bank(self) -> PackedBank | None:
         if self._major is None or not self._major.is_cuda:
             return None
-        from .triton_moe import PackedBank
-
         return PackedBank(self._major, self.scales, None, mxfp4=True)
 
     def dequantize(self) -> torch.Tensor:
@@ -180,7 +176,7 @@ class MXFP4Weight(QuantizedWeight):
             from . import triton_kernels
 
             codes, major = self._cuda_codes()
-            if x.shape[0] <= triton_kernels.GEMV_MAX_ROWS:
+            if x.shape[0] <= CONFIG.gemv_max_rows:
                 return triton_kernels.nibble_gemv(x, codes, self.scales, None, None, 1, mxfp4=True, nibble_major=major)
             return triton_kernels.mxfp4_matmul(x, codes, self.scales, nibble_major=major)
         return tiled_matmul(x, self.decode_columns, self.out_features)

@@ -24,17 +24,18 @@ triton's interpreter, TRITON_INTERPRET=1), never on the CPU-only CI.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 import triton.testing
 
+from .banks import CONFIG
+
 BLOCK_M = 16  # tl.dot's minimum; rows beyond M are masked
-BLOCK_N = 64
 BLOCK_K = 64  # two 32-value groups per step; K is a multiple of 32, the tail is masked
 GROUP = tl.constexpr(32)  # a global a kernel reads must be a constexpr
-TARGET_PROGRAMS = 512  # enough CTAs to keep an H100/H200's memory system busy at M = 1
 
 
 @triton.jit
@@ -205,12 +206,12 @@ def _int8_gemv_kernel(
     tl.atomic_add(out_ptr + pair * stride_om + rn, acc * scale, mask=n_mask)
 
 
-def _quick_bench(fn, quantiles):  # type: ignore[no-untyped-def]
+def _quick_bench(fn, quantiles):
     """The autotuners' timer: a few ms per configuration rather than triton's default 125 ms."""
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _tuned(kernel, key: list[str]):  # type: ignore[no-untyped-def]
+def _tuned(kernel, key: list[str]):
     if not TUNED:
         return kernel
     return triton.autotune(_GEMV_CONFIGS, key=key, reset_to_zero=["out_ptr"], do_bench=_quick_bench)(kernel)
@@ -227,8 +228,8 @@ _GEMV_FIXED = (
 )
 
 
-def _gemv_grid(pairs: int, n: int):  # type: ignore[no-untyped-def]
-    def grid(meta: dict) -> tuple[int, int, int]:
+def _gemv_grid(pairs: int, n: int):
+    def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
         return (pairs, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])
 
     return grid
@@ -276,9 +277,9 @@ def _int8_gemm_kernel(
 
 def _launch_shape(m: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
     """Grid (n blocks, m blocks, k splits) and K per split (a multiple of BLOCK_K)."""
-    n_blocks, m_blocks = triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M)
+    n_blocks, m_blocks = triton.cdiv(n, CONFIG.gemm_block_n), triton.cdiv(m, BLOCK_M)
     k_steps = triton.cdiv(k, BLOCK_K)
-    splits = max(1, min(k_steps, TARGET_PROGRAMS // (n_blocks * m_blocks)))
+    splits = max(1, min(k_steps, CONFIG.gemm_target_programs // (n_blocks * m_blocks)))
     k_per_split = triton.cdiv(k_steps, splits) * BLOCK_K
     return (n_blocks, m_blocks, triton.cdiv(k, k_per_split)), k_per_split
 
@@ -307,12 +308,11 @@ def _nibble_gemm(
         m, n, k, k_per_split,
         xc.stride(0), codes.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         MXFP4=mxfp4, HAS_ZEROS=zeros is not scales, IEEE=xc.dtype == torch.float32, NIBBLE_MAJOR=nibble_major,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_M=BLOCK_M, BLOCK_N=CONFIG.gemm_block_n, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out.to(x.dtype)
 
 
-GEMV_MAX_ROWS = 4  # up to this many rows a dense matmul runs one GEMV per row (weights stay in L2)
 
 
 def nibble_gemv(
@@ -403,6 +403,6 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
         xc, codes, scales, out,
         m, n, k, k_per_split,
         xc.stride(0), codes.stride(0), out.stride(0),
-        IEEE=xc.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=xc.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=CONFIG.gemm_block_n, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out.to(x.dtype)

@@ -44,18 +44,17 @@ every code, subnormal ones included; one conversion each to float32 (HADD2.F32),
 joins the E8M0 scale.
 
 Guarantees: results within the bf16 tolerance of exact decode followed by a float32 matmul;
-tested on a GPU, and in triton's interpreter (CI runs those tests on the CPU). Measured (H200, Qwen3-30B-
-A3B layer, both kernels in a CUDA graph, the ``MEASURED`` configurations): one row, 41% of copy
-bandwidth for int4, 34% for MXFP4; eight rows, 51% for int4 and 43% for MXFP4 (moe_down in
-chunks of 8 groups). MXFP4 and int4 steps of up to eight tokens on Hopper run on tensor cores
-instead (:mod:`.mma_moe`: MXFP4 44% at one row, 56% at eight; int4 45% and 58%), :func:`moe_pair`
-passing the activations t-major.
+tested on a GPU, and in triton's interpreter (CI runs those tests on the CPU). MXFP4 and int4
+steps of up to ``CONFIG.max_tokens`` tokens on Hopper run on tensor cores instead
+(:mod:`.mma_moe`), :func:`moe_pair` passing the activations t-major. Measurements:
+``docs/results/kernel_tuning_history.md``.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -64,42 +63,11 @@ import triton.testing
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import mma_moe
+from .banks import CONFIG, Activation, PackedBank
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # MODELFLEET_TRITON_TUNE=0: one fixed configuration (no measured table, no autotuning; fast start: tests, short runs)
 TUNED = not INTERPRETED and os.environ.get("MODELFLEET_TRITON_TUNE", "1") != "0"
-
-ACT_SILU, ACT_CLAMPED_SWIGLU = 1, 2
-
-
-@dataclass(frozen=True)
-class PackedBank:
-    """One expert bank as the kernels read it: codes uint8 [E, N, K/2] (int4 nibbles or MXFP4
-    blocks flattened), scales [E, N, K/32] (fp16 for int4, E8M0 bytes for MXFP4), zero points
-    uint8 [E, N, K/32] or None (int4_sym: 8; MXFP4: none)."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None
-    mxfp4: bool
-
-    @property
-    def rows(self) -> int:
-        return self.codes.shape[1]
-
-    @property
-    def in_features(self) -> int:
-        return self.codes.shape[2] * 2
-
-
-@dataclass(frozen=True)
-class Activation:
-    """The GLU applied to [gate | up]: ACT_SILU silu(g) * u; ACT_CLAMPED_SWIGLU GPT-OSS's
-    (clamp(u, +-limit) + 1) * g' * sigmoid(alpha g'), g' = min(g, limit)."""
-
-    kind: int
-    alpha: float = 1.0
-    limit: float = 0.0
 
 
 @triton.jit
@@ -327,16 +295,14 @@ _UP_CONFIGS = [triton.Config({"ROWS": r, "WIDE": False}, num_warps=1) for r in (
     triton.Config({"ROWS": r, "WIDE": True}, num_warps=w) for r, w in ((8, 2), (8, 4), (16, 4), (16, 8))
 ]
 _DOWN_CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8) for w in (2, 4, 8)]
-MAX_CHUNK = 64  # groups per load: 1 KB of codes per row
-MAX_DOWN_CHUNKS = 4  # moe_down holds every chunk's codes before its wait: registers bound the count
 
 
-def _quick_bench(fn, quantiles):  # type: ignore[no-untyped-def]
+def _quick_bench(fn, quantiles):
     """The autotuners' timer: a few ms per configuration rather than triton's default 125 ms."""
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _tuned(kernel, configs: list, key: list[str]):  # type: ignore[no-untyped-def]
+def _tuned(kernel, configs: list[Any], key: list[str]):
     if not TUNED:
         return kernel
     return triton.autotune(configs, key=key, do_bench=_quick_bench)(kernel)
@@ -349,11 +315,11 @@ _down = _tuned(_moe_down_kernel, _DOWN_CONFIGS, ["N", "TOP_K", "NUM_GROUPS", "HA
 # the last one serving larger counts too, as vLLM keys its tuned fused-MoE configurations by batch
 # size. ``benchmarks/tune_fused_moe.py --rows ...`` sweeps them (H200, Qwen3-30B-A3B layer). A
 # moe_down CHUNK (groups per load) applies where it divides the bank's groups into at most
-# MAX_DOWN_CHUNKS loads (``_down_meta``): 768 inputs are 24 groups, whose one padded chunk of 32
-# idles a quarter of the lanes. Triton's autotuner times each kernel alone between eager launches,
-# where launch noise decides at a few microseconds and the kernels' overlap (PDL) is not seen; it
-# serves devices without an entry.
-MEASURED: dict[tuple[int, bool], list[tuple[int, dict, dict]]] = {
+# ``CONFIG.max_down_chunks`` loads (``_down_meta``): 768 inputs are 24 groups, whose one padded
+# chunk of 32 idles a quarter of the lanes. Triton's autotuner times each kernel alone between eager
+# launches, where launch noise decides at a few microseconds and the kernels' overlap (PDL) is not
+# seen; it serves devices without an entry.
+MEASURED: dict[tuple[int, bool], list[tuple[int, dict[str, Any], dict[str, Any]]]] = {
     (9, False): [(8, {"ROWS": 4, "WIDE": False, "num_warps": 1}, {"ROWS": 4, "num_warps": 2, "CHUNK": 8})],
     (9, True): [
         (1, {"ROWS": 16, "WIDE": True, "num_warps": 4}, {"ROWS": 4, "num_warps": 4}),
@@ -378,23 +344,24 @@ def _magic(bank: PackedBank) -> int:
 
 
 def _chunk(bank: PackedBank) -> int:
-    return min(MAX_CHUNK, triton.next_power_of_2(bank.in_features // 32))
+    return min(CONFIG.max_chunk, int(triton.next_power_of_2(bank.in_features // 32)))
 
 
-def _down_meta(bank: PackedBank, meta: dict, config: dict) -> dict:
+def _down_meta(bank: PackedBank, meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """moe_down's compile-time constants and launch configuration: a configuration's CHUNK
-    replaces the bank's where it splits the groups exactly into at most MAX_DOWN_CHUNKS loads, and
-    then every chunk's codes are loaded before the wait (EARLY); otherwise the first chunk's."""
+    replaces the bank's where it splits the groups exactly into at most ``CONFIG.max_down_chunks``
+    loads, and then every chunk's codes are loaded before the wait (EARLY); otherwise the first
+    chunk's."""
     merged = {**meta, **config, "EARLY": 1}
     groups, chunk = meta["NUM_GROUPS"], config.get("CHUNK")
-    if chunk is None or groups % chunk or groups // chunk > MAX_DOWN_CHUNKS or chunk > meta["CHUNK"]:
+    if chunk is None or groups % chunk or groups // chunk > CONFIG.max_down_chunks or chunk > meta["CHUNK"]:
         merged["CHUNK"] = meta["CHUNK"]
     else:
         merged["EARLY"] = groups // chunk
     return merged
 
 
-def _bank_launch(bank: PackedBank) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], dict]:
+def _bank_launch(bank: PackedBank) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], dict[str, Any]]:
     """A bank's tensor arguments (words, scales, zero points), their expert and row strides, and
     its compile-time constants, as both kernels take them."""
     words = _words(bank)
@@ -415,7 +382,7 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch
     return bias, bias.stride(0)
 
 
-def measured_configs(major: int, mxfp4: bool, tokens: int) -> tuple[dict, dict] | None:
+def measured_configs(major: int, mxfp4: bool, tokens: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The measured (moe_up, moe_down) configurations for a step of ``tokens`` tokens: the first
     entry whose token bound covers them, else the last; None without an entry."""
     entries = MEASURED.get((major, mxfp4))
@@ -425,7 +392,7 @@ def measured_configs(major: int, mxfp4: bool, tokens: int) -> tuple[dict, dict] 
     return up, down
 
 
-def _launch(x: torch.Tensor, bank: PackedBank, which: int, tokens: int):  # type: ignore[no-untyped-def]
+def _launch(x: torch.Tensor, bank: PackedBank, which: int, tokens: int):
     """The kernel (0: moe_up, 1: moe_down) and its launch configuration for x's device and the
     step's token count: the measured pair configuration when there is one, else the autotuner or
     the fixed one."""
@@ -436,7 +403,7 @@ def _launch(x: torch.Tensor, bank: PackedBank, which: int, tokens: int):  # type
     return (_up, _down)[which], (_UP_FIXED, _DOWN_FIXED)[which]
 
 
-def _pdl(x: torch.Tensor) -> dict:
+def _pdl(x: torch.Tensor) -> dict[str, Any]:
     """Programmatic dependent launch (Hopper and later): each kernel may start while the one
     before it finishes and waits (griddepcontrol.wait) only where it reads that kernel's output."""
     on = not INTERPRETED and torch.cuda.get_device_capability(x.device)[0] >= 9
@@ -458,7 +425,7 @@ class _Call:
     top_k: int
     tensors: tuple[torch.Tensor, ...]
     strides: tuple[int, ...]
-    meta: dict
+    meta: dict[str, Any]
     bias: torch.Tensor
     stride_be: int
 
@@ -474,7 +441,7 @@ def moe_up(
     x: torch.Tensor, index: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None, act: Activation
 ) -> torch.Tensor:
     """x [T, H] (bf16 or fp16), index [T, k] -> the pairs' activations [T*k, I] in x's dtype.
-    MXFP4 and int4 steps of up to ``mma_moe.MAX_TOKENS`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
+    MXFP4 and int4 steps of up to ``CONFIG.max_tokens`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
     call = _Call.of(bank, "gate_up", index, bias)
     if not INTERPRETED and mma_moe.up_applies(x, index, bank):
         return mma_moe.moe_up(x, index, bank, bias, act)
@@ -482,7 +449,7 @@ def moe_up(
     x = x.contiguous()
     out = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
 
-    def grid(meta: dict) -> tuple[int, int]:
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (pairs, triton.cdiv(inter, meta["ROWS"]))
 
     kernel, config = _launch(x, bank, 0, index.shape[0])
@@ -520,7 +487,7 @@ def moe_down(
     a: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, bank: PackedBank, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """a [T*k, I], index and weight [T, k] -> sum_k weight * (a @ W_down[index].T + bias): [T, H].
-    MXFP4 and int4 steps of up to ``mma_moe.MAX_TOKENS`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
+    MXFP4 and int4 steps of up to ``CONFIG.max_tokens`` tokens on Hopper run on tensor cores (:mod:`.mma_moe`)."""
     call = _Call.of(bank, "down", index, bias)
     if not INTERPRETED and mma_moe.down_applies(a, index, bank):
         return mma_moe.moe_down(a, index, weight, bank, bias)
@@ -528,7 +495,7 @@ def moe_down(
     a, weight = a.contiguous(), weight.contiguous()
     out = torch.empty((tokens, n), dtype=a.dtype, device=a.device)
 
-    def grid(meta: dict) -> tuple[int, int]:
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (tokens, triton.cdiv(n, meta["ROWS"]))
 
     kernel, config = _launch(a, bank, 1, tokens)

@@ -24,9 +24,11 @@ def available(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight: [out, in] bfloat16 on CPU -> an opaque packed weight for :func:`linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+    return packed
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T + bias with x: [rows, in] bfloat16."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return y

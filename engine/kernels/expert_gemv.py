@@ -77,7 +77,7 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, row_div: 
     assert w.stride(2) == 1 and x.stride(1) == 1, "expert_gemv needs K-contiguous weights and inputs"
     out = torch.empty((pairs, n), dtype=x.dtype, device=x.device)
 
-    def grid(meta: dict) -> tuple[int, int]:
+    def grid(meta: dict[str, int]) -> tuple[int, int]:
         return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
 
     # the autotuner times its configs on first use per shape (before any graph capture)
