@@ -313,8 +313,6 @@ def _nibble_gemm(
     return out.to(x.dtype)
 
 
-
-
 def nibble_gemv(
     x: torch.Tensor,
     codes: torch.Tensor,
