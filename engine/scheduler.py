@@ -18,7 +18,10 @@ Invariants:
   token is due (its *sample row*) is in flight per stream: a decode row needs the last token.
 - A microbatch (the streams that share frames) sends a frame when nothing of it is in flight, or,
   while fewer than ``frames_in_flight`` of its frames are, when one of its ready streams still has
-  prompt rows: prefill windows stream back to back, and decode rows re-join one frame.
+  prompt rows and the pipeline holds fewer than max(microbatches, frames_in_flight) frames:
+  an idle microbatch's share of the pipeline streams another's prefill windows back to back
+  (a long prompt alone does not wait a round trip per window), a busy pipeline is not queued
+  deeper, and decode rows re-join one frame.
 - Tokens are matched to streams through the step that carried their rows, never through slots
   alone, so a token computed for a stream that has since finished (and whose slot was reused)
   is dropped. A step is in flight until its tokens come back, it fails, or all its streams end.
@@ -209,7 +212,10 @@ class Scheduler:
         """Seat queued streams, then the next step of every microbatch that may send one."""
         self._seat()
         steps = []
-        for index, streams in enumerate(self.microbatches):
+        flying = {step.microbatch for step in self.in_flight.values()}
+        order = sorted(range(len(self.microbatches)), key=lambda m: m in flying)  # idle microbatches first
+        for index in order:
+            streams = self.microbatches[index]
             if self._may_send(index, streams):
                 steps.append(self._step(index, [s for s in streams if not s.awaiting], now))
         return steps
@@ -229,7 +235,10 @@ class Scheduler:
         if not ready:
             return False
         flying = sum(1 for step in self.in_flight.values() if step.microbatch == index)
-        return flying == 0 or (flying < self.config.frames_in_flight and any(s.prefilling for s in ready))
+        if flying == 0:
+            return True
+        room = len(self.in_flight) < max(self.config.microbatches, self.config.frames_in_flight)
+        return room and flying < self.config.frames_in_flight and any(s.prefilling for s in ready)
 
     def _step(self, index: int, streams: list[StreamState], now: float) -> Step:
         slots: list[int] = []

@@ -123,13 +123,29 @@ def test_streams_spread_over_microbatches_and_each_sends_its_own_frame() -> None
 
 
 def test_prefill_windows_stream_back_to_back_up_to_the_frames_in_flight() -> None:
-    s = scheduler(window_rows=2, frames_in_flight=3)
+    s = scheduler(window_rows=2, frames_in_flight=3, microbatches=3)
     admit(s, "a", list(range(1, 9)))
     steps = [step for _ in range(4) for step in s.schedule(0.0)]
     assert [step.positions for step in steps] == [(0, 1), (2, 3), (4, 5)]  # three in flight, the fourth waits
     s.complete(steps[0].id, {})
     [fourth] = s.schedule(0.0)
     assert fourth.positions == (6, 7) and fourth.output_rows == (1,)
+
+
+def test_extra_prefill_frames_only_use_the_share_of_idle_microbatches() -> None:
+    s = scheduler(window_rows=2, frames_in_flight=2, microbatches=2, max_streams=2)
+    admit(s, "a", list(range(1, 9)))
+    first = s.schedule(0.0) + s.schedule(0.0)
+    assert [step.microbatch for step in first] == [0, 0]  # a's windows take microbatch 1's idle share
+    assert s.schedule(0.0) == []
+    admit(s, "b", list(range(1, 9)))
+    [own] = s.schedule(0.0)
+    assert own.microbatch == 1 and own.positions == (0, 1)  # an idle microbatch always sends
+    s.complete(first[0].id, {})
+    assert s.schedule(0.0) == []  # three frames in flight, over the pipeline's two: no extra
+    s.complete(first[1].id, {})
+    [next_a] = s.schedule(0.0)
+    assert next_a.microbatch == 0 and next_a.positions == (4, 5)
 
 
 def test_decode_rows_wait_for_the_microbatch_so_they_rejoin_one_frame() -> None:
