@@ -7,7 +7,7 @@ on the socket in one turn (one awaited receive per burst, not per message). Ever
 ``wake_seconds`` the link wakes each inbox's waiting reader, so a reader can look at the clock
 (is its client still there?) without a timer of its own for every wait. A cancel is sent without waiting, so it can be
 sent from a ``finally`` of a task that is being cancelled (a client that went away).
-Readiness is the head's own: its HTTP ``/status`` (plan port + 1) is polled every ``poll_seconds``.
+Readiness is the head's own: its HTTP ``/status`` (the plan's ``http_port``) is polled every ``poll_seconds``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from ..engine.sampling import SamplingParams
+from ..plan import StagePlan, stage_at
 from . import transport as wire
 from .launcher import fetch_json
 
@@ -61,12 +62,13 @@ class Inbox:
 
 
 class HeadLink:
-    def __init__(self, head_address: str, keys: wire.KeyPair | None = None, poll_seconds: float = 0.5,
+    def __init__(self, head: StagePlan | str, keys: wire.KeyPair | None = None, poll_seconds: float = 0.5,
                  wake_seconds: float = 0.2):  # fmt: skip
-        self.address = head_address
-        host, port = head_address.rsplit(":", 1)
-        self.endpoint = f"tcp://{host}:{int(port) + 2}"
-        self.status_url = f"http://{host}:{int(port) + 1}/status"
+        """head: the head stage of the plan, or its address host:port."""
+        stage = stage_at(head) if isinstance(head, str) else head
+        self.address = stage.address
+        self.endpoint = f"tcp://{stage.host}:{stage.client_port}"
+        self.status_url = f"http://{stage.host}:{stage.http_port}/status"
         self.keys, self.poll_seconds, self.wake_seconds = keys, poll_seconds, wake_seconds
         self.ids = itertools.count(int(time.time() * 1000) % (1 << 40))
         self.queues: dict[int, Inbox] = {}

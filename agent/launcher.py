@@ -32,15 +32,13 @@ PR_SET_PDEATHSIG = 1
 
 
 def rank_http_port(stage: StagePlan, tp_rank: int) -> int:
-    """Where a rank serves HTTP on this machine: rank 0 on port + 1 (as in the plan); ranks r > 0
-    share rank 0's host here, so they take port + 3 + r (port + 3 is the group's rendezvous)."""
-    return stage.port + 1 if tp_rank == 0 else stage.port + 3 + tp_rank
+    """Where a rank serves HTTP on this machine, where every rank shares rank 0's host (the plan's rule)."""
+    return stage.rank_http_port(tp_rank, shared_host=True)
 
 
 def stage_ports(stage: StagePlan) -> list[int]:
     """Frames, HTTP, clients, and with tp_size > 1 the rendezvous and every other rank's HTTP."""
-    tensor = [stage.port + 3, *(rank_http_port(stage, r) for r in range(1, stage.tp_size))] if stage.tp_size > 1 else []
-    return [stage.port, stage.port + 1, stage.port + 2, *tensor]
+    return list(stage.ports)
 
 
 class LaunchError(ModelfleetError):

@@ -82,14 +82,25 @@ def load_backend(
 ) -> StageBackend:
     """The backend ``name`` holding layers [layer_start, layer_end) of the checkpoint (this rank's
     share of them when ``tensor`` is given)."""
-    if name == "torch":
-        return Shard.load(
-            model_dir, layer_start, layer_end, device=device, dtype=dtype, formats=formats, tensor=tensor,
-            on_layer=on_layer, progress=progress,
-        )  # fmt: skip
+    refusal = backend_refusal(name, device)
+    if refusal is not None:
+        raise InputError(refusal)
+    return Shard.load(
+        model_dir, layer_start, layer_end, device=device, dtype=dtype, formats=formats, tensor=tensor,
+        on_layer=on_layer, progress=progress,
+    )  # fmt: skip
+
+
+def backend_refusal(name: str, device: str) -> str | None:
+    """Why backend ``name`` cannot run a stage on ``device`` (the field, the limit, the fix), or
+    None: asked before anything loads, so a stage fails at start with one line, not a traceback."""
     if name == "openvino":
-        raise InputError(
+        return (
             "backend 'openvino' is not built in this release: stages run on torch (CPU or CUDA devices); "
             "set the stage's backend to torch (spec.backend: torch, modelfleet up --backend torch)"
         )
-    raise InputError(f"backend {name!r} is unknown; choose one of {', '.join(BACKENDS)}")
+    if name != "torch":
+        return f"backend {name!r} is unknown; choose one of {', '.join(BACKENDS)}"
+    if not device.startswith(("cpu", "cuda")):
+        return f"device {device!r} is an OpenVINO device; the torch backend runs on cpu or cuda[:N]"
+    return None

@@ -26,15 +26,9 @@ from .sampling import SamplingParams, TailSampler
 from .scheduler import Event, Finish, Refusal, Scheduler, SchedulerConfig, Step, Token
 from .shard import Shard
 from .spec import ModelSpec, load_spec
+from .split import even_split
 from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, supports_static_decode
 from .tensor_parallel import TensorGroup
-
-
-def even_ranges(num_layers: int, parts: int) -> list[tuple[int, int]]:
-    if not 1 <= parts <= num_layers:
-        raise InputError(f"cannot cut {num_layers} layers into {parts} shards; need 1 <= shards <= {num_layers}")
-    bounds = [round(i * num_layers / parts) for i in range(parts + 1)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 class LocalModel:
@@ -69,7 +63,7 @@ class LocalModel:
             Shard.load(
                 model_dir, start, end, device=device, dtype=dtype, progress=progress, formats=formats, tensor=tensor
             )
-            for start, end in even_ranges(spec.num_layers, shards)
+            for start, end in even_split(spec.num_layers, shards)
         ]
         context = max_context or min(spec.max_position_embeddings, 4096)
         for shard in parts:

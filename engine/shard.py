@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .cache_layout import REWIND_SLACK_POSITIONS, LayerCache, cache_layout
 from .checkpoint import Checkpoint, TensorSource
 from .errors import CapacityError, InputError, ModelfleetError
 from .formats.plan import FormatPlan
 from .frame import Frame, Segment, segments_of
 from .kvcache import LayerKV, SlotState, SlotTable
 from .layers import Dense, Experts, FrameContext, RMSNorm
-from .models import REWIND_SLACK_POSITIONS, LayerCache, cache_layout
 from .models import family as family_module
 from .quantize import QuantizedEmbedding, apply_embedding_format, apply_formats, bytes_by_role, prepare_kernels
 from .quantized_checkpoint import QuantizedCheckpoint, fill_quantized, open_checkpoint
@@ -361,7 +361,8 @@ class Shard(nn.Module):
         """float32 residuals for the next shard, or float32 logits from the last."""
         if self.norm is None or self.head is None:
             return x.to(torch.float32)
-        return self.head(self.norm(x)).to(torch.float32)
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits.to(torch.float32)
 
     def _input(self, frame: Frame) -> torch.Tensor:
         if self.embed is None:
@@ -380,7 +381,8 @@ class Shard(nn.Module):
         """[R] token ids on the device -> [R, hidden] in the compute dtype (the table may be stored narrower)."""
         assert self.embed is not None
         if isinstance(self.embed, QuantizedEmbedding):
-            return self.embed(ids, self.dtype)
+            embedded: torch.Tensor = self.embed(ids, self.dtype)
+            return embedded
         return self.embed[ids].to(self.dtype)
 
 

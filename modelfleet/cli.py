@@ -16,6 +16,7 @@ from rich.console import Console
 
 from modelfleet import __version__
 from modelfleet.commands.quantize import quantize as quantize_command
+from modelfleet.engine.format_names import WEIGHT_FORMATS
 
 app = typer.Typer(
     name="modelfleet",
@@ -26,7 +27,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True, soft_wrap=True)
-ROLE_HELP = "int4, int4_sym, int8, mxfp4, bf16, fp16, fp32, or none to keep it as stored."
+ROLE_HELP = f"{', '.join(WEIGHT_FORMATS)}, or none to keep it as stored."
 
 
 def _fail(message: str) -> None:

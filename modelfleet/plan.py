@@ -11,6 +11,8 @@ Invariants, checked when a plan is built (from Python or from JSON):
 - ``group_index`` runs 0, 1, 2, ... in list order.
 
 Field names are the names used everywhere (CRD fields, ``MF_*`` variables, labels, metrics).
+A **group** is one pipeline replica (``groups``, ``group_index``); a **microbatch** is one of the
+sets of streams whose frames a head keeps in flight separately (``serving.microbatches``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -34,11 +36,23 @@ from pydantic import (
 )
 
 from .engine.errors import ModelfleetError
+from .engine.format_names import ROLE_FORMATS
 
 PLAN_VERSION: Literal[1] = 1
+# A stage's ports from its address's port: frames, HTTP (+1), clients (+2, stage 0), the tensor
+# rendezvous (+3, tp_size > 1); tensor ranks sharing rank 0's host add one HTTP port each.
+PORTS_PER_STAGE = 4
 
-WeightFormat = Literal["int4", "int8", "mxfp4", "bf16", "fp16", "fp32"]
+# The engine's format vocabulary (engine.format_names: names only, no torch), as JSON-schema enums:
+# every format, and those a matmul role (attention, head) takes.
+if TYPE_CHECKING:
+    WeightFormat = str
+    MatmulFormat = str
+else:
+    WeightFormat, MatmulFormat = Literal[ROLE_FORMATS["experts"]], Literal[ROLE_FORMATS["attention"]]
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
+# what executes a stage's layers: torch (CPU or CUDA devices); openvino (Intel GPUs, NPUs, CPUs) is reserved
+StageBackendName = Literal["torch", "openvino"]
 # host:port, where host is a DNS name, an IPv4 address or a bracketed IPv6 address.
 ADDRESS_PATTERN = r"^([A-Za-z0-9]([A-Za-z0-9.\-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
 # torch devices (cpu, cuda, cuda:N) and OpenVINO devices (GPU, GPU.N, NPU).
@@ -49,7 +63,8 @@ NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 
 
-class PlanError(ModelfleetError, ValueError):
+# mypy names the engine by its folder ("engine"), so it cannot follow "modelfleet.engine" here and sees Any
+class PlanError(ModelfleetError, ValueError):  # type: ignore[misc]
     """A fleet plan is invalid; the message names the field (``groups[0].stages[1].layer_start``)."""
 
 
@@ -61,8 +76,8 @@ class Formats(_Frozen):
     """On-device weight format of each kind of tensor (experts are typically 4-bit, the rest 8-bit)."""
 
     experts: WeightFormat = "bf16"
-    attention: WeightFormat = "bf16"
-    head: WeightFormat = "bf16"
+    attention: MatmulFormat = "bf16"
+    head: MatmulFormat = "bf16"
     embeddings: WeightFormat = "bf16"
 
 
@@ -76,18 +91,22 @@ class ModelRef(_Frozen):
 
 
 class StagePlan(_Frozen):
-    """One stage: its layers and where it listens. ``address`` is host:port of its frame socket;
-    the stage serves HTTP (/healthz, /readyz, /status, /metrics) on port + 1 and, at stage 0,
-    the client protocol on port + 2. With ``tp_size`` > 1 the stage is that many processes:
-    rank 0 at ``address`` serves all of the above and hosts the tensor group's rendezvous
-    (torch.distributed, tcp://host:port + 3); every rank r > 0 serves only its own HTTP, on
-    port + 1 of its own host (its pod), or on port + 3 + r when ranks share one machine
-    (``modelfleet up --tensor``)."""
+    """One stage: its layers, what executes them, and where it listens.
+
+    ``address`` is host:port of its frame socket; every other port of the stage is derived here
+    and only here (:attr:`http_port`, :attr:`client_port`, :attr:`rendezvous_port`,
+    :meth:`rank_http_port`): HTTP (/healthz, /readyz, /status, /metrics) on port + 1 and, at
+    stage 0, the client protocol on port + 2. With ``tp_size`` > 1 the stage is that many
+    processes: rank 0 at ``address`` serves all of the above and hosts the tensor group's
+    rendezvous (torch.distributed, tcp://host:port + 3); every rank r > 0 serves only its own
+    HTTP, on port + 1 of its own host (its pod), or on port + 3 + r when ranks share one machine
+    (``modelfleet up --tensor``). A stage uses the ports [port, port + :meth:`port_span`)."""
 
     stage_index: NonNegativeInt
     layer_start: NonNegativeInt
     layer_end: PositiveInt = Field(description="exclusive")
     tp_size: PositiveInt = 1
+    backend: StageBackendName = "torch"
     address: StrictStr = Field(description="host:port of the stage's rank 0")
     device: StrictStr = "cpu"
     numa_node: NonNegativeInt | None = None
@@ -119,10 +138,59 @@ class StagePlan(_Frozen):
 
     @property
     def port(self) -> int:
+        """The frame socket's port."""
         return int(self.address.rsplit(":", 1)[1])
+
+    @property
+    def http_port(self) -> int:
+        """/healthz, /readyz, /status and /metrics of rank 0 (and of every rank on its own host)."""
+        return self.port + 1
+
+    @property
+    def client_port(self) -> int:
+        """The head's client protocol (submit, cancel, output); stage 0 only."""
+        return self.port + 2
+
+    @property
+    def rendezvous_port(self) -> int:
+        """The tensor group's torch.distributed rendezvous at rank 0's host (tp_size > 1)."""
+        return self.port + 3
+
+    def rank_http_port(self, tp_rank: int, shared_host: bool) -> int:
+        """Where tensor rank ``tp_rank`` serves HTTP: port + 1 on a host of its own, port + 3 + r
+        when the group's ranks share rank 0's host."""
+        return self.http_port if tp_rank == 0 or not shared_host else self.rendezvous_port + tp_rank
+
+    def port_span(self, shared_host: bool = True) -> int:
+        """How many consecutive ports from :attr:`port` the stage's processes use."""
+        return stage_port_span(self.tp_size, shared_host)
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Every port this stage's processes listen on when its ranks share one host."""
+        tensor = (self.rendezvous_port, *(self.rank_http_port(r, True) for r in range(1, self.tp_size)))
+        return (self.port, self.http_port, self.client_port, *(tensor if self.tp_size > 1 else ()))
+
+
+def stage_port_span(tp_size: int, shared_host: bool = True) -> int:
+    """Consecutive ports a stage of ``tp_size`` ranks uses from its port: PORTS_PER_STAGE, and one
+    more per rank r > 0 when the ranks share rank 0's host (planners space stages by it)."""
+    return PORTS_PER_STAGE + (tp_size - 1 if shared_host else 0)
+
+
+def stage_at(address: str) -> StagePlan:
+    """A stand-in stage listening at ``address``, for a client that knows only a head's address
+    (its other ports are then the plan's: :attr:`StagePlan.client_port`, :attr:`StagePlan.http_port`)."""
+    try:
+        return StagePlan(stage_index=0, layer_start=0, layer_end=1, address=address)
+    except ValidationError as exc:
+        raise PlanError(f"invalid stage address: {_describe(exc)}") from exc
 
 
 class GroupPlan(_Frozen):
+    """One pipeline replica: its stages in order. Groups serve streams in parallel; the gateway
+    balances requests over their heads."""
+
     group_index: NonNegativeInt
     stages: tuple[StagePlan, ...] = Field(min_length=1)
 
@@ -133,8 +201,9 @@ class ServingLimits(_Frozen):
     window_rows: PositiveInt = Field(default=8, description="rows of one stream's prefill window per frame")
     max_queue: NonNegativeInt = 64
     queue_timeout_seconds: Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)] = 30.0
-    stream_groups: PositiveInt | None = Field(
-        default=None, description="groups of streams the head keeps in flight at once (default: one per stage)"
+    microbatches: PositiveInt | None = Field(
+        default=None,
+        description="sets of streams whose frames the head keeps in flight separately (default: one per stage)",
     )
 
 

@@ -6,6 +6,10 @@ so the operator and ``modelfleet up`` share them and tests read as tables. Only
 they read its config and safetensors headers, never tensor data; torch and the engine are
 imported inside them, so importing this module costs neither.
 
+:func:`assemble_plan` is the one place a FleetPlan is put together from these decisions (ranges,
+addresses, devices, sizes, formats, serving limits, backend): ``modelfleet plan``/``up``
+(:func:`build_plan`) and the operator (``operator.placement``) both call it.
+
 Layer ranges are half-open ``[layer_start, layer_end)``. The embedding is counted on the first
 stage and the final norm + output head on the last. The memory split minimises
 ``sum_k need_k**2 / usable_k`` under ``need_k <= usable_k``: with layers of equal size this is the
@@ -23,7 +27,10 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .plan import FleetPlan, Formats, PlanError, ServingLimits, build
+from .engine.errors import InputError
+from .engine.format_names import PACKED_FORMATS
+from .engine.split import even_split
+from .plan import PORTS_PER_STAGE, FleetPlan, Formats, PlanError, ServingLimits, build, stage_port_span
 
 if TYPE_CHECKING:
     from .engine.checkpoint import TensorInfo
@@ -33,9 +40,10 @@ GiB = 1 << 30
 # Python, torch, the agent's buffers and the operating system's own needs on each node.
 RUNTIME_RESERVE_BYTES = 2 * GiB
 DEFAULT_BASE_PORT = 5555
-PORT_STRIDE = 10  # a stage uses its port (frames), +1 (HTTP health/metrics) and, at the head, +2 (clients)
-# KV positions kept beyond a sliding window so a speculative rewind stays possible (as Shard does).
-REWIND_SLACK_POSITIONS = 64
+# Local stages' ports are PORT_STRIDE apart (a multiple of it when a stage spans more: plan.stage_port_span),
+# a round number above PORTS_PER_STAGE so a stage's ports are easy to read off.
+PORT_STRIDE = 10
+assert PORT_STRIDE >= PORTS_PER_STAGE
 
 EMBED_NAME, NORM_NAME, HEAD_NAME = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 # a checkpoint written by `modelfleet quantize` names tensors by shard path: embed, layers.N..., norm.weight, head.weight,
@@ -66,7 +74,7 @@ class TensorIndex(Protocol):
     def info(self, name: str) -> TensorInfo: ...
 
 
-QUANTIZED_FORMATS = ("int4", "int4_sym", "int8", "mxfp4")
+QUANTIZED_FORMATS = PACKED_FORMATS  # the formats a role is quantized into at load (engine.format_names)
 
 
 def format_bytes(shape: Sequence[int], fmt: str, kernel_layouts: bool = True) -> int:
@@ -234,27 +242,14 @@ def _itemsize(dtype: str | None) -> int | None:
 
 
 def kv_bytes_per_layer(spec: ModelSpec, max_streams: int, context_length: int, dtype: str) -> list[int]:
-    """KV cache bytes each layer reserves for ``max_streams`` streams of ``context_length`` positions.
+    """KV cache bytes each layer reserves for ``max_streams`` streams of ``context_length`` positions,
+    as a loaded shard allocates them: each family's :func:`~modelfleet.engine.models.cache_layout`
+    (standard attention's K and V, DeepSeek's MLA latent; a sliding-window layer keeps its window
+    plus the rewind slack)."""
+    from .engine.cache_layout import cache_layouts
 
-    Standard attention caches K and V ([kv_heads, head_dim] each per position); DeepSeek's MLA
-    caches one latent (kv_lora_rank + qk_rope_head_dim). Layers listed as ``sliding_attention`` in
-    ``layer_types`` keep the window plus a rewind slack; without ``layer_types`` every layer is
-    counted at full context, an upper bound.
-    """
-    if spec.family == "deepseek_v3":
-        per_position = int(spec.require("kv_lora_rank")) + int(spec.require("qk_rope_head_dim"))
-    else:
-        per_position = 2 * spec.num_kv_heads * spec.head_dim
-    types = spec.get("layer_types") or ["full_attention"] * spec.num_layers
-    window = spec.get("sliding_window")
     itemsize = _itemsize(dtype) or 4
-    sizes = []
-    for kind in types[: spec.num_layers]:
-        positions = context_length
-        if kind == "sliding_attention" and window:
-            positions = min(context_length, int(window) + REWIND_SLACK_POSITIONS)
-        sizes.append(max_streams * positions * per_position * itemsize)
-    return sizes
+    return [layout.nbytes(max_streams, context_length, itemsize) for layout in cache_layouts(spec)]
 
 
 # ---- node memory ----------------------------------------------------------------------------
@@ -327,22 +322,17 @@ def usable_memory(node: Mapping[str, Any], runtime_reserve_bytes: int = RUNTIME_
 
 
 def split_even(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous [layer_start, layer_end) per stage; the first ``num_layers % stages`` get one more."""
-    _check_counts(num_layers, stages)
-    base, extra = divmod(num_layers, stages)
-    ranges, start = [], 0
-    for k in range(stages):
-        end = start + base + (1 if k < extra else 0)
-        ranges.append((start, end))
-        start = end
+    """:func:`modelfleet.engine.split.even_split` (the first ``num_layers % stages`` stages hold one
+    layer more), raising PlanError."""
+    try:
+        ranges: list[tuple[int, int]] = even_split(num_layers, stages)
+    except InputError as exc:
+        raise PlanError(str(exc)) from exc
     return ranges
 
 
 def _check_counts(num_layers: int, stages: int) -> None:
-    if stages < 1:
-        raise PlanError(f"stages={stages} must be >= 1")
-    if stages > num_layers:
-        raise PlanError(f"stages={stages} exceeds the model's {num_layers} layers; every stage holds at least one")
+    split_even(num_layers, stages)
 
 
 def split_by_memory(
@@ -439,13 +429,54 @@ def _human(n: int) -> str:
 # ---- the whole plan -------------------------------------------------------------------------
 
 
+def assemble_plan(
+    model: Mapping[str, Any],
+    ranges: Sequence[Sequence[tuple[int, int]]],
+    sizes: LayerBytes,
+    kv_bytes: Sequence[int],
+    address_of: Callable[[int, int], str],
+    device_of: Callable[[int, int], str] = lambda g, s: "cpu",
+    *,
+    tp_size: int = 1,
+    backend: str = "torch",
+    serving: ServingLimits | Mapping[str, Any] | None = None,
+) -> FleetPlan:
+    """The FleetPlan of ``ranges`` (per group, per stage: ``(layer_start, layer_end)``), the one
+    assembler. ``model``: the plan's ``model`` fields; ``sizes`` give each stage's
+    ``weights_bytes`` and ``kv_bytes`` (per layer) its ``kv_budget_bytes``; ``address_of(g, s)``
+    and ``device_of(g, s)`` place stage ``s`` of group ``g``; every stage gets ``tp_size`` and
+    ``backend``. Raises PlanError naming the field when the result is not a valid plan."""
+    groups = [
+        {"group_index": g, "stages": [
+            {
+                "stage_index": s, "layer_start": a, "layer_end": b, "tp_size": tp_size, "backend": backend,
+                "address": address_of(g, s), "device": device_of(g, s),
+                "weights_bytes": sizes.stage_bytes(a, b), "kv_budget_bytes": sum(kv_bytes[a:b]),
+            }
+            for s, (a, b) in enumerate(stages)
+        ]}
+        for g, stages in enumerate(ranges)
+    ]  # fmt: skip
+    return build(model=dict(model), groups=groups, serving=serving if serving is not None else ServingLimits())
+
+
+def local_address(base_port: int, stages: int, tp_size: int = 1) -> Callable[[int, int], str]:
+    """Addresses of a fleet on this machine: stage ports from ``base_port``, group after group,
+    PORT_STRIDE apart (a multiple of it when a stage of ``tp_size`` ranks spans more ports)."""
+    stride = PORT_STRIDE * -(-stage_port_span(tp_size) // PORT_STRIDE)
+    return lambda g, s: f"127.0.0.1:{base_port + stride * (g * stages + s)}"
+
+
 def build_plan(
     model_dir: str | Path,
     stages: int,
     nodes: Sequence[Mapping[str, Any]] | None = None,
     *,
     groups: int = 1,
+    tensor: int = 1,
     dtype: str = "bfloat16",
+    device: str = "cpu",
+    backend: str = "torch",
     served_name: str | None = None,
     model_path: str | None = None,
     formats: Formats | None = None,
@@ -453,40 +484,42 @@ def build_plan(
     address_of: Callable[[int, int], str] | None = None,
     runtime_reserve_bytes: int = RUNTIME_RESERVE_BYTES,
 ) -> FleetPlan:
-    """A plan of ``groups`` pipelines of ``stages`` stages each (TP size 1).
+    """A plan of ``groups`` pipeline replicas of ``stages`` stages each, ``tensor`` ranks a stage.
 
-    Without ``nodes`` the layers are split evenly and every stage runs on the cpu. With ``nodes``
-    (Kubernetes Node objects, ``stages`` per group, group after group) each group's layers are
-    split by the nodes' usable memory. Each group's stages reserve KV for its share of
-    ``serving.max_streams`` (rounded up) at ``serving.context_length``.
+    Without ``nodes`` the layers are split evenly and every stage runs on ``device``. With
+    ``nodes`` (Kubernetes Node objects, ``stages`` per group, group after group) each group's
+    layers are split by the nodes' usable memory and each stage runs on its node's device. Each
+    group's stages reserve KV for its share of ``serving.max_streams`` (rounded up) at
+    ``serving.context_length``. Only the torch backend can be planned here (the OpenVINO backend
+    is not built yet).
     """
     from .engine.spec import load_spec
 
+    if backend != "torch":
+        raise PlanError(
+            f"backend={backend!r}: the OpenVINO backend is not built yet; plan with backend torch (CPU or CUDA devices)"
+        )
+    if groups < 1:
+        raise PlanError(f"groups={groups} must be >= 1")
     spec = load_spec(model_dir)
     sizes = layer_bytes(model_dir, dtype).in_formats(formats)
     limits = serving or ServingLimits()
-    streams_per_group = -(-limits.max_streams // groups)
-    kv = kv_bytes_per_layer(spec, streams_per_group, limits.context_length, dtype)
+    kv = kv_bytes_per_layer(spec, -(-limits.max_streams // groups), limits.context_length, dtype)
     if nodes is not None and len(nodes) != stages * groups:
         raise PlanError(f"{len(nodes)} nodes given for {groups} group(s) of {stages} stages; need {stages * groups}")
-    address = address_of or (lambda g, s: f"127.0.0.1:{DEFAULT_BASE_PORT + PORT_STRIDE * (g * stages + s)}")
-    plan_groups = []
-    for g in range(groups):
-        members = None if nodes is None else list(nodes[g * stages : (g + 1) * stages])
-        ranges = _group_ranges(sizes, kv, stages, members, runtime_reserve_bytes)
-        plan_groups.append({"group_index": g, "stages": [
-            {
-                "stage_index": s, "layer_start": a, "layer_end": b, "address": address(g, s),
-                "device": "cpu" if members is None else node_device(members[s]),
-                "weights_bytes": sizes.stage_bytes(a, b), "kv_budget_bytes": sum(kv[a:b]),
-            }
-            for s, (a, b) in enumerate(ranges)
-        ]})  # fmt: skip
+    members = [None if nodes is None else list(nodes[g * stages : (g + 1) * stages]) for g in range(groups)]
+    ranges = [_group_ranges(sizes, kv, stages, m, runtime_reserve_bytes) for m in members]
     model = {
         "path": model_path or str(Path(model_dir).resolve()), "served_name": served_name or Path(model_dir).name,
         "family": spec.family, "num_layers": spec.num_layers, "dtype": dtype, "formats": formats or Formats(),
     }  # fmt: skip
-    return build(model=model, groups=plan_groups, serving=limits)
+
+    def device_of(g: int, s: int) -> str:
+        group_nodes = members[g]
+        return device if group_nodes is None else node_device(group_nodes[s])
+
+    address = address_of or local_address(DEFAULT_BASE_PORT, stages, tensor)
+    return assemble_plan(model, ranges, sizes, kv, address, device_of, tp_size=tensor, serving=limits)
 
 
 def _group_ranges(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 
+from modelfleet.plan import stage_at
+
 LABEL_FLEET = "modelfleet.io/fleet"
 LABEL_GROUP = "modelfleet.io/group"
 LABEL_STAGE_INDEX = "modelfleet.io/stage-index"
@@ -23,9 +25,10 @@ ANNOTATION_REVISION = "modelfleet.io/revision"
 ANNOTATION_GENERATION = "modelfleet.io/generation"
 ANNOTATION_STAGE_FAILED = "modelfleet.io/stage-failed"  # on a fleet: <pod>/<uid> of its last failed stage
 
-AGENT_PORT = 5555
-AGENT_HTTP_PORT = AGENT_PORT + 1  # the agent serves /healthz, /readyz, /status, /metrics on its port + 1
-TENSOR_PORT = AGENT_PORT + 3  # rank 0 of a stage with tp_size > 1 hosts its tensor group's rendezvous here
+AGENT_PORT = 5555  # every stage pod's frame port (each pod is a host of its own): the plan's addresses
+_AGENT = stage_at(f"stage:{AGENT_PORT}")  # its other ports are the plan's (modelfleet.plan.StagePlan)
+AGENT_HTTP_PORT = _AGENT.http_port  # /healthz, /readyz, /status, /metrics
+TENSOR_PORT = _AGENT.rendezvous_port  # rank 0 of a stage with tp_size > 1 hosts its tensor group's rendezvous here
 GATEWAY_PORT = 8000
 PLAN_MOUNT_DIR = "/etc/modelfleet"
 MODEL_MOUNT_DIR = "/models"

@@ -131,7 +131,7 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
         _env("MF_STAGE", str(member.stage)), _env("MF_STAGE_INDEX", str(member.stage)),
         _env("MF_LAYER_START", str(stage.layer_start)), _env("MF_LAYER_END", str(stage.layer_end)),
         _env("MF_TP_RANK", str(member.tp_rank)), _env("MF_TP_SIZE", str(stage.tp_size)),
-        _env("MF_BACKEND", spec.backend), _env("MF_NUMA", spec.placement.numa), *model_env,
+        _env("MF_NUMA", spec.placement.numa), *model_env,
         _env("MF_HTTP_HOST", "0.0.0.0"), _env("MF_KEYS_DIR", names.TRANSPORT_KEYS_DIR), _env("HOME", SCRATCH_DIR),
         {"name": "MF_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "MF_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},

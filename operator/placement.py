@@ -36,8 +36,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from modelfleet.plan import FleetPlan, PlanError, build
-from modelfleet.planner import InfeasiblePlan, node_name, parse_quantity, split_by_memory, usable_memory
+from modelfleet.plan import FleetPlan, PlanError
+from modelfleet.planner import (
+    InfeasiblePlan,
+    assemble_plan,
+    node_name,
+    parse_quantity,
+    split_by_memory,
+    usable_memory,
+)
 
 from .affinity import HOSTNAME, affinity_rejection, member_labels, pod_terms, preference_score, selects
 from .names import model_path, stage_address
@@ -265,47 +272,29 @@ def _plan(
     namespace: str,
 ) -> Placement:
     """``per_stage`` is the number of nodes a stage spans: ``tensor``, or 1 when its ranks share one."""
-    tp, sizes = spec.parallelism.tensor, summary.sizes(spec.model.formats)
+    tp = spec.parallelism.tensor
     streams_per_group = -(-spec.serving.max_streams // spec.replicas)
     kv = summary.kv_bytes(streams_per_group, spec.serving.context_length)
-    members, groups = [], []
+    members, ranges = [], []
     for g in range(spec.replicas):
         group_nodes = chosen[g * stages * per_stage : (g + 1) * stages * per_stage]
         stage_nodes = [group_nodes[s * per_stage : (s + 1) * per_stage] for s in range(stages)]
-        ranges = _ranges(spec, summary, kv, stage_nodes)
+        ranges.append(_ranges(spec, summary, kv, stage_nodes))
         members += [
             # rank r on the r-th node of its stage, or on the stage's one node when packed
             MemberAssignment(g, s, r, node_name(nodes[r % per_stage]), accelerator_resource(nodes[r % per_stage], spec))
             for s, nodes in enumerate(stage_nodes)
             for r in range(tp)
         ]
-        groups.append({"group_index": g, "stages": [
-            {
-                "stage_index": s, "layer_start": a, "layer_end": b, "tp_size": tp,
-                "device": PLAN_DEVICE[spec.accelerator.profile],
-                "weights_bytes": sizes.stage_bytes(a, b), "kv_budget_bytes": sum(kv[a:b]),
-            }
-            for s, (a, b) in enumerate(ranges)
-        ]})  # fmt: skip
     # The revision hashes the plan without its addresses (which name the revision), the nodes and
     # what else shapes a stage pod (image, resources, placement, model source...), so that any of
     # them changing rolls out new pods; gateway, restart and rollout settings shape no stage pod.
-    unaddressed = _build(spec, summary, _addressed(groups, fleet, namespace, "0"))
+    unaddressed = _build(spec, summary, ranges, kv, fleet, namespace, "0")
     nodes = ",".join(f"{m.group}/{m.stage}/{m.tp_rank}={m.node}" for m in members)
     pod_inputs = spec.model_dump_json(exclude={"gateway", "restart_policy", "rollout"})
     revision = revision_of(f"{unaddressed.plan_hash()}\n{pod_inputs}", nodes)
-    plan = _build(spec, summary, _addressed(groups, fleet, namespace, revision))
+    plan = _build(spec, summary, ranges, kv, fleet, namespace, revision)
     return Placement(plan, tuple(members), revision)
-
-
-def _addressed(groups: list[dict[str, Any]], fleet: str, namespace: str, revision: str) -> list[dict[str, Any]]:
-    return [
-        {**group, "stages": [
-            {**stage, "address": stage_address(fleet, namespace, revision, group["group_index"], stage["stage_index"], stage["tp_size"])}
-            for stage in group["stages"]
-        ]}
-        for group in groups
-    ]  # fmt: skip
 
 
 def _ranges(
@@ -347,7 +336,16 @@ def _stage_usable(spec: ModelFleetSpec, nodes: list[Node]) -> int:
     return usable_memory({**node, "status": {**(node.get("status") or {}), "allocatable": allocatable}})
 
 
-def _build(spec: ModelFleetSpec, summary: ModelSummary, groups: list[dict[str, Any]]) -> FleetPlan:
+def _build(
+    spec: ModelFleetSpec,
+    summary: ModelSummary,
+    ranges: list[list[tuple[int, int]]],
+    kv: list[int],
+    fleet: str,
+    namespace: str,
+    revision: str,
+) -> FleetPlan:
+    """The plan of ``ranges`` under ``revision`` (its pods' names are the stages' addresses)."""
     model = {
         "path": model_path(spec.model.uri), "served_name": spec.model.served_name, "family": summary.family,
         "num_layers": summary.num_layers, "dtype": summary.dtype, "formats": spec.model.formats,
@@ -357,4 +355,10 @@ def _build(spec: ModelFleetSpec, summary: ModelSummary, groups: list[dict[str, A
         "window_rows": spec.serving.window_rows, "max_queue": spec.gateway.max_queue,
         "queue_timeout_seconds": float(spec.gateway.queue_timeout_seconds),
     }  # fmt: skip
-    return build(model=model, groups=groups, serving=serving)
+    tp = spec.parallelism.tensor
+    return assemble_plan(
+        model, ranges, summary.sizes(spec.model.formats), kv,
+        address_of=lambda g, s: stage_address(fleet, namespace, revision, g, s, tp),
+        device_of=lambda g, s: PLAN_DEVICE[spec.accelerator.profile],
+        tp_size=tp, backend=spec.backend, serving=serving,
+    )  # fmt: skip

@@ -14,13 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from modelfleet.plan import ComputeDtype, Formats, PlanError, _describe
-from modelfleet.planner import (
-    REWIND_SLACK_POSITIONS,
-    LayerBytes,
-    TensorIndex,
-    kv_bytes_per_layer,
-    layer_bytes_of,
-)
+from modelfleet.planner import LayerBytes, TensorIndex, kv_bytes_per_layer, layer_bytes_of
 
 if TYPE_CHECKING:
     from modelfleet.engine.spec import ModelSpec
@@ -98,17 +92,14 @@ def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSumma
 
 
 def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSummary:
+    from modelfleet.engine.cache_layout import cache_layouts
+
     sizes = layer_bytes_of(spec, checkpoint, dtype)
-    per_position = kv_bytes_per_layer(spec, 1, 1, dtype)
-    window = spec.get("sliding_window")
-    types = spec.get("layer_types") or ["full_attention"] * spec.num_layers
-    windows = [
-        int(window) + REWIND_SLACK_POSITIONS if kind == "sliding_attention" and window else 0
-        for kind in types[: spec.num_layers]
-    ]
+    per_position = kv_bytes_per_layer(spec, 1, 1, dtype)  # one stream, one position
     return ModelSummary(
         family=spec.family, num_layers=spec.num_layers, dtype=dtype, layer_bytes=sizes.per_layer,  # type: ignore[arg-type]
         embed_bytes=sizes.embed_bytes, norm_bytes=sizes.norm_bytes, head_matrix_bytes=sizes.head_matrix_bytes,
-        tied=sizes.tied, kv_bytes_per_position=tuple(per_position), kv_window_positions=tuple(windows),
+        tied=sizes.tied, kv_bytes_per_position=tuple(per_position),
+        kv_window_positions=tuple(c.kept_positions or 0 for c in cache_layouts(spec)),  # as a shard keeps them
         layer_role_bytes=tuple(dict(t) for t in sizes.role_bytes), outer_role_bytes=dict(sizes.outer_role_bytes),
     )  # fmt: skip

@@ -13,6 +13,7 @@ from tiny import COMMON, CONFIGS, save_model
 
 from modelfleet import plan as fleet_plan
 from modelfleet import planner
+from modelfleet.engine.cache_layout import REWIND_SLACK_POSITIONS
 from modelfleet.engine.checkpoint import Checkpoint
 from modelfleet.engine.spec import spec_from_config
 from modelfleet.plan import FleetPlan, PlanError, ServingLimits
@@ -334,7 +335,7 @@ def test_kv_reservation_per_layer_follows_the_attention_kind():
     qwen = spec_from_config({**COMMON, **CONFIGS["qwen3_moe"], "model_type": "qwen3_moe"})
     assert planner.kv_bytes_per_layer(qwen, 3, 100, "bfloat16") == [3 * 100 * 2 * 2 * 16 * 2] * 4
     oss = spec_from_config({**COMMON, **CONFIGS["gpt_oss"], "model_type": "gpt_oss"})
-    window = 6 + planner.REWIND_SLACK_POSITIONS
+    window = 6 + REWIND_SLACK_POSITIONS
     per_position = 2 * 2 * 16 * 4
     assert planner.kv_bytes_per_layer(oss, 1, 1000, "float32") == [window * per_position, 1000 * per_position] * 2
     deepseek = spec_from_config({**COMMON, **CONFIGS["deepseek_v3"], "model_type": "deepseek_v3"})

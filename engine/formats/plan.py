@@ -20,21 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..format_names import MATMUL_FORMATS, PACKED_FORMATS, PLAIN_FORMATS, ROLE_FORMATS, ROLES
 from .base import FormatError
 from .registry import check_format
 
-ROLES = ("experts", "attention", "head", "embeddings")
 OTHER = "other"  # norms, routers, biases, sinks: never quantized
 
-PLAIN = ("bf16", "fp16", "fp32")
-PACKED = ("int4", "int4_sym", "int8", "mxfp4")
-MATMUL = ("int4", "int4_sym", "int8", *PLAIN)
-SUPPORTED: dict[str, tuple[str, ...]] = {
-    "experts": (*PACKED, *PLAIN),
-    "attention": MATMUL,
-    "head": MATMUL,
-    "embeddings": (*PACKED, *PLAIN),  # a row lookup decodes only the rows asked for
-}
+# the vocabulary's lists (engine.format_names), under the names this module has always used
+PLAIN, PACKED, MATMUL, SUPPORTED = PLAIN_FORMATS, PACKED_FORMATS, MATMUL_FORMATS, ROLE_FORMATS
 
 
 @dataclass(frozen=True)

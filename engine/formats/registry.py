@@ -1,4 +1,8 @@
-"""Format names -> quantizers, and the format-independent entry points ``quantize`` and ``slice_weight``."""
+"""Format names -> quantizers, and the format-independent entry points ``quantize`` and ``slice_weight``.
+
+The names are :data:`engine.format_names.WEIGHT_FORMATS` (the vocabulary the plan, the command
+line and the CRD use), in its order; importing this module checks that the two agree.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..format_names import WEIGHT_FORMATS
 from .base import FormatError, QuantizedWeight
 from .int4 import quantize_int4
 from .int8 import quantize_int8
@@ -23,6 +28,8 @@ FORMATS: dict[str, Quantizer] = {
     "fp16": lambda w: quantize_plain(w, "fp16"),
     "fp32": lambda w: quantize_plain(w, "fp32"),
 }
+if tuple(FORMATS) != WEIGHT_FORMATS:  # a format registered here is named in the vocabulary, and only those
+    raise ImportError(f"registered formats {tuple(FORMATS)} differ from engine.format_names {WEIGHT_FORMATS}")
 
 
 def format_names() -> tuple[str, ...]:

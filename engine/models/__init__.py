@@ -1,8 +1,12 @@
-"""Model families: how each architecture's checkpoint becomes decoder layers.
+"""Model families: how each architecture's checkpoint becomes decoder layers, and what each
+layer caches.
 
 A family module exposes ``validate(spec)`` (raise ConfigError for missing or unsupported
-fields) and ``build_layer(spec, layer_index, weights)`` returning a DecoderLayer whose
-``attention`` has ``cache_shapes()`` and ``window``. Modules are imported on first use.
+fields), ``build_layer(spec, layer_index, weights)`` returning a DecoderLayer, and
+``cache_layout(spec, layer_index)`` returning the layer's
+:class:`~modelfleet.engine.cache_layout.LayerCache` (asked through
+:func:`modelfleet.engine.cache_layout.cache_layout`). Modules are imported on first use; this
+module imports neither torch nor a family.
 """
 
 from __future__ import annotations

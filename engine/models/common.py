@@ -1,4 +1,4 @@
-"""Pieces the family builders share: the rotary table per spec and the standard GQA block."""
+"""Pieces the family builders share: the rotary table per spec, the standard GQA block and its cache."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from functools import lru_cache
 
 import torch
 
+from ..cache_layout import LayerCache
 from ..layers import Attention, Dense, RMSNorm
 from ..rope import Rotary
 from ..spec import ModelSpec, RopeSpec
@@ -60,6 +61,12 @@ def gqa_attention(
         window=window,
         sinks=a.get("sinks") if sinks else None,
     )
+
+
+def gqa_cache(spec: ModelSpec, window: int | None = None) -> LayerCache:
+    """The standard GQA layer's cache: per position, k and v, each [kv_heads, head_dim]."""
+    shape = (spec.num_kv_heads, spec.head_dim)
+    return LayerCache({"k": shape, "v": shape}, window)
 
 
 def norms(spec: ModelSpec, w: LayerWeights) -> tuple[RMSNorm, RMSNorm]:

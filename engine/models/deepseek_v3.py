@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache_layout import LayerCache
 from ..errors import ConfigError
 from ..kvcache import LayerKV
 from ..layers import (
@@ -80,11 +81,11 @@ def softmax_scale(spec: ModelSpec) -> float:
     """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under scaled RoPE: the
     reference's correction for YaRN's sharper attention (transformers' ``yarn_apply_mscale``)."""
     qk_head_dim = int(spec.raw["qk_nope_head_dim"]) + int(spec.raw["qk_rope_head_dim"])
-    scale = qk_head_dim**-0.5
+    scale = float(qk_head_dim) ** -0.5
     if spec.rope.rope_type != "default" and spec.rope.mscale_all_dim:
         mscale = _yarn_mscale(spec.rope.factor, float(spec.rope.mscale_all_dim))
         scale *= mscale * mscale
-    return scale
+    return float(scale)
 
 
 class LatentAttention(nn.Module):
@@ -139,7 +140,15 @@ class LatentAttention(nn.Module):
             past = kv.read(seg.slot, 0, seg.pos_end)["latent"].unsqueeze(1)  # [L, 1, r + rope]
             out[rs] = attend(query[rs], past, past[..., : self.kv_rank], seg.pos_start, 0, self.scale)
         out_v = torch.einsum("nhc,hvc->nhv", out, w_uv)
-        return self.o_proj(out_v.reshape(rows, heads * self.v_dim))
+        projected: torch.Tensor = self.o_proj(out_v.reshape(rows, heads * self.v_dim))
+        return projected
+
+
+def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
+    """Every layer: one latent row [kv_lora_rank + qk_rope_head_dim] a position, at full context,
+    shared by all heads (so every tensor rank holds all of it)."""
+    latent = int(spec.require("kv_lora_rank")) + int(spec.require("qk_rope_head_dim"))
+    return LayerCache({"latent": (latent,)}, window=None, split_heads=False)
 
 
 def latent_attention(spec: ModelSpec, w: LayerWeights) -> LatentAttention:

@@ -23,13 +23,14 @@ from functools import partial
 
 import torch
 
+from ..cache_layout import LayerCache
 from ..errors import CheckpointError, ConfigError
 from ..formats import BLOCK, FormatError, MXFP4Weight
 from ..layers import ClampedSwiGLU, DecoderLayer, Experts, SparseMoE
 from ..quantize import QuantizedExperts
 from ..spec import ModelSpec
 from ..weights import LayerWeights
-from .common import dense, gqa_attention, norms
+from .common import dense, gqa_attention, gqa_cache, norms
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -151,9 +152,13 @@ def experts(spec: ModelSpec, w: LayerWeights) -> Experts | QuantizedExperts:
     return Experts(gate_up, down, gate_up_bias, down_bias, activation)
 
 
+def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
+    """k and v; a sliding layer (``layer_types``, alternating from sliding when absent) over its window."""
+    return gqa_cache(spec, int(spec.require("sliding_window")) if layer_types(spec)[i] == SLIDING else None)
+
+
 def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> DecoderLayer:
-    window = int(spec.require("sliding_window")) if layer_types(spec)[i] == SLIDING else None
-    attention = gqa_attention(spec, w, window=window, sinks=True)
+    attention = gqa_attention(spec, w, window=cache_layout(spec, i).window, sinks=True)
     m = w.sub("mlp.")
     route = partial(top_k_then_softmax, top_k=int(spec.require("num_experts_per_tok")))
     mlp = SparseMoE(dense(m, "router"), route, experts(spec, m.sub("experts.")))

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from functools import partial
 
+from ..cache_layout import LayerCache
 from ..layers import DecoderLayer, Experts, SparseMoE, softmax_top_k
 from ..spec import ModelSpec
 from ..weights import LayerWeights
-from .common import dense, gqa_attention, norms
+from .common import dense, gqa_attention, gqa_cache, norms
 
 
 def validate(spec: ModelSpec) -> None:
@@ -16,9 +17,14 @@ def validate(spec: ModelSpec) -> None:
     spec.require("num_experts_per_tok")
 
 
-def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> DecoderLayer:
+def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
+    """Every layer: k and v, over the window when ``sliding_window`` is set."""
     window = spec.get("sliding_window")
-    attention = gqa_attention(spec, w, window=int(window) if window else None)
+    return gqa_cache(spec, int(window) if window else None)
+
+
+def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> DecoderLayer:
+    attention = gqa_attention(spec, w, window=cache_layout(spec, i).window)
     m = w.sub("block_sparse_moe.")
     gate_up, down = m.sub("experts.").glu_experts(
         int(spec.require("num_local_experts")), spec.hidden_size, names=("w1", "w3", "w2")

@@ -7,11 +7,12 @@ from functools import partial
 
 from torch import nn
 
+from ..cache_layout import LayerCache
 from ..errors import ConfigError
 from ..layers import DecoderLayer, Experts, GatedMLP, SparseMoE, softmax_top_k
 from ..spec import ModelSpec
 from ..weights import LayerWeights
-from .common import dense, gqa_attention, norms
+from .common import dense, gqa_attention, gqa_cache, norms
 
 
 def num_experts(spec: ModelSpec) -> int:
@@ -30,6 +31,11 @@ def validate(spec: ModelSpec) -> None:
 def is_sparse(spec: ModelSpec, i: int) -> bool:
     step = int(spec.get("decoder_sparse_step", 1))
     return i not in (spec.get("mlp_only_layers") or []) and (i + 1) % step == 0
+
+
+def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
+    """Every layer: k and v at full context (the engine serves Qwen3-MoE without sliding windows)."""
+    return gqa_cache(spec)
 
 
 def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> DecoderLayer:

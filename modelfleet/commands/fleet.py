@@ -14,6 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from modelfleet.engine.format_names import PACKED_FORMATS, PLAIN_FORMATS
+
 err = Console(stderr=True, soft_wrap=True)
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "demo"  # the repository's bundled model
 out = Console(soft_wrap=True)
@@ -61,59 +63,45 @@ def _load_nodes(path: Path) -> list[dict[str, Any]]:
 
 def make_plan(
     model: Path, stages: int, *, nodes: Path | None = None, max_streams: int = 16, context_length: int = 2048,
-    window_rows: int = 8, stream_groups: int | None = None, max_queue: int = 64, dtype: str = "float32",
+    window_rows: int = 8, microbatches: int | None = None, max_queue: int = 64, dtype: str = "float32",
     device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
-    formats: Any = None,
+    formats: Any = None, backend: str = "torch",
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
-    ``tensor`` ranks; stage ports run from ``base_port``, PORT_STRIDE apart (a multiple of it
-    when a stage's ranks need more ports on one machine: 3 + ``tensor``), group after group."""
+    ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group."""
     from modelfleet.plan import ServingLimits
-    from modelfleet.planner import PORT_STRIDE, build_plan
+    from modelfleet.planner import build_plan, local_address
 
-    stride = PORT_STRIDE * -(-(3 + tensor) // PORT_STRIDE)
     serving = ServingLimits(
         max_streams=max_streams, context_length=context_length, window_rows=window_rows,
-        stream_groups=stream_groups, max_queue=max_queue,
+        microbatches=microbatches, max_queue=max_queue,
     )  # fmt: skip
-    plan = build_plan(
-        model, stages, _load_nodes(nodes) if nodes else None, groups=groups, dtype=dtype, serving=serving,
-        served_name=served_name or model.resolve().name, model_path=str(model.resolve()),
-        address_of=lambda g, s: f"127.0.0.1:{base_port + stride * (g * stages + s)}", formats=formats,
+    return build_plan(
+        model, stages, _load_nodes(nodes) if nodes else None, groups=groups, tensor=tensor, dtype=dtype,
+        device=device, backend=backend, serving=serving, served_name=served_name or model.resolve().name,
+        model_path=str(model.resolve()), address_of=local_address(base_port, stages, tensor), formats=formats,
     )  # fmt: skip
-    if tensor > 1:
-        plan = _with_stages(plan, tp_size=tensor)
-    if device != "cpu" and nodes is None:
-        plan = _with_stages(plan, device=device)
-    return plan
 
 
-FORMAT_HELP = "int4, int8, mxfp4 (quantized at load) or bf16, fp16, fp32 (as stored); default as stored"
+FORMAT_HELP = (
+    f"{', '.join(PACKED_FORMATS)} (quantized at load) or {', '.join(PLAIN_FORMATS)} (as stored); default as stored"
+)
+BACKEND_HELP = "What executes the stages: torch (CPU or CUDA devices); openvino is not built yet."
+MICROBATCHES_HELP = "Sets of streams whose frames the head keeps in flight separately (default: one per stage)."
+GROUPS_HELP = "Pipeline replicas (groups); the gateway balances requests over them."
 
 
 def plan_formats(experts: str | None, attention: str | None, head: str | None, embeddings: str | None) -> Any:
     """The plan's ``model.formats`` from the command line's role options (None: as stored)."""
-    from typing import get_args
+    from modelfleet.engine.format_names import unsupported
+    from modelfleet.plan import Formats
 
-    from modelfleet.plan import Formats, WeightFormat
-
-    known = get_args(WeightFormat)
     roles = {"experts": experts, "attention": attention, "head": head, "embeddings": embeddings}
     given = {role: name for role, name in roles.items() if name}
     for role, name in given.items():
-        if name not in known:
-            fail(f"--{role} {name!r} is not a weight format; choose one of {', '.join(known)}")
+        if (why := unsupported(role, name)) is not None:
+            fail(f"--{role} {why}")
     return Formats.model_validate(given)
-
-
-def _with_stages(plan: Any, **fields: Any) -> Any:
-    """The plan with ``fields`` set on every stage, validated again."""
-    from modelfleet.plan import FleetPlan
-
-    groups = [
-        g.model_copy(update={"stages": tuple(s.model_copy(update=fields) for s in g.stages)}) for g in plan.groups
-    ]
-    return FleetPlan.model_validate(plan.model_copy(update={"groups": tuple(groups)}).model_dump())
 
 
 def plan(
@@ -126,6 +114,9 @@ def plan(
     window_rows: int = typer.Option(8, "--window-rows", min=1, help="Rows of one stream's prefill window per frame."),
     dtype: str = typer.Option("float32", "--dtype"),
     tensor: int = typer.Option(1, "--tensor", min=1, help="Tensor-parallel ranks per stage (tp_size)."),
+    groups: int = typer.Option(1, "--groups", min=1, help=GROUPS_HELP),
+    microbatches: int | None = typer.Option(None, "--microbatches", min=1, help=MICROBATCHES_HELP),
+    backend: str = typer.Option("torch", "--backend", help=BACKEND_HELP),
     experts_format: str | None = typer.Option(None, "--experts", help=f"Experts' format: {FORMAT_HELP}."),
     attention_format: str | None = typer.Option(None, "--attention", help=f"Attention's format: {FORMAT_HELP}."),
     head_format: str | None = typer.Option(None, "--head", help=f"Output head's format: {FORMAT_HELP}."),
@@ -140,7 +131,8 @@ def plan(
     formats = plan_formats(experts_format, attention_format, head_format, embeddings_format)
     try:
         fleet_plan = make_plan(model, stages, nodes=nodes, max_streams=max_streams, context_length=context_length,
-                               window_rows=window_rows, dtype=dtype, tensor=tensor, formats=formats)  # fmt: skip
+                               window_rows=window_rows, dtype=dtype, tensor=tensor, formats=formats, groups=groups,
+                               microbatches=microbatches, backend=backend)  # fmt: skip
     except ModelfleetError as exc:
         fail(str(exc))
     out.print(plan_table(fleet_plan))
@@ -151,19 +143,16 @@ def plan(
 def agent(
     plan_path: Path = typer.Option(..., "--plan", envvar="MF_PLAN", help="Fleet plan JSON."),
     stage: int = typer.Option(..., "--stage", envvar="MF_STAGE", min=0, help="Stage index in the group."),
-    group: int = typer.Option(0, "--group", envvar="MF_GROUP", min=0, help="Pipeline group (replica) index."),
+    group: int = typer.Option(0, "--group", envvar="MF_GROUP", min=0, help="Group (pipeline replica) index."),
     keys_dir: Path | None = typer.Option(
         None, "--keys-dir", envvar="MF_KEYS_DIR", help="Folder with fleet.key and fleet.key_secret (CURVE)."
     ),
     http_host: str | None = typer.Option(None, "--http-host", envvar="MF_HTTP_HOST", help="Bind /healthz etc. here."),
     http_port: int | None = typer.Option(
-        None, "--http-port", envvar="MF_HTTP_PORT", min=1, max=65535, help="HTTP port (default: the stage's port + 1)."
+        None, "--http-port", envvar="MF_HTTP_PORT", min=1, max=65535, help="HTTP port (default: the plan's)."
     ),
     tp_rank: int = typer.Option(
         0, "--tp-rank", envvar="MF_TP_RANK", min=0, help="Tensor rank in the stage; rank 0 serves it, others follow."
-    ),
-    backend: str = typer.Option(
-        "torch", "--backend", envvar="MF_BACKEND", help="Engine backend: torch (CPU or CUDA devices)."
     ),
     log_level: str = typer.Option("INFO", "--log-level", envvar="MF_LOG_LEVEL"),
 ) -> None:
@@ -173,6 +162,7 @@ def agent(
     from modelfleet.agent import transport
     from modelfleet.agent.follower import FollowerAgent
     from modelfleet.agent.stage import AgentConfig, StageAgent
+    from modelfleet.engine.backend import backend_refusal
     from modelfleet.engine.errors import ModelfleetError
     from modelfleet.plan import load
 
@@ -181,14 +171,10 @@ def agent(
         fleet_plan = load(plan_path)
         if group >= len(fleet_plan.groups) or stage >= len(fleet_plan.groups[group].stages):
             fail(f"the plan has no stage {stage} in group {group}")
-        device = fleet_plan.stage(group, stage).device
-        if backend != "torch":
-            fail(
-                f"backend {backend!r}: this release's engine runs on torch only (the OpenVINO backend for Intel GPUs "
-                "is not built yet); set spec.backend: torch with accelerator.profile cpu or nvidia-gpu"
-            )
-        if not device.startswith(("cpu", "cuda")):
-            fail(f"stage {stage}'s device {device!r} is an OpenVINO device; the torch backend runs on cpu or cuda[:N]")
+        # what executes the stage is the plan's (stages[].backend): refused here, before anything loads
+        refusal = backend_refusal(fleet_plan.stage(group, stage).backend, fleet_plan.stage(group, stage).device)
+        if refusal is not None:
+            fail(f"stage {stage}: {refusal}")
         tp_size = fleet_plan.stage(group, stage).tp_size
         if tp_rank >= tp_size:
             fail(
@@ -220,12 +206,10 @@ def up(
         None, "--model", help="Checkpoint directory (default: the bundled demo model, models/demo)."
     ),
     stages: int = typer.Option(2, "--stages", min=1),
-    groups: int | None = typer.Option(
-        None, "--groups", min=1, help="Stream groups in flight (default: one per stage)."
-    ),
-    replicas: int = typer.Option(
-        1, "--replicas", min=1, help="Copies of the whole pipeline; the gateway balances requests over them."
-    ),
+    groups: int = typer.Option(1, "--groups", min=1, help=GROUPS_HELP),
+    replicas: int | None = typer.Option(None, "--replicas", min=1, hidden=True, help="Deprecated: --groups."),
+    microbatches: int | None = typer.Option(None, "--microbatches", min=1, help=MICROBATCHES_HELP),
+    backend: str = typer.Option("torch", "--backend", help=BACKEND_HELP),
     window_rows: int = typer.Option(8, "--window-rows", min=1),
     max_streams: int = typer.Option(16, "--max-streams", min=1),
     max_queue: int = typer.Option(64, "--max-queue", min=0),
@@ -236,7 +220,7 @@ def up(
         1, "--tensor", min=1, help="Tensor-parallel ranks (processes) per stage; each gets its share of the cores."
     ),
     base_port: int = typer.Option(
-        5555, "--base-port", help="First stage port; each stage takes 3 ports (3 + --tensor with ranks), 10 apart."
+        5555, "--base-port", help="First stage port; stages are 10 ports apart (more with --tensor > 7)."
     ),
     experts_format: str | None = typer.Option(None, "--experts", help=f"Experts' format: {FORMAT_HELP}."),
     attention_format: str | None = typer.Option(None, "--attention", help=f"Attention's format: {FORMAT_HELP}."),
@@ -264,11 +248,14 @@ def up(
     if not model.is_dir():
         fail(f"model directory {str(model)!r} does not exist; pass --model DIR with a checkpoint")
     formats = plan_formats(experts_format, attention_format, head_format, embeddings_format)
+    if replicas is not None:
+        err.print("[yellow]warning:[/] --replicas is deprecated; it is --groups (pipeline replicas)")
+        groups = replicas
     try:
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
-                               window_rows=window_rows, stream_groups=groups, max_queue=max_queue, dtype=dtype,
-                               device=device, base_port=base_port, groups=replicas, tensor=tensor,
-                               formats=formats)  # fmt: skip
+                               window_rows=window_rows, microbatches=microbatches, max_queue=max_queue, dtype=dtype,
+                               device=device, base_port=base_port, groups=groups, tensor=tensor, formats=formats,
+                               backend=backend)  # fmt: skip
         check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
         fail(str(exc))
@@ -293,8 +280,8 @@ def up(
 
             fleet.wait_ready(ready_timeout, show)
         head = fleet_plan.groups[0].stages[0]
-        out.print(f"[bold green]fleet ready[/]: head at {head.address} (clients on port {head.port + 2}), "
-                  f"status at http://{head.host}:{head.port + 1}/status")  # fmt: skip
+        out.print(f"[bold green]fleet ready[/]: head at {head.address} (clients on port {head.client_port}), "
+                  f"status at http://{head.host}:{head.http_port}/status")  # fmt: skip
         _start_gateway(fleet, plan_path, host, port, api_keys_file, ready_timeout)
         _print_endpoint(fleet_plan, host, port, keyed=api_keys_file is not None or bool(os.environ.get("MF_API_KEYS")))
         while not stop_requested() and all(c.process.poll() is None for c in fleet.children):

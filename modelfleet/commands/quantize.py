@@ -50,7 +50,7 @@ def quantize(
     force: bool = typer.Option(False, "--force", help="Write into OUT even if it already holds a checkpoint."),
 ) -> None:
     """Quantize a checkpoint once, offline, with a format per role (experts, attention, head, embeddings)."""
-    from modelfleet.cli import _fail
+    from modelfleet.commands.fleet import fail as _fail
     from modelfleet.engine.errors import ModelfleetError
     from modelfleet.engine.formats.plan import plan_from_options
     from modelfleet.engine.quantized_checkpoint import save_quantized
