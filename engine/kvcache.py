@@ -1,19 +1,22 @@
-"""Per-slot attention state of a shard: KV tensors per layer and the slot table.
+"""Per-slot state of a shard: each layer's entries (KV, convolution history, ...) and the slot table.
 
 Invariants:
 - A slot's state covers positions [0, length) where ``length`` is the slot's entry in
   :class:`SlotTable`; a frame segment for that slot must start exactly at ``length``, or at 0,
   which starts a new stream in the slot (the head of a pipeline owns slot assignment, so a
   stage that missed a release still serves the slot's next stream correctly).
-- Full-attention layers store every position: k, v: [slots, kv_heads, capacity, head_dim].
-- Sliding-window layers keep a ring of ``window + rewind_slack`` positions (position p lives at
-  index p % capacity), so a rewind of up to ``rewind_slack + 1`` positions stays exact.
+- Entries kept at every position (full attention's k, v: [slots, capacity, kv_heads, head_dim])
+  store position p at index p.
+- Windowed entries (sliding-window attention, a convolution's history) keep a ring of
+  ``window + rewind_slack`` positions (position p at index p % capacity), so a rewind of up to
+  ``rewind_slack + 1`` positions stays exact (engine.cache_layout).
 - ``rewind(slot, position)`` only moves ``length`` back: entries past it are overwritten by the
   next segment, never read before that.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -92,44 +95,72 @@ class SlotTable:
 
 
 class LayerKV:
-    """One attention layer's cache of per-position tensors (k and v, or MLA's latents)."""
+    """One layer's per-slot state: its :class:`~engine.cache_layout.LayerCache` entries as tensors.
+
+    Each entry is stored as ``[slots, capacity, *shape]`` rows; its row index is the position
+    for an entry of stride 1 (K, V, a latent, a convolution's inputs) and ``position // stride``
+    for a strided one (a compressor's blocks). An entry whose capacity is less than the context's
+    rows is a ring: row r lives at r % capacity. ``capacity`` and ``ring`` describe the layout's
+    first entry (attention's, which every family lists first).
+    """
 
     def __init__(
         self,
+        max_slots: int,
+        capacities: dict[str, int],
+        shapes: dict[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        device: torch.device,
+        rings: dict[str, bool] | None = None,
+    ):
+        self.capacities = dict(capacities)
+        self.rings = dict(rings or dict.fromkeys(shapes, False))
+        # each entry: [slots, capacity, *shape]
+        self.tensors = {
+            name: torch.zeros((max_slots, self.capacities[name], *shape), dtype=dtype, device=device)
+            for name, shape in shapes.items()
+        }
+        first = next(iter(shapes))
+        self.capacity, self.ring = self.capacities[first], self.rings[first]
+
+    @classmethod
+    def uniform(
+        cls,
         max_slots: int,
         capacity: int,
         shapes: dict[str, tuple[int, ...]],
         dtype: torch.dtype,
         device: torch.device,
         ring: bool = False,
-    ):
-        self.capacity = capacity
-        self.ring = ring
-        # each entry: [slots, capacity, *shape]
-        self.tensors = {
-            name: torch.zeros((max_slots, capacity, *shape), dtype=dtype, device=device)
-            for name, shape in shapes.items()
-        }
+    ) -> LayerKV:
+        """Every entry at one capacity (K and V of one attention layer)."""
+        return cls(max_slots, dict.fromkeys(shapes, capacity), shapes, dtype, device, dict.fromkeys(shapes, ring))
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def write(self, slot: int, pos_start: int, values: dict[str, torch.Tensor]) -> None:
-        """Store rows [n, *shape] at positions [pos_start, pos_start + n)."""
+    def write(self, slot: int, start: int, values: dict[str, torch.Tensor]) -> None:
+        """Store each entry's rows [n, *shape] at row indices [start, start + n)."""
         for name, rows in values.items():
-            store = self.tensors[name][slot]
+            store, capacity = self.tensors[name][slot], self.capacities[name]
             n = rows.shape[0]
-            if not self.ring:
-                store[pos_start : pos_start + n] = rows
+            if not self.rings[name]:
+                store[start : start + n] = rows
                 continue
-            keep = min(n, self.capacity)
-            positions = torch.arange(pos_start + n - keep, pos_start + n, device=store.device)
-            store.index_copy_(0, positions % self.capacity, rows[n - keep :])
+            keep = min(n, capacity)
+            index = torch.arange(start + n - keep, start + n, device=store.device)
+            store.index_copy_(0, index % capacity, rows[n - keep :])
 
-    def read(self, slot: int, pos_start: int, pos_end: int) -> dict[str, torch.Tensor]:
-        """Stored rows for positions [pos_start, pos_end): views for full layers, copies for rings."""
-        if not self.ring:
-            return {name: t[slot, pos_start:pos_end] for name, t in self.tensors.items()}
-        index = torch.arange(pos_start, pos_end, device=next(iter(self.tensors.values())).device) % self.capacity
-        return {name: t[slot].index_select(0, index) for name, t in self.tensors.items()}
+    def read(self, slot: int, start: int, end: int, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Stored rows [start, end) of ``names`` (default: every entry): views where stored in
+        order, copies from rings."""
+        out = {}
+        for name in self.tensors if names is None else names:
+            store = self.tensors[name][slot]
+            if not self.rings[name]:
+                out[name] = store[start:end]
+                continue
+            index = torch.arange(start, end, device=store.device) % self.capacities[name]
+            out[name] = store.index_select(0, index)
+        return out

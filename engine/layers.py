@@ -245,12 +245,12 @@ def attend_with_cache(
     """Store a segment's keys/values and attend its queries over the slot's visible history."""
     if not kv.ring:
         kv.write(seg.slot, seg.pos_start, new)
-        past = kv.read(seg.slot, 0, seg.pos_end)
+        past = kv.read(seg.slot, 0, seg.pos_end, new)
         k_start = 0
     else:
         # read the surviving window before this segment overwrites ring entries
         k_start = max(0, seg.pos_start - (window or kv.capacity) + 1)
-        old = kv.read(seg.slot, k_start, seg.pos_start)
+        old = kv.read(seg.slot, k_start, seg.pos_start, new)
         past = {name: torch.cat([old[name], new[name]]) for name in new}
         kv.write(seg.slot, seg.pos_start, new)
     return attend(q, past["k"], past["v"], seg.pos_start, k_start, scale, window, sinks)

@@ -237,8 +237,15 @@ class Shard(nn.Module):
         return [cache_layout(self.spec, i).for_rank(size) for i in range(self.layer_start, self.layer_end)]
 
     def kv_bytes_per_position(self) -> int:
+        """Bytes one more position of one stream costs over every layer's entries kept at full
+        context (windowed entries cost nothing more once their window is full)."""
         item = torch.empty((), dtype=self.dtype).element_size()
-        return sum(layout.values_per_position * item for layout in self.cache_layouts())
+        return sum(
+            e.values_per_row * item // e.stride
+            for layout in self.cache_layouts()
+            for e in layout.entries.values()
+            if e.window is None
+        )
 
     def allocate_cache(
         self,
@@ -247,7 +254,7 @@ class Shard(nn.Module):
         kv_budget_bytes: int | None = None,
         rewind_slack: int = REWIND_SLACK_POSITIONS,
     ) -> None:
-        """Size per-slot KV state; sliding-window layers keep only window + rewind_slack positions."""
+        """Size per-slot state; windowed entries keep only window + rewind_slack positions."""
         if max_slots < 1 or max_context < 1:
             raise CapacityError(f"max_slots={max_slots} and max_context={max_context} must both be >= 1")
         if max_context > self.spec.max_position_embeddings:
@@ -256,24 +263,27 @@ class Shard(nn.Module):
                 f"{self.spec.max_position_embeddings}"
             )
         layouts = self.cache_layouts()
-        capacities = [layout.positions(max_context, rewind_slack) for layout in layouts]
         item = torch.empty((), dtype=self.dtype).element_size()
-        need = item * max_slots * sum(cap * c.values_per_position for c, cap in zip(layouts, capacities, strict=True))
+        need = sum(layout.nbytes(max_slots, max_context, item) for layout in layouts)
         if kv_budget_bytes is not None and need > kv_budget_bytes:
             raise CapacityError(
                 f"KV cache for {max_slots} slots x {max_context} positions needs {need} bytes, over the "
                 f"shard's budget of {kv_budget_bytes} bytes; lower max_slots or max_context, or raise the budget"
             )
-        self.kv = [
-            LayerKV(max_slots, cap, dict(layout.shapes), self.dtype, self.device, ring=cap < max_context)
-            for layout, cap in zip(layouts, capacities, strict=True)
-        ]
-        rings = [
-            cap - layout.window + 1
-            for layout, cap in zip(layouts, capacities, strict=True)
-            if layout.window is not None and cap < max_context
-        ]
-        self.slots = SlotTable(max_slots, max_context, min(rings) if rings else None)
+        self.kv = [self._layer_state(layout, max_slots, max_context, rewind_slack) for layout in layouts]
+        limits = [n for layout in layouts if (n := layout.rewind_limit(max_context, rewind_slack)) is not None]
+        self.slots = SlotTable(max_slots, max_context, min(limits) if limits else None)
+
+    def _layer_state(self, layout: LayerCache, max_slots: int, max_context: int, rewind_slack: int) -> LayerKV:
+        entries = layout.entries
+        return LayerKV(
+            max_slots,
+            {name: e.rows(max_context, rewind_slack) for name, e in entries.items()},
+            {name: e.shape for name, e in entries.items()},
+            self.dtype,
+            self.device,
+            {name: e.is_ring(max_context, rewind_slack) for name, e in entries.items()},
+        )
 
     def _slots(self) -> SlotTable:
         if self.slots is None:

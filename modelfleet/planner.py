@@ -241,6 +241,13 @@ def _itemsize(dtype: str | None) -> int | None:
     return _ITEMSIZE[dtype]
 
 
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes of one value in the compute dtype ``dtype``; PlanError naming the choices otherwise."""
+    size = _itemsize(dtype)
+    assert size is not None
+    return size
+
+
 def kv_bytes_per_layer(spec: ModelSpec, max_streams: int, context_length: int, dtype: str) -> list[int]:
     """KV cache bytes each layer reserves for ``max_streams`` streams of ``context_length`` positions,
     as a loaded shard allocates them: each family's :func:`~modelfleet.engine.models.cache_layout`
@@ -248,7 +255,7 @@ def kv_bytes_per_layer(spec: ModelSpec, max_streams: int, context_length: int, d
     plus the rewind slack)."""
     from .engine.cache_layout import cache_layouts
 
-    itemsize = _itemsize(dtype) or 4
+    itemsize = dtype_itemsize(dtype)
     return [layout.nbytes(max_streams, context_length, itemsize) for layout in cache_layouts(spec)]
 
 

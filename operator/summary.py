@@ -2,8 +2,9 @@
 
 The operator never opens a checkpoint: an inspection Job (or the user, or ``modelfleet render
 --model-summary``) writes this summary into the ConfigMap ``<fleet>-model-summary`` under the key
-``summary.json``. Sizes are bytes at the compute ``dtype``; KV is per layer for one position of
-one stream, with ``kv_window_positions`` the positions a sliding-window layer keeps (0 = all).
+``summary.json``. Sizes are bytes at the compute ``dtype``; ``kv_entries`` lists, per layer, what
+one stream keeps (engine.cache_layout's entries: bytes a row, the window, positions a row), so the
+operator sizes KV with the same arithmetic as the shard that allocates it.
 """
 
 from __future__ import annotations
@@ -14,13 +15,26 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from modelfleet.plan import ComputeDtype, Formats, PlanError, _describe
-from modelfleet.planner import LayerBytes, TensorIndex, kv_bytes_per_layer, layer_bytes_of
+from modelfleet.planner import LayerBytes, TensorIndex, dtype_itemsize, layer_bytes_of
 
 if TYPE_CHECKING:
     from modelfleet.engine.spec import ModelSpec
 
 SUMMARY_KEY = "summary.json"
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+class KVEntry(BaseModel):
+    """One state entry of a layer for one stream (engine.cache_layout.CacheEntry, in bytes):
+    ``bytes_per_row`` at the compute dtype, a row per ``stride`` positions, over the last
+    ``window`` positions (plus the rewind slack) or every position (``window`` None)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bytes_per_row: NonNegativeInt
+    window: PositiveInt | None = None
+    stride: PositiveInt = 1
 
 
 def summary_config_map_name(fleet: str) -> str:
@@ -38,8 +52,7 @@ class ModelSummary(BaseModel):
     norm_bytes: NonNegativeInt
     head_matrix_bytes: NonNegativeInt
     tied: StrictBool = False
-    kv_bytes_per_position: tuple[NonNegativeInt, ...]
-    kv_window_positions: tuple[NonNegativeInt, ...] | None = None
+    kv_entries: tuple[tuple[KVEntry, ...], ...]
     # bytes of the plain float matrices a weight format would hold, by "role/format", per layer
     # and for the embedding table and an untied head (planner.LayerBytes); empty in summaries of
     # packed checkpoints
@@ -48,7 +61,7 @@ class ModelSummary(BaseModel):
 
     @model_validator(mode="after")
     def _check_lengths(self) -> ModelSummary:
-        for name in ("layer_bytes", "kv_bytes_per_position", "kv_window_positions", "layer_role_bytes"):
+        for name in ("layer_bytes", "kv_entries", "layer_role_bytes"):
             values = getattr(self, name)
             if values is not None and values != () and len(values) != self.num_layers:
                 raise ValueError(f"{name} has {len(values)} entries for num_layers={self.num_layers}")
@@ -63,10 +76,11 @@ class ModelSummary(BaseModel):
 
     def kv_bytes(self, streams: int, context_length: int) -> list[int]:
         """KV bytes each layer reserves for ``streams`` streams of ``context_length`` positions."""
-        windows = self.kv_window_positions or (0,) * self.num_layers
+        from modelfleet.engine.cache_layout import rows_kept
+
         return [
-            streams * (min(context_length, window) if window else context_length) * per_position
-            for per_position, window in zip(self.kv_bytes_per_position, windows, strict=True)
+            streams * sum(rows_kept(context_length, e.window, e.stride) * e.bytes_per_row for e in entries)
+            for entries in self.kv_entries
         ]
 
     @classmethod
@@ -95,11 +109,15 @@ def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSum
     from modelfleet.engine.cache_layout import cache_layouts
 
     sizes = layer_bytes_of(spec, checkpoint, dtype)
-    per_position = kv_bytes_per_layer(spec, 1, 1, dtype)  # one stream, one position
+    itemsize = dtype_itemsize(dtype)
+    kv_entries = tuple(
+        tuple(KVEntry(bytes_per_row=e.values_per_row * itemsize, window=e.window, stride=e.stride)
+              for e in layout.entries.values())
+        for layout in cache_layouts(spec)
+    )  # fmt: skip
     return ModelSummary(
         family=spec.family, num_layers=spec.num_layers, dtype=dtype, layer_bytes=sizes.per_layer,  # type: ignore[arg-type]
         embed_bytes=sizes.embed_bytes, norm_bytes=sizes.norm_bytes, head_matrix_bytes=sizes.head_matrix_bytes,
-        tied=sizes.tied, kv_bytes_per_position=tuple(per_position),
-        kv_window_positions=tuple(c.kept_positions or 0 for c in cache_layouts(spec)),  # as a shard keeps them
+        tied=sizes.tied, kv_entries=kv_entries,
         layer_role_bytes=tuple(dict(t) for t in sizes.role_bytes), outer_role_bytes=dict(sizes.outer_role_bytes),
     )  # fmt: skip

@@ -31,7 +31,7 @@ def summary(layers: int = 8, layer_gib: float = 1.0, kv_per_position: int = 0, *
     """A model of ``layers`` equal layers; embedding and head are 0 bytes unless given."""
     values: dict[str, Any] = {
         "family": "qwen3_moe", "num_layers": layers, "layer_bytes": [int(layer_gib * GiB)] * layers,
-        "embed_bytes": 0, "norm_bytes": 0, "head_matrix_bytes": 0, "kv_bytes_per_position": [kv_per_position] * layers,
+        "embed_bytes": 0, "norm_bytes": 0, "head_matrix_bytes": 0, "kv_entries": [[{"bytes_per_row": kv_per_position}]] * layers,
     }  # fmt: skip
     return ModelSummary.model_validate({**values, **fields})
 

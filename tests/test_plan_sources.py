@@ -186,13 +186,13 @@ def test_gpt_oss_without_layer_types_alternates_sliding_and_full_layers_in_the_p
 )
 def test_each_family_answers_its_cache_layout_from_the_spec(family, overrides, windows, values_per_position) -> None:
     spec = _spec(family, **overrides)
-    assert [c.window for c in cache_layouts(spec)] == windows
-    assert {c.values_per_position for c in cache_layouts(spec)} == {values_per_position}
+    assert [{e.window for e in c.entries.values()} for c in cache_layouts(spec)] == [{w} for w in windows]
+    assert {sum(e.values_per_row for e in c.entries.values()) for c in cache_layouts(spec)} == {values_per_position}
 
 
 def test_a_tensor_rank_caches_its_share_of_attention_heads_but_all_of_an_mla_latent() -> None:
     (gqa, *_), (mla, *_) = cache_layouts(_spec("qwen3_moe")), cache_layouts(_spec("deepseek_v3"))
-    assert gqa.for_rank(2).shapes == {"k": (1, 16), "v": (1, 16)}
+    assert {name: e.shape for name, e in gqa.for_rank(2).entries.items()} == {"k": (1, 16), "v": (1, 16)}
     assert mla.for_rank(2) == mla
 
 

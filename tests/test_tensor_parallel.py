@@ -165,7 +165,7 @@ def test_each_rank_holds_half_the_split_weights_and_half_the_kv_cache(two_ranks,
 def attention_output(attention: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """One stream's rows through an attention block with a fresh cache."""
     rows = x.shape[0]
-    kv = LayerKV(1, 32, attention.cache_shapes(), x.dtype, x.device, ring=False)  # type: ignore[operator]
+    kv = LayerKV.uniform(1, 32, attention.cache_shapes(), x.dtype, x.device, ring=False)  # type: ignore[operator]
     return attention(x, FrameContext(segments_of([0] * rows, list(range(rows))), torch.arange(rows)), kv)
 
 

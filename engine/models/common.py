@@ -66,7 +66,7 @@ def gqa_attention(
 def gqa_cache(spec: ModelSpec, window: int | None = None) -> LayerCache:
     """The standard GQA layer's cache: per position, k and v, each [kv_heads, head_dim]."""
     shape = (spec.num_kv_heads, spec.head_dim)
-    return LayerCache({"k": shape, "v": shape}, window)
+    return LayerCache.attention({"k": shape, "v": shape}, window)
 
 
 def norms(spec: ModelSpec, w: LayerWeights) -> tuple[RMSNorm, RMSNorm]:

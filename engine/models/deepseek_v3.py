@@ -137,7 +137,7 @@ class LatentAttention(nn.Module):
         for seg in ctx.segments:
             rs = slice(seg.row_start, seg.row_end)
             kv.write(seg.slot, seg.pos_start, {"latent": latent[rs]})
-            past = kv.read(seg.slot, 0, seg.pos_end)["latent"].unsqueeze(1)  # [L, 1, r + rope]
+            past = kv.read(seg.slot, 0, seg.pos_end, ("latent",))["latent"].unsqueeze(1)  # [L, 1, r + rope]
             out[rs] = attend(query[rs], past, past[..., : self.kv_rank], seg.pos_start, 0, self.scale)
         out_v = torch.einsum("nhc,hvc->nhv", out, w_uv)
         projected: torch.Tensor = self.o_proj(out_v.reshape(rows, heads * self.v_dim))
@@ -148,7 +148,7 @@ def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
     """Every layer: one latent row [kv_lora_rank + qk_rope_head_dim] a position, at full context,
     shared by all heads (so every tensor rank holds all of it)."""
     latent = int(spec.require("kv_lora_rank")) + int(spec.require("qk_rope_head_dim"))
-    return LayerCache({"latent": (latent,)}, window=None, split_heads=False)
+    return LayerCache.attention({"latent": (latent,)}, window=None, split_heads=False)
 
 
 def latent_attention(spec: ModelSpec, w: LayerWeights) -> LatentAttention:

@@ -152,13 +152,18 @@ def experts(spec: ModelSpec, w: LayerWeights) -> Experts | QuantizedExperts:
     return Experts(gate_up, down, gate_up_bias, down_bias, activation)
 
 
+def window(spec: ModelSpec, i: int) -> int | None:
+    """A sliding layer's window (``layer_types``, alternating from sliding when absent); None for a full one."""
+    return int(spec.require("sliding_window")) if layer_types(spec)[i] == SLIDING else None
+
+
 def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
-    """k and v; a sliding layer (``layer_types``, alternating from sliding when absent) over its window."""
-    return gqa_cache(spec, int(spec.require("sliding_window")) if layer_types(spec)[i] == SLIDING else None)
+    """k and v, over the layer's window."""
+    return gqa_cache(spec, window(spec, i))
 
 
 def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> DecoderLayer:
-    attention = gqa_attention(spec, w, window=cache_layout(spec, i).window, sinks=True)
+    attention = gqa_attention(spec, w, window=window(spec, i), sinks=True)
     m = w.sub("mlp.")
     route = partial(top_k_then_softmax, top_k=int(spec.require("num_experts_per_tok")))
     mlp = SparseMoE(dense(m, "router"), route, experts(spec, m.sub("experts.")))

@@ -17,14 +17,19 @@ def validate(spec: ModelSpec) -> None:
     spec.require("num_experts_per_tok")
 
 
+def window(spec: ModelSpec) -> int | None:
+    """Every layer's window when ``sliding_window`` is set."""
+    size = spec.get("sliding_window")
+    return int(size) if size else None
+
+
 def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
-    """Every layer: k and v, over the window when ``sliding_window`` is set."""
-    window = spec.get("sliding_window")
-    return gqa_cache(spec, int(window) if window else None)
+    """Every layer: k and v, over the window."""
+    return gqa_cache(spec, window(spec))
 
 
 def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> DecoderLayer:
-    attention = gqa_attention(spec, w, window=cache_layout(spec, i).window)
+    attention = gqa_attention(spec, w, window=window(spec))
     m = w.sub("block_sparse_moe.")
     gate_up, down = m.sub("experts.").glu_experts(
         int(spec.require("num_local_experts")), spec.hidden_size, names=("w1", "w3", "w2")
