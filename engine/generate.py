@@ -23,9 +23,11 @@ from .formats.plan import FormatPlan
 from .frame import Frame
 from .kvcache import SlotState, SlotTable
 from .sampling import SamplingParams, TailSampler
-from .scheduler import Event, Finish, Refusal, Scheduler, SchedulerConfig, Step, Token
+from .scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, Token
 from .shard import Shard
 from .spec import ModelSpec, load_spec
+from .speculative import Speculator
+from .speculative.verify import sample_step
 from .split import even_split
 from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, supports_static_decode
 from .tensor_parallel import TensorGroup
@@ -176,7 +178,7 @@ class GenerationResult:
         return (len(self.token_ids) - 1) / decode_s if len(self.token_ids) > 1 and decode_s > 0 else 0.0
 
 
-def scheduler_for(model: LocalModel, streams: int) -> Scheduler:
+def scheduler_for(model: LocalModel, streams: int, speculator: Speculator | None = None) -> Scheduler:
     """One process's scheduler: every stream seated at once (as the model's slots allow), whole
     prompts in one window, one microbatch, one step at a time."""
     slots = model.slots.max_slots if model.slots is not None else 1
@@ -184,7 +186,7 @@ def scheduler_for(model: LocalModel, streams: int) -> Scheduler:
         max_streams=slots, context_length=model.max_context, vocab_size=model.spec.vocab_size,
         eos_token_ids=model.spec.eos_token_ids, window_rows=model.max_context, max_queue=max(streams, 1),
         queue_timeout_seconds=math.inf,
-    ))  # fmt: skip
+    ), speculator)  # fmt: skip
 
 
 def generate_batch(
@@ -192,11 +194,13 @@ def generate_batch(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
     on_token: Callable[[int, int], None] | None = None,
+    speculator: Speculator | None = None,
 ) -> list[GenerationResult]:
     """Generate for every prompt concurrently (more prompts than slots wait for one);
-    on_token(stream_index, token_id) as they come."""
+    on_token(stream_index, token_id) as they come. ``speculator``: propose and verify tokens
+    (speculative decoding; the output distribution is unchanged)."""
     per_stream = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-    scheduler = scheduler_for(model, len(prompts))
+    scheduler = scheduler_for(model, len(prompts), speculator)
     for prompt in prompts:
         if (refusal := scheduler.refusal(prompt)) is not None:
             raise InputError(refusal.message)
@@ -213,13 +217,17 @@ def generate_batch(
                 for stream in step.new_streams:
                     sampler.start(stream.slot, stream.params)
                     seated.add(stream.slot)
-                tokens, errors = sampler.sample([s.slot for s in step.sampled], model.run_step(step))
+                logits = model.run_step(step)
+                rows_in = [step.token_ids[r] for r in step.output_rows]
+                tokens, errors = sample_step(sampler, [s.slot for s in step.sampled], rows_in, logits)
                 if errors:
                     raise next(iter(errors.values()))
                 now = time.perf_counter() - start
-                for event in scheduler.complete(step.id, tokens):
+                for event in scheduler.complete(step.id, tokens, now):
                     _deliver(event, results, now, on_token)
-                    if isinstance(event, Finish):
+                    if isinstance(event, Rewind):
+                        model.rewind(event.stream.slot, event.position)
+                    elif isinstance(event, Finish):
                         model.release(event.stream.slot)
                         sampler.release(event.stream.slot)
                         seated.discard(event.stream.slot)
@@ -232,6 +240,8 @@ def generate_batch(
 def _deliver(
     event: Event, results: list[GenerationResult], now: float, on_token: Callable[[int, int], None] | None
 ) -> None:
+    if isinstance(event, Rewind):
+        return
     index = cast(int, event.stream.key)
     result = results[index]
     if not result.token_ids and result.time_to_first_token_s == 0.0:
@@ -250,6 +260,7 @@ def generate(
     prompt_ids: Sequence[int],
     params: SamplingParams,
     on_token: Callable[[int], None] | None = None,
+    speculator: Speculator | None = None,
 ) -> GenerationResult:
     callback = None if on_token is None else (lambda _i, t: on_token(t))
-    return generate_batch(model, [prompt_ids], [params], callback)[0]
+    return generate_batch(model, [prompt_ids], [params], callback, speculator)[0]

@@ -13,6 +13,11 @@ sampled tokens to :meth:`Scheduler.complete`, which returns the :class:`Token` a
 it on its backends before it sends the next step (a pipeline's control messages travel in order
 with its frames, so no stage sees the slot's next stream before the release).
 
+Speculation (a :class:`~engine.speculative.Speculator`): a decode row may carry the stream's
+proposals after it (a verify window, every row's output wanted). The tail verifies them exactly
+and returns the accepted ones plus one token; :meth:`Scheduler.complete` commits them under the
+same stop and length rules and returns a :class:`Rewind` when the backends hold rejected rows.
+
 Invariants:
 - A stream's rows are scheduled in position order and each position once; at most one row whose
   token is due (its *sample row*) is in flight per stream: a decode row needs the last token.
@@ -40,6 +45,9 @@ import torch
 from .errors import ErrorCode, InputError
 from .frame import Frame
 from .sampling import SamplingParams
+from .speculative import Speculator
+
+LEARN_CONTEXT = 8  # tokens before an emitted one that a learning proposer is shown
 
 
 class FinishReason(enum.StrEnum):
@@ -85,7 +93,6 @@ class StreamState:
     scheduled: int = 0  # positions sent to the backend: prompt windows, then decode rows
     generated: list[int] = field(default_factory=list)  # committed output tokens
     awaiting: bool = False  # a sample row of this stream is in flight
-    drafts: list[int] = field(default_factory=list)  # proposed tokens not yet confirmed (speculation)
     finish: FinishReason | None = None
 
     @property
@@ -122,7 +129,16 @@ class Finish:
     message: str = ""
 
 
-Event = Token | Finish
+@dataclass(frozen=True)
+class Rewind:
+    """The backends hold proposals of ``stream`` that verification rejected: keep positions
+    [0, position) of its slot on every stage before its next step."""
+
+    stream: StreamState
+    position: int
+
+
+Event = Token | Finish | Rewind
 
 
 @dataclass(frozen=True)
@@ -147,7 +163,7 @@ class Step:
     @property
     def decode_only(self) -> bool:
         """One row per stream, each sampled, none starting: a step a fixed-shape (graph) decode can run."""
-        return len(self.output_rows) == self.rows and not self.new_streams
+        return len(self.output_rows) == self.rows and not self.new_streams and len(set(self.slots)) == self.rows
 
     def frame(self) -> Frame:
         return Frame(
@@ -159,8 +175,10 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, speculator: Speculator | None = None):
+        """``speculator``: propose tokens on decode rows (speculative decoding), or None."""
         self.config = config
+        self.speculator = speculator
         self.queue: deque[StreamState] = deque()
         self.free_slots = list(range(config.max_streams))
         self.microbatches: list[list[StreamState]] = [[] for _ in range(config.microbatches)]
@@ -247,22 +265,25 @@ class Scheduler:
         output_rows: list[int] = []
         sampled: list[StreamState] = []
         new: list[StreamState] = []
+        drafts = self._drafts([s for s in streams if not s.prefilling])
         for stream in streams:
             if stream.scheduled == 0:
                 new.append(stream)
             if stream.prefilling:
                 rows = stream.prompt[stream.scheduled : stream.scheduled + self.config.window_rows]
-            else:
-                rows = [stream.generated[-1]]
+                due = 1  # the window that ends the prompt: its last row's token is due
+            else:  # a decode row, and the proposals after it (a verify window): every row's token is due
+                rows = [stream.generated[-1], *drafts.get(stream, ())]
+                due = len(rows)
             first = stream.scheduled if stream.prefilling else stream.confirmed - 1
             slots += [stream.slot] * len(rows)
             positions += range(first, first + len(rows))
             tokens += rows
             stream.scheduled = first + len(rows)
-            if not stream.prefilling:  # the row after the last prompt row, or a decode row: its token is due
+            if not stream.prefilling:
                 stream.awaiting = True
-                output_rows.append(len(slots) - 1)
-                sampled.append(stream)
+                output_rows += range(len(slots) - due, len(slots))
+                sampled += [stream] * due
         step = Step(
             next(self._ids), index, tuple(slots), tuple(positions), tuple(tokens), tuple(output_rows),
             tuple(sampled), tuple(streams), tuple(new), now,
@@ -270,25 +291,61 @@ class Scheduler:
         self.in_flight[step.id] = step
         return step
 
-    def complete(self, step_id: int, tokens: Mapping[int, int]) -> list[Event]:
-        """The tokens sampled for a step, by slot. A sampled stream missing from ``tokens`` was
-        failed on its own (:meth:`fail`); a step no longer in flight was failed whole."""
+    def _drafts(self, decoding: list[StreamState]) -> dict[StreamState, list[int]]:
+        """Each decoding stream's proposals, at the widths the speculator chose together."""
+        if self.speculator is None or not decoding:
+            return {}
+        room = [self.config.context_length - s.confirmed for s in decoding]  # proposals must fit the context
+        chosen = self.speculator.drafts([(s, [*s.prompt, *s.generated]) for s in decoding])
+        return {s: d[: max(0, r)] for s, d, r in zip(decoding, chosen, room, strict=True)}
+
+    def complete(
+        self, step_id: int, tokens: Mapping[int, int | Sequence[int]], now: float | None = None
+    ) -> list[Event]:
+        """The tokens a step emitted, by slot: one token, or a verify window's accepted proposals
+        and its one token from the target. A sampled stream missing from ``tokens`` was failed on
+        its own (:meth:`fail`); a step no longer in flight was failed whole. ``now``: when the
+        result arrived (the speculator measures step costs from it)."""
         step = self.in_flight.pop(step_id, None)
         if step is None:
             return []
+        if now is not None and self.speculator is not None:
+            self.speculator.step_time(step.rows, now - step.sent_at)
         events: list[Event] = []
-        for stream in step.sampled:
+        for stream in dict.fromkeys(step.sampled):  # each stream once, in row order
             if stream.done:
                 continue
             stream.awaiting = False
-            if stream.slot in tokens:
-                events += self.accept(stream, tokens[stream.slot])
+            got = tokens.get(stream.slot)
+            if got is not None:
+                emitted = [got] if isinstance(got, int) else list(got)
+                events += self._accept_window(stream, step.sampled.count(stream) - 1, emitted)
+        return events
+
+    def _accept_window(self, stream: StreamState, proposed: int, emitted: list[int]) -> list[Event]:
+        """A verify window of ``proposed`` proposals emitted ``emitted``: commit them in order
+        under the stop and length rules, then rewind what the backends hold beyond the new
+        confirmed prefix (all but the newest token, which the next step feeds)."""
+        held = stream.confirmed + proposed  # positions the backends hold for the stream now
+        if self.speculator is not None:
+            self.speculator.record(stream, proposed, len(emitted) - 1)
+        events: list[Event] = []
+        for token in emitted:
+            events += self.accept(stream, token)
+            if stream.done:
+                return events
+        if held > stream.confirmed - 1:
+            events.append(Rewind(stream, stream.confirmed - 1))
         return events
 
     def accept(self, stream: StreamState, token: int) -> list[Event]:
         """The stop and length rules, written once."""
         if token in stream.stop_ids:
             return [self._finish(stream, FinishReason.STOP)]
+        if self.speculator is not None:
+            self.speculator.learn(
+                (stream.prompt[-LEARN_CONTEXT:] + stream.generated[-LEARN_CONTEXT:])[-LEARN_CONTEXT:], token
+            )
         stream.generated.append(token)
         events: list[Event] = [Token(stream, token)]
         if len(stream.generated) >= stream.params.max_tokens or stream.confirmed >= self.config.context_length:
@@ -320,6 +377,8 @@ class Scheduler:
         self, stream: StreamState, reason: FinishReason, code: ErrorCode | None = None, message: str = ""
     ) -> Finish:
         stream.finish = reason
+        if self.speculator is not None:
+            self.speculator.forget(stream)
         if stream.slot < 0:
             if stream in self.queue:
                 self.queue.remove(stream)

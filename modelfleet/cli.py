@@ -28,6 +28,11 @@ app = typer.Typer(
 )
 err = Console(stderr=True, soft_wrap=True)
 ROLE_HELP = f"{', '.join(WEIGHT_FORMATS)}, or none to keep it as stored."
+SPECULATIVE_HELP = (
+    'Speculative decoding, as JSON: {"method": "ngram"|"phrase"|"hybrid", "num_speculative_tokens": K, '
+    '"prompt_lookup_max": N, "phrase_table": FILE, "adaptive": true}. The output is the same as without it '
+    "(greedy: token for token; sampling: the same distribution)."
+)
 
 
 def _fail(message: str) -> None:
@@ -73,6 +78,7 @@ def generate(
     embeddings: str | None = typer.Option(
         None, "--embeddings", help=f"The embedding table's format (a tied head shares a packed one); {ROLE_HELP}"
     ),
+    speculative_config: str | None = typer.Option(None, "--speculative-config", help=SPECULATIVE_HELP, metavar="JSON"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (tokens, text, timings) last."),
 ) -> None:
     """Generate a continuation with the single-process engine, streaming text as it comes."""
@@ -81,6 +87,7 @@ def generate(
     from modelfleet.engine.generate import LocalModel
     from modelfleet.engine.generate import generate as run_generate
     from modelfleet.engine.sampling import SamplingParams
+    from modelfleet.engine.speculative import SpeculativeConfig, Speculator
     from modelfleet.engine.tokenizer import IncrementalDecoder, TextTokenizer
 
     if (prompt is None) == (prompt_ids is None):
@@ -106,7 +113,8 @@ def generate(
             stream.write(decoder.push(token) if decoder else f"{token} ")
             stream.flush()
 
-        result = run_generate(lm, ids, params, on_token)
+        speculator = Speculator(SpeculativeConfig.from_json(speculative_config)) if speculative_config else None
+        result = run_generate(lm, ids, params, on_token, speculator)
         if decoder:
             stream.write(decoder.flush())
         stream.write("\n")
@@ -125,6 +133,8 @@ def generate(
             "weights_bytes": lm.weights_bytes,
             "bytes_by_role": lm.bytes_by_role,
         }
+        if speculator is not None:
+            out["speculative"] = speculator.stats.as_dict()
         if tokenizer:
             out["text"] = tokenizer.decode(result.token_ids)
         typer.echo(json.dumps(out))

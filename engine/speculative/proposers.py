@@ -1,0 +1,158 @@
+"""Proposers: given a stream's tokens so far, up to ``k`` tokens the model will probably emit next.
+
+A proposer is deterministic here (``ngram``, ``phrase``, ``hybrid``): its proposal distribution q
+is one-hot, so exact verification needs only the proposed ids (engine.speculative.verify). Each
+proposer also says how far its proposals have been right so far (``confidence``), which the width
+model (engine.speculative.adaptive) uses as the survival probability of each proposed position.
+
+- :class:`NgramProposer`: request-local suffix match. The longest suffix of the stream (length
+  ``prompt_lookup_min`` .. ``prompt_lookup_max``) seen earlier in prompt + output proposes what
+  followed its most recent earlier occurrence.
+- :class:`PhraseTable`: shared by the streams of a process (seed 000 §4.3): a context of
+  ``context`` tokens seen at least ``min_count`` times whose next token agreed at least
+  ``min_agreement`` of those times proposes that token, then continues from the extended context.
+  It learns from emitted tokens, saves to and loads from a JSON file, and two tables merge.
+- :class:`HybridProposer`: suffix match first, then the phrase table (seed 000's order).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import InputError
+
+
+class Proposer(Protocol):
+    method: str
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` proposed next tokens after ``tokens`` (prompt + output); [] when none."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: continue the most recent earlier occurrence of the stream's longest suffix."""
+
+    method = "ngram"
+
+    def __init__(self, prompt_lookup_max: int = 4, prompt_lookup_min: int = 1):
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise InputError(
+                f"prompt_lookup_min={prompt_lookup_min} and prompt_lookup_max={prompt_lookup_max} must "
+                "satisfy 1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+        self.max_n, self.min_n = prompt_lookup_max, prompt_lookup_min
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        if k < 1:
+            return []
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = _last_earlier_match(tokens, n)
+            if start is not None:
+                return list(tokens[start + n : start + n + k])
+        return []
+
+
+def _last_earlier_match(tokens: Sequence[int], n: int) -> int | None:
+    """Start of the latest occurrence of the last ``n`` tokens that ends before the sequence does."""
+    suffix = list(tokens[-n:])
+    for start in range(len(tokens) - n - 1, -1, -1):
+        if list(tokens[start : start + n]) == suffix:
+            return start
+    return None
+
+
+class PhraseTable:
+    """Next-token statistics of ``context``-token phrases, learned from emitted text.
+
+    Invariant: ``counts[ctx][t]`` is how often token t followed the phrase ``ctx`` in what was
+    learned; a phrase proposes only when seen ``min_count`` times with one successor holding at
+    least ``min_agreement`` of them.
+    """
+
+    method = "phrase"
+
+    def __init__(self, context: int = 3, min_count: int = 2, min_agreement: float = 0.9):
+        if context < 1 or min_count < 1 or not 0 < min_agreement <= 1:
+            raise InputError(
+                f"phrase table context={context}, min_count={min_count}, min_agreement={min_agreement}: "
+                "context and min_count must be >= 1 and min_agreement in (0, 1]"
+            )
+        self.context, self.min_count, self.min_agreement = context, min_count, min_agreement
+        self.counts: defaultdict[tuple[int, ...], Counter[int]] = defaultdict(Counter)
+
+    def learn(self, tokens: Sequence[int]) -> None:
+        """Count every (phrase, next token) pair of ``tokens``."""
+        c = self.context
+        for i in range(len(tokens) - c):
+            self.counts[tuple(tokens[i : i + c])][tokens[i + c]] += 1
+
+    def learn_step(self, tokens: Sequence[int], new: int) -> None:
+        """Count the pair that emitting ``new`` after ``tokens`` adds (incremental learning)."""
+        if len(tokens) >= self.context:
+            self.counts[tuple(tokens[-self.context :])][new] += 1
+
+    def next_token(self, phrase: tuple[int, ...]) -> int | None:
+        successors = self.counts.get(phrase)
+        if not successors:
+            return None
+        total = sum(successors.values())
+        token, count = successors.most_common(1)[0]
+        return token if total >= self.min_count and count >= self.min_agreement * total else None
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        out: list[int] = []
+        window = list(tokens[-self.context :])
+        while len(out) < k and len(window) == self.context:
+            token = self.next_token(tuple(window))
+            if token is None:
+                break
+            out.append(token)
+            window = [*window[1:], token]
+        return out
+
+    def merge(self, other: PhraseTable) -> PhraseTable:
+        """A table holding both tables' counts (``other`` must use the same context length)."""
+        if other.context != self.context:
+            raise InputError(f"cannot merge phrase tables of context {self.context} and {other.context}")
+        merged = PhraseTable(self.context, self.min_count, self.min_agreement)
+        for table in (self, other):
+            for phrase, successors in table.counts.items():
+                merged.counts[phrase].update(successors)
+        return merged
+
+    def save(self, path: str | Path) -> None:
+        rows = [[list(phrase), dict(successors)] for phrase, successors in self.counts.items()]
+        document = {"version": 1, "context": self.context, "counts": rows}
+        Path(path).write_text(json.dumps(document, separators=(",", ":")))
+
+    @classmethod
+    def load(cls, path: str | Path, min_count: int = 2, min_agreement: float = 0.9) -> PhraseTable:
+        """A table saved by :meth:`save`; plain JSON, checked field by field (never evaluated)."""
+        try:
+            document = json.loads(Path(path).read_text())
+            table = cls(int(document["context"]), min_count, min_agreement)
+            for phrase, successors in document["counts"]:
+                key = tuple(int(t) for t in phrase)
+                if len(key) != table.context:
+                    raise ValueError(f"phrase {phrase} is not {table.context} tokens")
+                table.counts[key].update({int(t): int(n) for t, n in successors.items()})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"phrase table {path} cannot be read: {exc}") from exc
+        return table
+
+
+class HybridProposer:
+    """Suffix match first; where it finds nothing, the phrase table."""
+
+    method = "hybrid"
+
+    def __init__(self, ngram: NgramProposer, phrases: PhraseTable):
+        self.ngram, self.phrases = ngram, phrases
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        return self.ngram.propose(tokens, k) or self.phrases.propose(tokens, k)

@@ -1,0 +1,133 @@
+"""Exact verification of proposed tokens: the output distribution is the target model's, always.
+
+A stream's verify window is its last committed token followed by k proposals d_1..d_k; the
+target's logits at those k + 1 rows give p_1..p_{k+1} (row i predicts the token after d_{i-1}).
+
+- Greedy streams accept d_i while it is p_i's argmax; the first mismatch emits the argmax
+  instead; all accepted emits the bonus argmax of p_{k+1}.
+- Sampled streams with a proposal distribution q_i (a draft model's) use rejection sampling
+  (Leviathan et al., 2023): accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first
+  rejection draw from the residual max(p_i - q_i, 0), normalised; all accepted draws the bonus
+  token from p_{k+1}.
+- A deterministic proposer's q is one-hot, and rejection sampling then reduces to: draw x_i from
+  p_i, accept while x_i = d_i, emit x_i at the first difference. That is how they are verified:
+  the stream's generator is consumed exactly as plain sampling consumes it, so a seed gives the
+  same tokens with or without speculation.
+
+p is filtered exactly as plain sampling filters it (temperature, top-k, top-p, min-p), so every
+emitted token has the distribution plain sampling would give it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError, ModelfleetError
+from ..sampling import SamplingParams, TailSampler, filter_logits
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The tokens a verify window emits (accepted proposals, then one from the target) and how
+    many proposals were accepted."""
+
+    tokens: list[int]
+    accepted: int
+
+
+def verify(
+    logits: torch.Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    draft_probs: torch.Tensor | None = None,
+) -> Verdict:
+    """logits: [k + 1, V] at the window's rows; drafts: the k proposals; draft_probs: [k, V] the
+    proposal distributions, None for a deterministic proposer (one-hot q)."""
+    assert logits.shape[0] == len(drafts) + 1, (logits.shape, len(drafts))
+    if params.greedy:
+        return _verify_greedy(logits, drafts)
+    return _verify_sampled(logits.to("cpu", torch.float32), drafts, params, generator, draft_probs)
+
+
+def _verify_greedy(logits: torch.Tensor, drafts: Sequence[int]) -> Verdict:
+    targets = logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return Verdict([*drafts[:accepted], targets[accepted]], accepted)
+
+
+def _verify_sampled(
+    logits: torch.Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None,
+) -> Verdict:
+    if draft_probs is None:
+        return _verify_by_sampling(logits, drafts, params, generator)
+    for i, draft in enumerate(drafts):
+        p = filter_logits(logits[i], params).double()
+        q = draft_probs[i].to("cpu", torch.float64)
+        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        if q[draft] > 0 and u < min(1.0, float(p[draft] / q[draft])):
+            continue
+        residual = (p - q).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q: nothing to correct (unreachable after a rejection)
+            residual = p
+        return Verdict([*drafts[:i], _draw(residual, generator)], i)
+    bonus = filter_logits(logits[len(drafts)], params).double()
+    return Verdict([*drafts, _draw(bonus, generator)], len(drafts))
+
+
+def _verify_by_sampling(
+    logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams, generator: torch.Generator | None
+) -> Verdict:
+    """A one-hot q: draw x_i from p_i as plain sampling would and accept while x_i = d_i. The
+    emitted token at each position has exactly p_i's distribution (d_i with probability p_i(d_i),
+    as rejection sampling accepts it), and the generator is consumed once per emitted token, in
+    order, as plain sampling consumes it: a seed gives the same tokens with or without proposals."""
+    tokens: list[int] = []
+    for i in range(len(drafts) + 1):
+        x = int(torch.multinomial(filter_logits(logits[i], params), 1, generator=generator))
+        tokens.append(x)
+        if i == len(drafts) or x != drafts[i]:
+            return Verdict(tokens, i)
+    raise AssertionError("unreachable")
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(weights / weights.sum(), 1, generator=generator))
+
+
+def sample_step(
+    sampler: TailSampler, slots: Sequence[int], token_ids: Sequence[int], logits: torch.Tensor
+) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError]]:
+    """The tail's tokens for a step's output rows: ``slots[r]`` and ``token_ids[r]`` are output
+    row r's stream slot and input token, ``logits`` [R, V]. A slot's lone row is sampled; a run of
+    rows of one slot is a verify window (its input tokens after the first are the proposals) and
+    emits its accepted proposals and one token. A row that cannot be sampled fails its slot alone."""
+    windows: dict[int, list[int]] = {}
+    for row, slot in enumerate(slots):
+        windows.setdefault(slot, []).append(row)
+    lone = [rows[0] for rows in windows.values() if len(rows) == 1]
+    tokens: dict[int, int | list[int]] = {}
+    picked, errors = sampler.sample([slots[r] for r in lone], logits[lone])
+    tokens.update(picked)
+    for slot, rows in windows.items():
+        if len(rows) == 1:
+            continue
+        stream = sampler.samplers.get(slot)
+        if stream is None:
+            errors[slot] = InputError(f"slot {slot} has no sampler: its stream's first rows never reached the tail")
+            continue
+        drafts = [token_ids[r] for r in rows[1:]]
+        try:
+            tokens[slot] = verify(logits[rows], drafts, stream.params, stream.generator).tokens
+        except RuntimeError as exc:  # a distribution that is not one (torch.multinomial)
+            errors[slot] = InputError(f"sampling failed for these sampling parameters: {exc}")
+    return tokens, errors

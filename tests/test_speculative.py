@@ -1,0 +1,340 @@
+"""Speculative decoding as a specification: proposers, exact verification (greedy and a
+statistical test that catches a biased verifier), the width model and fallback controller as
+tables, the scheduler's verify windows and rewinds, and generate's output unchanged by it."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelfleet.engine.errors import InputError
+from modelfleet.engine.frame import Frame
+from modelfleet.engine.generate import LocalModel, generate, generate_batch
+from modelfleet.engine.sampling import SamplingParams, filter_logits
+from modelfleet.engine.scheduler import Finish, FinishReason, Rewind, Scheduler, SchedulerConfig, Token
+from modelfleet.engine.speculative import SpeculativeConfig, Speculator
+from modelfleet.engine.speculative.adaptive import Fallback, StepCosts, best_width, joint_widths, monotonic
+from modelfleet.engine.speculative.proposers import HybridProposer, NgramProposer, PhraseTable
+from modelfleet.engine.speculative.verify import verify
+
+# ---- proposers --------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
+    ngram = NgramProposer(prompt_lookup_max=3)
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram.propose(tokens, 2) == [7, 8]  # "2 3" last seen before at index 6, followed by 7 8
+    assert ngram.propose([*tokens, 4], 3) == []  # "3 4", "4": never seen before
+    assert ngram.propose(tokens, 0) == []
+
+
+def test_the_phrase_table_proposes_only_agreed_continuations_and_survives_a_round_trip(tmp_path: Path) -> None:
+    table = PhraseTable(context=2, min_count=2, min_agreement=0.9)
+    table.learn([5, 6, 7, 5, 6, 7, 5, 6])
+    assert table.propose([1, 5, 6], 3) == [7, 5, 6]  # 5 6 -> 7 (2 of 2), 6 7 -> 5 (2 of 2), 7 5 -> 6
+    table.learn([5, 6, 8])  # 5 6 -> 7 twice, 8 once: under 90% agreement
+    assert table.propose([5, 6], 3) == []
+    table.save(tmp_path / "t.json")
+    loaded = PhraseTable.load(tmp_path / "t.json")
+    assert loaded.counts == table.counts
+    other = PhraseTable(context=2)
+    other.learn([5, 6, 7] * 20)
+    assert table.merge(other).propose([5, 6], 1) == [7]
+    (tmp_path / "bad.json").write_text('{"context": 2, "counts": [[[1, 2, 3], {"4": 1}]]}')
+    with pytest.raises(InputError, match="not 2 tokens"):
+        PhraseTable.load(tmp_path / "bad.json")
+
+
+def test_hybrid_tries_the_suffix_match_first_then_the_phrase_table() -> None:
+    phrases = PhraseTable(context=1, min_count=1)
+    phrases.learn([4, 9])
+    hybrid = HybridProposer(NgramProposer(2), phrases)
+    assert hybrid.propose([1, 2, 1], 1) == [2]
+    assert hybrid.propose([3, 4], 1) == [9]
+
+
+# ---- verification ------------------------------------------------------------------------------
+
+
+def one_hot_logits(*tokens: int, vocab: int = 8) -> torch.Tensor:
+    logits = torch.zeros(len(tokens), vocab)
+    for row, token in enumerate(tokens):
+        logits[row, token] = 10.0
+    return logits
+
+
+def test_greedy_verification_accepts_while_the_argmax_agrees_then_corrects_or_adds_a_bonus() -> None:
+    greedy = SamplingParams()
+    assert verify(one_hot_logits(3, 4, 5), [3, 4], greedy).tokens == [3, 4, 5]  # all accepted, bonus 5
+    assert verify(one_hot_logits(3, 6, 5), [3, 4], greedy).tokens == [3, 6]  # 4 rejected, corrected to 6
+    assert verify(one_hot_logits(1, 6, 5), [3, 4], greedy).tokens == [1]
+
+
+TARGET = torch.tensor([[0.5, 1.5, 0.2, -1.0, 0.9, 0.0], [1.2, -0.3, 0.4, 0.8, -1.5, 0.1], [0.0] * 6])
+DRAFTS = [1, 0]  # each row's argmax: a verifier that compares argmaxes accepts them always (biased)
+
+
+def first_two_tokens(verifier, samples: int, params: SamplingParams, draft_probs=None):  # type: ignore[no-untyped-def]
+    """Counters of the first emitted token, and of the second where the window went on past an
+    accepted first proposal. Proposals are DRAFTS (one-hot q) or drawn from ``draft_probs``."""
+    generator = torch.Generator().manual_seed(1)
+    first: Counter[int] = Counter()
+    second: Counter[int] = Counter()
+    for _ in range(samples):
+        drafts = (
+            DRAFTS if draft_probs is None else torch.multinomial(draft_probs, 1, generator=generator)[:, 0].tolist()
+        )
+        tokens = verifier(TARGET, drafts, params, generator, draft_probs).tokens
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[1]] += 1
+    return first, second
+
+
+def distance_to_target(counts, params: SamplingParams) -> float:  # type: ignore[no-untyped-def]
+    """The larger total-variation distance: first tokens against p1, second tokens against p2
+    (the synthetic target's rows do not depend on the earlier token)."""
+    worst = 0.0
+    for seen, row in zip(counts, (0, 1), strict=True):
+        p, n = filter_logits(TARGET[row], params), sum(seen.values())
+        if n:
+            worst = max(worst, 0.5 * sum(abs(seen[t] / n - float(p[t])) for t in range(6)))
+    return worst
+
+
+def biased_verify(logits, drafts, params, generator, draft_probs=None):  # type: ignore[no-untyped-def]
+    """Accepts a proposal when it is the target's argmax, as a greedy verifier would, at any temperature."""
+    targets = logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    p = filter_logits(logits[accepted], params)
+    token = int(torch.multinomial(p, 1, generator=generator))
+    return type("V", (), {"tokens": [*drafts[:accepted], token]})
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)])
+def test_rejection_sampling_emits_the_targets_distribution_and_a_biased_verifier_is_caught(params) -> None:
+    samples = 6000
+    exact = distance_to_target(first_two_tokens(verify, samples, params), params)
+    q = torch.softmax(torch.randn(2, 6, generator=torch.Generator().manual_seed(3)), dim=-1)
+    with_draft = distance_to_target(first_two_tokens(verify, samples, params, q), params)
+    biased = distance_to_target(first_two_tokens(biased_verify, samples, params), params)
+    assert exact < 0.04 and with_draft < 0.04, (exact, with_draft)  # sampling noise at 6000 draws is ~0.01-0.02
+    assert biased > 0.1, biased
+
+
+def test_a_seed_reproduces_a_speculative_sample() -> None:
+    params = SamplingParams(temperature=1.0)
+    runs = [verify(TARGET, DRAFTS, params, torch.Generator().manual_seed(7)).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# ---- widths and the controller ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "confidences, costs, width",
+    [
+        ([0.9, 0.9, 0.9], [1.0, 1.0, 1.0, 1.0], 3),  # flat costs: the widest window
+        ([0.9, 0.9, 0.9], [1.0, 4.0, 4.0, 4.0], 0),  # one proposal quadruples the step: none
+        ([0.9, 0.1, 0.9], [1.0, 1.1, 1.5, 1.6], 1),  # the second proposal rarely survives
+        ([0.5], [1.0, 1.5], 0),  # E(1) / V(1) = 1.5 / 1.5 ties E(0) / V(0): the smaller width
+        ([0.3, 0.3], [1.0, 2.0, 1.05], 0),  # V forced monotonic: V(2) counts as 2.0, not 1.05
+    ],
+)
+def test_the_best_width_maximises_expected_tokens_per_second(confidences, costs, width) -> None:
+    assert best_width(confidences, 0.0, costs) == width
+
+
+def test_costs_are_forced_monotonic_and_unmeasured_widths_cost_as_the_nearest_measured_one() -> None:
+    assert monotonic([1.0, 0.8, 1.2, 1.1]) == [1.0, 1.0, 1.2, 1.2]
+    costs = StepCosts(smoothing=1.0)
+    assert costs.cost(5) == 1.0  # nothing measured: flat
+    costs.record(2, 1.0)
+    costs.record(6, 2.0)
+    assert (costs.cost(1), costs.cost(4), costs.cost(9)) == (1.0, 1.5, 2.0)
+
+
+def test_joint_widths_give_rows_to_the_streams_likeliest_to_keep_them_within_the_budget() -> None:
+    flat = StepCosts()
+    assert joint_widths([[0.9, 0.9], [0.2, 0.2]], 0.0, flat, row_budget=4) == [2, 0]
+    assert joint_widths([[0.9, 0.9], [0.8, 0.8]], 0.0, flat, row_budget=6) == [2, 2]
+    steep = StepCosts(smoothing=1.0)
+    for rows in range(1, 8):
+        steep.record(rows, float(rows))  # every row costs as much as a whole decode row
+    assert joint_widths([[0.9, 0.9], [0.8, 0.8]], 0.0, steep, row_budget=6) == [0, 0]
+
+
+def test_the_fallback_trips_under_tau_after_m_pauses_c_steps_then_probes() -> None:
+    fallback = Fallback(min_verified=8, tau=0.6, cooldown=3)
+    fallback.record(4, 1)
+    assert fallback.drafting  # only 4 verified: not judged yet
+    fallback.record(4, 2)  # 3 of 8 < 0.6
+    assert not fallback.drafting and fallback.trips == 1
+    for _ in range(3):
+        fallback.plain_step()
+    assert fallback.drafting and fallback.verified == 0  # the probe starts a fresh window
+    fallback.record(8, 8)
+    assert fallback.drafting and fallback.trips == 1
+
+
+def test_a_new_request_starts_with_a_fresh_controller() -> None:
+    speculator = Speculator(SpeculativeConfig("ngram", min_verified=2, acceptance_threshold=0.9, cooldown_steps=5))
+    speculator.record("a", 4, 0)
+    assert not speculator.fallbacks["a"].drafting
+    speculator.forget("a")
+    assert speculator.drafts([("a", [1, 2, 1])]) == [[2, 1]]
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"method": "medusa"}', "unknown"),
+        ('{"method": "draft_model"}', "not built"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
+        ('{"method": "ngram", "k": 3}', "unknown field"),
+        ('{"method": "ngram", "adaptive": 1}', "must be a bool"),
+        ("[1]", "JSON object"),
+        ("{", "not JSON"),
+    ],
+)
+def test_a_bad_speculative_config_is_refused_naming_the_field(text: str, why: str) -> None:
+    with pytest.raises(InputError, match=why):
+        SpeculativeConfig.from_json(text)
+
+
+# ---- the scheduler's verify windows -----------------------------------------------------------
+
+
+class Fixed:
+    method = "fixed"
+
+    def __init__(self, *drafts: int):
+        self.drafts = list(drafts)
+
+    def propose(self, tokens, k):  # type: ignore[no-untyped-def]
+        return self.drafts[:k]
+
+
+def speculative_scheduler(*drafts: int, max_tokens_context: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_streams=2, context_length=max_tokens_context, vocab_size=100, eos_token_ids=(2,),
+                             window_rows=8)  # fmt: skip
+    speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=3, adaptive=False), Fixed(*drafts))
+    return Scheduler(config, speculator)
+
+
+def decode_step(scheduler: Scheduler, prompt: list[int], first: int, max_tokens: int = 16):  # type: ignore[no-untyped-def]
+    stream = scheduler.submit("s", prompt, SamplingParams(max_tokens=max_tokens), 0.0)
+    prefill = scheduler.schedule(0.0)[0]
+    assert scheduler.complete(prefill.id, {stream.slot: first}) == [Token(stream, first)]
+    return stream, scheduler.schedule(1.0)[0]
+
+
+def test_a_decode_row_carries_the_proposals_and_wants_every_rows_output() -> None:
+    scheduler = speculative_scheduler(7, 8, 9)
+    stream, step = decode_step(scheduler, [10, 11, 12], first=5)
+    assert step.token_ids == (5, 7, 8, 9) and step.positions == (3, 4, 5, 6)
+    assert step.output_rows == (0, 1, 2, 3) and not step.decode_only
+
+
+def test_a_partly_accepted_window_commits_its_tokens_and_rewinds_the_rest() -> None:
+    scheduler = speculative_scheduler(7, 8, 9)
+    stream, step = decode_step(scheduler, [10, 11, 12], first=5)
+    events = scheduler.complete(step.id, {stream.slot: [7, 4]})  # 7 accepted, 8 rejected, 4 instead
+    assert events == [Token(stream, 7), Token(stream, 4), Rewind(stream, 5)]
+    assert stream.generated == [5, 7, 4] and stream.confirmed == 6
+    assert scheduler.schedule(2.0)[0].positions[0] == 5  # the next window starts at the kept length
+
+
+def test_a_fully_accepted_window_needs_no_rewind() -> None:
+    scheduler = speculative_scheduler(7, 8, 9)
+    stream, step = decode_step(scheduler, [10, 11, 12], first=5)
+    events = scheduler.complete(step.id, {stream.slot: [7, 8, 9, 6]})
+    assert events == [Token(stream, t) for t in (7, 8, 9, 6)]
+
+
+def test_a_stop_token_inside_an_accepted_block_ends_the_stream_there() -> None:
+    scheduler = speculative_scheduler(7, 2, 9)
+    stream, step = decode_step(scheduler, [10, 11, 12], first=5)
+    events = scheduler.complete(step.id, {stream.slot: [7, 2, 9, 6]})
+    assert events == [Token(stream, 7), Finish(stream, FinishReason.STOP)]
+
+
+def test_max_tokens_inside_an_accepted_block_truncates_it() -> None:
+    scheduler = speculative_scheduler(7, 8, 9)
+    stream, step = decode_step(scheduler, [10, 11, 12], first=5, max_tokens=3)
+    events = scheduler.complete(step.id, {stream.slot: [7, 8, 9, 6]})
+    assert events == [Token(stream, 7), Token(stream, 8), Finish(stream, FinishReason.LENGTH)]
+
+
+def test_proposals_never_run_past_the_context() -> None:
+    scheduler = speculative_scheduler(7, 8, 9, max_tokens_context=6)
+    _, step = decode_step(scheduler, [10, 11, 12, 13], first=5)
+    assert step.positions == (4, 5)  # position 5 is the context's last
+
+
+# ---- through the engine ----------------------------------------------------------------------
+
+REPETITIVE = [5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17, 33, 5, 9]
+
+
+@pytest.mark.parametrize("method", ["ngram", "phrase", "hybrid"])
+def test_greedy_output_with_speculation_is_token_for_token_the_plain_output(tiny_checkpoint, method: str) -> None:
+    path, _ = tiny_checkpoint("qwen3_moe")
+    lm = LocalModel.load(path, shards=2, max_slots=3)
+    params = SamplingParams(max_tokens=32, stop_token_ids=())
+    prompts = [REPETITIVE, [3, 1, 4, 1, 5, 9, 2, 6], REPETITIVE[3:]]
+    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
+    speculator = Speculator(SpeculativeConfig(method, num_speculative_tokens=4))
+    spec = [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)]
+    assert spec == plain
+    if method != "phrase":  # the phrase table starts empty; the suffix match proposes at once
+        assert speculator.stats.drafted > 0
+
+
+def test_after_rejected_proposals_the_kept_state_equals_a_fresh_prefill(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("qwen3_moe")
+    lm = LocalModel.load(path, shards=2, max_slots=2)
+    prompt = REPETITIVE[:6]
+    lm.forward(Frame.of_streams([(0, 0, prompt)]))
+    lm.forward(Frame.of_streams([(0, 6, [40, 41, 42, 43])]))  # a window whose proposals are rejected
+    lm.rewind(0, 7)  # keep the prompt and the first window row (the committed token 40)
+    resumed = lm.forward(Frame.of_streams([(0, 7, [44])]))
+    fresh = lm.forward(Frame.of_streams([(1, 0, [*prompt, 40, 44])]))[-1:]
+    torch.testing.assert_close(resumed, fresh, atol=1e-5, rtol=1e-5)
+
+
+def test_seeded_sampling_with_a_suffix_proposer_gives_the_plain_samples_token_for_token(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("qwen3_moe")
+    lm = LocalModel.load(path, max_slots=1)
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=24, stop_token_ids=())
+    plain = generate(lm, REPETITIVE, params).token_ids
+    speculator = Speculator(SpeculativeConfig("ngram"))
+    assert generate(lm, REPETITIVE, params, speculator=speculator).token_ids == plain
+    assert speculator.stats.drafted > 0
+
+
+def test_generate_prints_speculation_statistics_and_refuses_a_bad_config(tiny_checkpoint) -> None:
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    path, _ = tiny_checkpoint("qwen3_moe")
+    ids = ",".join(map(str, REPETITIVE))
+    base = ["generate", "--model", str(path), "--prompt-ids", ids, "--max-tokens", "16", "--json"]
+    runner = CliRunner()
+    plain = runner.invoke(app, base)
+    config = '{"method": "ngram", "num_speculative_tokens": 3}'
+    spec = runner.invoke(app, [*base, "--speculative-config", config])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    plain_out, spec_out = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (plain, spec))
+    assert spec_out["token_ids"] == plain_out["token_ids"]
+    stats = spec_out["speculative"]
+    assert stats["method"] == "ngram" and stats["drafted"] >= stats["accepted"] >= 0
+    bad = runner.invoke(app, [*base, "--speculative-config", '{"method": "medusa"}'])
+    assert bad.exit_code == 2 and "'medusa' is unknown" in bad.output
