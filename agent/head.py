@@ -17,6 +17,7 @@ stage, metrics and status), never the stage agent itself.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -30,7 +31,9 @@ from ..engine.backend import StageBackend
 from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.frame import Frame
 from ..engine.sampling import TailSampler
-from ..engine.scheduler import Event, Finish, Refusal, Scheduler, SchedulerConfig, Step, StreamState, Token
+from ..engine.scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, StreamState, Token
+from ..engine.speculative.speculator import SpeculationStats
+from ..engine.speculative.verify import sample_step
 from ..plan import FleetPlan
 from . import transport as wire
 from .health import AgentStatus, StageMetrics
@@ -89,6 +92,7 @@ class Head:
             wire.curve_server(self.clients, config.keys)
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.bind(f"tcp://{config.client_address}")
+        self._speculation_seen = SpeculationStats("")
         self._publish()
 
     # ---- readiness ------------------------------------------------------------------------
@@ -125,6 +129,19 @@ class Head:
         self.metrics.streams_active.set(scheduler.active)
         self.metrics.queue_depth.set(len(scheduler.queue))
         self.metrics.chain_ready.set(1 if self.chain_ready else 0)
+        if scheduler.speculator is not None:
+            self._publish_speculation(scheduler.speculator.stats)
+
+    def _publish_speculation(self, stats: SpeculationStats) -> None:
+        """The speculator's totals into /status, and what changed since the last look into metrics."""
+        last = self._speculation_seen
+        self.metrics.speculation(stats.method, stats.drafted - last.drafted, stats.accepted - last.accepted)
+        self.metrics.fallback_trips.inc(stats.fallback_trips - last.fallback_trips)
+        for width, count in (stats.widths - last.widths).items():
+            for _ in range(count):
+                self.metrics.verify_width.observe(width)
+        self._speculation_seen = copy.deepcopy(stats)
+        self.status.head["speculative"] = stats.as_dict()
 
     # ---- clients --------------------------------------------------------------------------
 
@@ -199,22 +216,26 @@ class Head:
             return
         slots = frame.slots.tolist()
         output_rows = [] if frame.output_rows is None else frame.output_rows.tolist()
+        assert frame.token_ids is not None
+        ids = frame.token_ids.tolist()
+        output_ids = [ids[r] for r in output_rows]
         if self.send_next is None:
-            self._sample_here(step, [slots[r] for r in output_rows], out)
+            self._sample_here(step, [slots[r] for r in output_rows], output_ids, out)
             return
         starts = tuple(wire.StreamStart.of(s.slot, s.params) for s in step.new_streams if s.slot in set(slots))
+        windows = len(set(slots[r] for r in output_rows)) < len(output_rows)  # a stream with a verify window
         self.send_next(wire.FrameMsg(
             microbatch=step.microbatch, step=step.id, slots=frame.slots, positions=frame.positions, hidden=out,
-            output_rows=tuple(output_rows), new_streams=starts,
+            output_rows=tuple(output_rows), new_streams=starts, output_token_ids=tuple(output_ids) if windows else (),
         ))  # fmt: skip
 
-    def _sample_here(self, step: Step, slots: list[int], logits: torch.Tensor) -> None:
+    def _sample_here(self, step: Step, slots: list[int], output_ids: list[int], logits: torch.Tensor) -> None:
         assert self.sampler is not None
         for stream in step.new_streams:
             self.sampler.start(stream.slot, stream.params)
-        tokens, errors = self.sampler.sample(slots, logits)
+        tokens, errors = sample_step(self.sampler, slots, output_ids, logits)
         self.deliver([self._fail_slot(step, slot, exc.code, str(exc)) for slot, exc in errors.items()])
-        self.deliver(self.scheduler.complete(step.id, tokens))
+        self.deliver(self.scheduler.complete(step.id, tokens, time.monotonic()))
 
     def _fail_slot(self, step: Step, slot: int, code: ErrorCode, message: str) -> Finish | None:
         stream = next((s for s in step.streams if s.slot == slot), None)
@@ -224,8 +245,10 @@ class Head:
 
     def on_chain_message(self, msg: wire.Message, arrived: float) -> None:
         if isinstance(msg, wire.TokensMsg):
-            tokens = dict(zip(msg.slots.tolist(), msg.token_ids.tolist(), strict=True))
-            self.deliver(self.scheduler.complete(msg.step, tokens))
+            tokens: dict[int, list[int]] = {}  # a verify window's tokens arrive in order under one slot
+            for slot, token in zip(msg.slots.tolist(), msg.token_ids.tolist(), strict=True):
+                tokens.setdefault(slot, []).append(token)
+            self.deliver(self.scheduler.complete(msg.step, tokens, time.monotonic()))
             self.pump()
         elif isinstance(msg, wire.ProbeAckMsg):
             if msg.plan_hash == self.plan_hash and msg.ready:
@@ -253,6 +276,9 @@ class Head:
         for event in events:
             if event is None:
                 continue
+            if isinstance(event, Rewind):
+                self._rewind(event.stream.slot, event.position)
+                continue
             client, request_id = cast(tuple[bytes, int], event.stream.key)
             if isinstance(event, Token):
                 self._send(client, wire.OutputMsg(request_id=request_id, token_ids=(event.token_id,)))
@@ -263,6 +289,13 @@ class Head:
                                               error=event.message[:4000]))  # fmt: skip
             if event.stream.slot >= 0:
                 self._release(event.stream.slot)
+
+    def _rewind(self, slot: int, position: int) -> None:
+        """Rejected proposals: every stage keeps positions [0, position) of the slot (the message
+        travels the chain in order with the frames, ahead of the stream's next one)."""
+        self.backend.rewind(slot, position)
+        if self.send_next is not None:
+            self.send_next(wire.RewindMsg(slot=slot, position=position))
 
     def _release(self, slot: int) -> None:
         self.backend.release(slot)

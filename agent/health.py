@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class Phase(enum.StrEnum):
@@ -87,6 +87,24 @@ class StageMetrics:
         link_names = [*names, "link", "direction"]
         self._bytes = Counter("modelfleet_stage_bytes_total", "Bytes per link.", link_names, registry=self.registry)
         self._labels = labels
+        # speculative decoding at the head (engine.speculative): what was proposed, what survived
+        spec_names = [*names, "method"]
+        self.drafted = Counter("modelfleet_speculative_drafted_tokens_total", "Proposed tokens verified (head).",
+                               spec_names, registry=self.registry)  # fmt: skip
+        self.accepted = Counter("modelfleet_speculative_accepted_tokens_total", "Proposed tokens accepted (head).",
+                                spec_names, registry=self.registry)  # fmt: skip
+        self.fallback_trips = Counter(
+            "modelfleet_speculative_fallback_trips_total",
+            "Times a stream's acceptance fell under tau and drafting paused (head).", names, registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self.verify_width = Histogram(
+            "modelfleet_speculative_verify_width", "Proposals per decode row, as chosen each step (head).", names,
+            buckets=tuple(range(0, 17)), registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+
+    def speculation(self, method: str, drafted: int, accepted: int) -> None:
+        self.drafted.labels(**self._labels, method=method).inc(drafted)
+        self.accepted.labels(**self._labels, method=method).inc(accepted)
 
     def bytes(self, link: str, direction: str, count: int) -> None:
         self._bytes.labels(**self._labels, link=link, direction=direction).inc(count)

@@ -37,6 +37,8 @@ from ..engine.formats.plan import FormatPlan
 from ..engine.frame import Frame
 from ..engine.sampling import TailSampler
 from ..engine.scheduler import Scheduler
+from ..engine.speculative.speculator import Speculator
+from ..engine.speculative.verify import sample_step
 from ..engine.tensor_parallel import TensorGroup, init_tensor_group
 from ..plan import FleetPlan, Formats, StagePlan
 from . import transport as wire
@@ -145,7 +147,11 @@ class StageAgent:
             f"{self.stage.host}:{self.stage.client_port}", config.probe_interval_seconds,
             config.unready_after_seconds, config.keys,
         )  # fmt: skip
-        scheduler = Scheduler(scheduler_config(self.plan, self.backend, len(self.stages)))
+        speculative = self.plan.serving.speculative_config()
+        scheduler = Scheduler(
+            scheduler_config(self.plan, self.backend, len(self.stages)),
+            None if speculative is None else Speculator(speculative),
+        )
         return Head(
             scheduler, self.backend, head_config, compute=self.compute, send=None if self.is_tail else self.send,
             context=self.context, plan_hash=self.plan.plan_hash(), metrics=self.metrics, status=self.status,
@@ -336,12 +342,16 @@ class StageAgent:
         slots = frame.slots.tolist()
         rows = [] if frame.output_rows is None else frame.output_rows.tolist()
         starts = tuple(s for s in msg.new_streams if s.slot in set(slots))
+        output_tokens = _kept_output_tokens(msg, kept) if refused else msg.output_token_ids
         if self.is_tail:
-            self.send(self.sample(msg, starts, [slots[r] for r in rows], out))
+            positions = frame.positions.tolist()
+            self.send(
+                self.sample(msg, starts, [slots[r] for r in rows], [positions[r] for r in rows], output_tokens, out)
+            )
         else:
             self.send(wire.FrameMsg(
                 microbatch=msg.microbatch, step=msg.step, slots=frame.slots, positions=frame.positions, hidden=out,
-                output_rows=tuple(rows), new_streams=starts,
+                output_rows=tuple(rows), new_streams=starts, output_token_ids=output_tokens,
             ))  # fmt: skip
 
     def _refuse(self, msg: wire.FrameMsg, exc: ModelfleetError, slot: int | None) -> None:
@@ -353,22 +363,31 @@ class StageAgent:
         ))  # fmt: skip
 
     def sample(
-        self, msg: wire.FrameMsg, starts: tuple[wire.StreamStart, ...], slots: list[int], logits: torch.Tensor
+        self,
+        msg: wire.FrameMsg,
+        starts: tuple[wire.StreamStart, ...],
+        slots: list[int],
+        positions: list[int],
+        output_tokens: tuple[int, ...],
+        logits: torch.Tensor,
     ) -> wire.TokensMsg:
-        """Tail: one token per output row with each stream's own parameters; a row that cannot be
-        sampled is reported on its own and has no token."""
+        """Tail: one token per lone output row, and a verify window's accepted proposals plus one
+        token, with each stream's own parameters; a stream that cannot be sampled is reported on
+        its own and has no token."""
         assert self.sampler is not None
         for start in starts:
             self.sampler.start(start.slot, start.sampling_params())
-        tokens, errors = self.sampler.sample(slots, logits)
+        tokens, errors = sample_step(self.sampler, slots, output_tokens or [0] * len(slots), logits)
         for slot, exc in errors.items():
             self._refuse(msg, exc, slot)
-        kept = [s for s in slots if s in tokens]
-        positions = dict(zip(msg.slots.tolist(), msg.positions.tolist(), strict=True))  # each slot's last row
+        first: dict[int, int] = {}  # each slot's first output row's position: its window's tokens follow it
+        for slot, position in zip(slots, positions, strict=True):
+            first.setdefault(slot, position)
+        rows = [(s, first[s] + i, t) for s in first if s in tokens for i, t in enumerate(_as_list(tokens[s]))]
         return wire.TokensMsg(
-            microbatch=msg.microbatch, step=msg.step, slots=torch.tensor(kept, dtype=torch.int64),
-            positions=torch.tensor([positions[s] for s in kept], dtype=torch.int64),
-            token_ids=torch.tensor([tokens[s] for s in kept], dtype=torch.int64),
+            microbatch=msg.microbatch, step=msg.step, slots=torch.tensor([r[0] for r in rows], dtype=torch.int64),
+            positions=torch.tensor([r[1] for r in rows], dtype=torch.int64),
+            token_ids=torch.tensor([r[2] for r in rows], dtype=torch.int64),
         )  # fmt: skip
 
     def release(self, slots: tuple[int, ...]) -> None:
@@ -410,3 +429,15 @@ class StageAgent:
             in_use = self.backend.slots.in_use()
             self.status.slots_in_use = in_use
             self.metrics.active_slots.set(in_use)
+
+
+def _as_list(tokens: int | list[int]) -> list[int]:
+    return [tokens] if isinstance(tokens, int) else tokens
+
+
+def _kept_output_tokens(msg: wire.FrameMsg, kept: list[int]) -> tuple[int, ...]:
+    """The output rows' input tokens once refused rows are dropped from the frame."""
+    if not msg.output_token_ids:
+        return ()
+    by_row = dict(zip(msg.output_rows, msg.output_token_ids, strict=True))
+    return tuple(by_row[r] for r in kept if r in by_row)

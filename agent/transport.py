@@ -42,7 +42,7 @@ from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import FinishReason
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: verify windows (frame.output_token_ids, several tokens per slot)
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 MAX_HEADER_BYTES = 1 << 20
 MAX_ROWS = 1 << 16  # rows in one frame
@@ -358,9 +358,16 @@ class FrameMsg(Message):
     hidden: torch.Tensor | None = wire(Tensor(("float32",), 2, optional=True), None)  # [R, H]
     output_rows: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_ROWS - 1)), ())
     new_streams: tuple[StreamStart, ...] = wire(Records(StreamStart, MAX_SLOTS), ())
+    # the input token of each output row, when the frame holds a verify window (a stream with
+    # several output rows): the window's tokens after its first are the proposals the tail verifies
+    output_token_ids: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_TOKEN_ID)), ())
 
     def check(self) -> None:
         rows = _rows(self.TYPE, self.slots, MAX_ROWS)
+        if self.output_token_ids and len(self.output_token_ids) != len(self.output_rows):
+            raise MalformedMessage(
+                f"frame.output_token_ids has {len(self.output_token_ids)} ids for {len(self.output_rows)} output rows"
+            )
         _same_rows(self.TYPE, rows, positions=self.positions, token_ids=self.token_ids, hidden=self.hidden)
         if (self.token_ids is None) == (self.hidden is None):
             raise MalformedMessage("frame must carry exactly one of token_ids and hidden")
@@ -380,8 +387,9 @@ class FrameMsg(Message):
 @dataclass(frozen=True, eq=False)
 class TokensMsg(Message):
     """Sampled tokens, tail -> head: stream in ``slots[i]`` got ``token_ids[i]`` for ``positions[i]``.
-    Sent for every frame the tail computes, with no rows when the frame sampled none; a stream
-    refused on the way (an ``error`` message with its slot) has no row here."""
+    A verify window emits several tokens for its slot, in order (its accepted proposals and one
+    token from the target). Sent for every frame the tail computes, with no rows when the frame
+    sampled none; a stream refused on the way (an ``error`` message with its slot) has no row here."""
 
     TYPE: ClassVar[str] = "tokens"
     microbatch: int = wire(MICROBATCH)

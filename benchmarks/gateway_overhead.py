@@ -1,7 +1,7 @@
 """What the gateway adds per token: the gateway in front of a stand-in head, many streaming clients.
 
-The stand-in head (its own process) speaks the head's protocol (ZeroMQ ROUTER at port + 2,
-``/status`` at port + 1) and, for every submitted request, sends one token every ``--period-ms``
+The stand-in head (its own process) speaks the head's protocol (ZeroMQ ROUTER at the plan's
+client port, ``/status`` at its HTTP port) and, for every submitted request, sends one token every ``--period-ms``
 on a fixed schedule, stamping nothing on the wire; it records each token's scheduled and actual
 send time (its own emission jitter: the bound on what this benchmark can resolve). The gateway
 runs under uvicorn in its own process, as ``modelfleet gateway`` does. The clients (a third
@@ -89,11 +89,14 @@ def stand_in_head(port: int, token_id: int, period_s: float, burst: bool, record
         def log_message(self, *args: object) -> None:
             return
 
-    http = ThreadingHTTPServer(("127.0.0.1", port + 1), Status)
+    from modelfleet.plan import stage_at
+
+    head = stage_at(f"127.0.0.1:{port}")  # the head's other ports, as the plan derives them
+    http = ThreadingHTTPServer(("127.0.0.1", head.http_port), Status)
     threading.Thread(target=http.serve_forever, daemon=True).start()
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
-    router.bind(f"tcp://127.0.0.1:{port + 2}")
+    router.bind(f"tcp://127.0.0.1:{head.client_port}")
     due: list[tuple[float, int, bytes, int]] = []  # (scheduled, sequence, client, request_id)
     streams: dict[tuple[bytes, int], dict[str, Any]] = {}
     log: dict[str, list[tuple[float, float]]] = {}
@@ -245,11 +248,11 @@ def run(plan: Any, token_id: int, streams: int, tokens: int, period_s: float, pa
     ctx = mp.get_context("spawn")
     others = (set(range(os.cpu_count() or 1)) - gateway_cpus) or None if gateway_cpus else None
     records, results, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    head_port = int(plan.groups[0].stages[0].address.rsplit(":", 1)[1])
+    head_port = plan.groups[0].stages[0].port
     head = ctx.Process(
         target=stand_in_head, args=(head_port, token_id, period_s, pattern == "burst", records, stop, others)
     )
-    gateway_port = head_port + 3
+    gateway_port = plan.groups[0].stages[0].rendezvous_port  # free: the stand-in head has no tensor group
     gateway = ctx.Process(target=gateway_process, args=(plan.to_json(), gateway_port, streams, gateway_cpus, server))
     head.start()
     gateway.start()

@@ -50,7 +50,7 @@ def build_model(path: Path) -> Path:
 
 def busy_seconds(plan, stage: int) -> float:  # type: ignore[no-untyped-def]
     s = plan.groups[0].stages[stage]
-    text = urllib.request.urlopen(f"http://{s.host}:{s.port + 1}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://{s.host}:{s.http_port}/metrics", timeout=5).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("modelfleet_stage_compute_seconds_total{"))  # fmt: skip
 

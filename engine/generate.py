@@ -26,7 +26,7 @@ from .sampling import SamplingParams, TailSampler
 from .scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, Token
 from .shard import Shard
 from .spec import ModelSpec, load_spec
-from .speculative import Speculator
+from .speculative.speculator import Speculator
 from .speculative.verify import sample_step
 from .split import even_split
 from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, supports_static_decode

@@ -45,7 +45,7 @@ import torch
 from .errors import ErrorCode, InputError
 from .frame import Frame
 from .sampling import SamplingParams
-from .speculative import Speculator
+from .speculative.speculator import Speculator
 
 LEARN_CONTEXT = 8  # tokens before an emitted one that a learning proposer is shown
 

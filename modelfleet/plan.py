@@ -21,7 +21,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -35,8 +35,9 @@ from pydantic import (
     model_validator,
 )
 
-from .engine.errors import ModelfleetError
+from .engine.errors import InputError, ModelfleetError
 from .engine.format_names import ROLE_FORMATS
+from .engine.speculative.config import SpeculativeConfig
 
 PLAN_VERSION: Literal[1] = 1
 # A stage's ports from its address's port: frames, HTTP (+1), clients (+2, stage 0), the tensor
@@ -205,6 +206,24 @@ class ServingLimits(_Frozen):
         default=None,
         description="sets of streams whose frames the head keeps in flight separately (default: one per stage)",
     )
+    speculative: dict[str, Any] | None = Field(
+        default=None,
+        description='speculative decoding, vLLM-style keys: {"method": "ngram", "num_speculative_tokens": 4, ...}',
+    )
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            try:
+                SpeculativeConfig.from_mapping(value)
+            except InputError as exc:
+                raise ValueError(str(exc)) from exc
+        return value
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The head's speculative decoding, or None."""
+        return None if self.speculative is None else SpeculativeConfig.from_mapping(self.speculative)
 
 
 class FleetPlan(_Frozen):

@@ -35,9 +35,10 @@ def free_base_port(stages: int) -> int:
 
 
 class Fleet:
-    def __init__(self, model_dir: Path, workdir: Path, keys: wire.KeyPair | None = None, stages: int = STAGES):
+    def __init__(self, model_dir: Path, workdir: Path, keys: wire.KeyPair | None = None, stages: int = STAGES,
+                 speculative: dict | None = None):  # fmt: skip
         self.plan = make_plan(model_dir, stages, max_streams=16, context_length=256, window_rows=4,
-                              base_port=free_base_port(stages))  # fmt: skip
+                              base_port=free_base_port(stages), speculative=speculative)  # fmt: skip
         self.plan_path = workdir / "plan.json"
         self.plan_path.write_text(self.plan.to_json())
         self.keys = keys

@@ -16,9 +16,10 @@ from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel, generate, generate_batch
 from modelfleet.engine.sampling import SamplingParams, filter_logits
 from modelfleet.engine.scheduler import Finish, FinishReason, Rewind, Scheduler, SchedulerConfig, Token
-from modelfleet.engine.speculative import SpeculativeConfig, Speculator
 from modelfleet.engine.speculative.adaptive import Fallback, StepCosts, best_width, joint_widths, monotonic
+from modelfleet.engine.speculative.config import SpeculativeConfig
 from modelfleet.engine.speculative.proposers import HybridProposer, NgramProposer, PhraseTable
+from modelfleet.engine.speculative.speculator import Speculator
 from modelfleet.engine.speculative.verify import verify
 
 # ---- proposers --------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def make_plan(
     model: Path, stages: int, *, nodes: Path | None = None, max_streams: int = 16, context_length: int = 2048,
     window_rows: int = 8, microbatches: int | None = None, max_queue: int = 64, dtype: str = "float32",
     device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
-    formats: Any = None, backend: str = "torch",
+    formats: Any = None, backend: str = "torch", speculative: dict[str, Any] | None = None,
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
     ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group."""
@@ -74,7 +74,7 @@ def make_plan(
 
     serving = ServingLimits(
         max_streams=max_streams, context_length=context_length, window_rows=window_rows,
-        microbatches=microbatches, max_queue=max_queue,
+        microbatches=microbatches, max_queue=max_queue, speculative=speculative,
     )  # fmt: skip
     return build_plan(
         model, stages, _load_nodes(nodes) if nodes else None, groups=groups, tensor=tensor, dtype=dtype,
@@ -89,6 +89,25 @@ FORMAT_HELP = (
 BACKEND_HELP = "What executes the stages: torch (CPU or CUDA devices); openvino is not built yet."
 MICROBATCHES_HELP = "Sets of streams whose frames the head keeps in flight separately (default: one per stage)."
 GROUPS_HELP = "Pipeline replicas (groups); the gateway balances requests over them."
+SPECULATIVE_HELP = (
+    'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid", '
+    '"num_speculative_tokens": K, ...} (serving.speculative in the plan); the output is unchanged.'
+)
+
+
+def speculative_option(text: str | None) -> dict[str, Any] | None:
+    """--speculative-config's JSON, checked now (a bad config fails here, not in every stage)."""
+    if text is None:
+        return None
+    from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.engine.speculative.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.from_json(text)
+    except ModelfleetError as exc:
+        fail(f"--speculative-config: {exc}")
+    document: dict[str, Any] = json.loads(text)
+    return document
 
 
 def plan_formats(experts: str | None, attention: str | None, head: str | None, embeddings: str | None) -> Any:
@@ -123,6 +142,7 @@ def plan(
     embeddings_format: str | None = typer.Option(
         None, "--embeddings", help=f"Embedding table's format (a tied head follows it): {FORMAT_HELP}."
     ),
+    speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
 ) -> None:
     """Plan a fleet: contiguous layer ranges per stage (sized in the weight formats asked for),
     printed as a table and written as JSON."""
@@ -132,7 +152,8 @@ def plan(
     try:
         fleet_plan = make_plan(model, stages, nodes=nodes, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, dtype=dtype, tensor=tensor, formats=formats, groups=groups,
-                               microbatches=microbatches, backend=backend)  # fmt: skip
+                               microbatches=microbatches, backend=backend,
+                               speculative=speculative_option(speculative_config))  # fmt: skip
     except ModelfleetError as exc:
         fail(str(exc))
     out.print(plan_table(fleet_plan))
@@ -234,6 +255,7 @@ def up(
     api_keys_file: Path | None = typer.Option(
         None, "--api-keys-file", help="Bearer API keys for the gateway, one per line (also MF_API_KEYS)."
     ),
+    speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
 ) -> None:
     """Run a whole fleet on this machine: plan, start every stage and the gateway, wait until ready."""
     from rich.progress import BarColumn, Progress, TextColumn
@@ -255,7 +277,7 @@ def up(
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, microbatches=microbatches, max_queue=max_queue, dtype=dtype,
                                device=device, base_port=base_port, groups=groups, tensor=tensor, formats=formats,
-                               backend=backend)  # fmt: skip
+                               backend=backend, speculative=speculative_option(speculative_config))  # fmt: skip
         check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
         fail(str(exc))

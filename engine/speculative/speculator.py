@@ -1,0 +1,141 @@
+"""The :class:`Speculator`: what the pure scheduler (engine.scheduler) consults when it builds a step.
+
+For the step's decode streams it asks the proposer for up to gamma tokens each, chooses the
+widths together (engine.speculative.adaptive), and later records what verification accepted and
+how long the step took. It holds no clock and no model: the caller passes times in, and
+verification runs where the logits are (engine.speculative.verify, at the tail).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .adaptive import Acceptance, Fallback, StepCosts, joint_widths, survival
+from .config import SpeculativeConfig
+from .proposers import HybridProposer, NgramProposer, PhraseTable, Proposer
+
+
+def build_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer ``config.method`` names, ready to propose."""
+    ngram = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.method == "ngram":
+        return ngram
+    phrases = PhraseTable.load(config.phrase_table) if config.phrase_table else PhraseTable(config.phrase_context)
+    return phrases if config.method == "phrase" else HybridProposer(ngram, phrases)
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did, for ``generate --json`` and metrics."""
+
+    method: str
+    drafted: int = 0
+    accepted: int = 0
+    fallback_trips: int = 0
+    widths: Counter[int] = field(default_factory=Counter)  # chosen width -> decode rows
+    expected_tokens: float = 0.0  # what the width model expected the chosen windows to emit...
+    expected_seconds: float = 0.0  # ...and to cost, summed over steps
+
+    @property
+    def predicted_tokens_per_second(self) -> float:
+        """The width model's own forecast: E over the chosen windows / V of their steps."""
+        return self.expected_tokens / self.expected_seconds if self.expected_seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "method": self.method, "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4), "fallback_trips": self.fallback_trips,
+            "widths": {str(k): v for k, v in sorted(self.widths.items())},
+            "predicted_tokens_per_second": round(self.predicted_tokens_per_second, 3),
+        }  # fmt: skip
+
+
+class Speculator:
+    """Proposals and widths for the decode streams of a step; acceptance and step costs recorded.
+
+    ``row_budget``: most rows one step may carry (None: every stream at the widest window)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, row_budget: int | None = None):
+        self.config = config
+        self.proposer = proposer or build_proposer(config)
+        self.row_budget = row_budget
+        self.acceptance = Acceptance()  # per proposer and position, shared by its streams
+        self.costs = StepCosts()
+        self.fallbacks: dict[Hashable, Fallback] = {}
+        self.stats = SpeculationStats(config.method)
+
+    def drafts(self, streams: Sequence[tuple[Hashable, Sequence[int]]]) -> list[list[int]]:
+        """Proposals for each (stream key, tokens so far) of one step, at the chosen widths."""
+        gamma = self.config.num_speculative_tokens
+        proposals = [
+            self.proposer.propose(tokens, gamma) if self._fallback(key).drafting else [] for key, tokens in streams
+        ]
+        if self.config.adaptive:
+            budget = self.row_budget or len(streams) * (1 + gamma)
+            confidences = [self.acceptance.confidences(len(p)) for p in proposals]
+            widths = joint_widths(confidences, 0.0, self.costs, budget)
+        else:
+            widths = [len(p) for p in proposals]
+        chosen = [p[:w] for p, w in zip(proposals, widths, strict=True)]
+        self._forecast([self.acceptance.confidences(len(d)) for d in chosen])
+        for (key, _), drafts in zip(streams, chosen, strict=True):
+            self.stats.widths[len(drafts)] += 1
+            if not drafts:
+                self._fallback(key).plain_step()
+        return chosen
+
+    def _forecast(self, confidences: list[list[float]]) -> None:
+        if not self.costs.seconds:  # nothing measured yet: no forecast
+            return
+        rows = sum(1 + len(c) for c in confidences)
+        self.stats.expected_tokens += sum(1 + sum(survival(c)) for c in confidences)
+        self.stats.expected_seconds += self.costs.cost(rows)
+
+    def record(self, key: Hashable, proposed: int, accepted: int) -> None:
+        """Verification of ``proposed`` tokens of stream ``key`` accepted ``accepted`` of them."""
+        if proposed == 0:
+            return
+        fallback = self._fallback(key)
+        trips = fallback.trips
+        fallback.record(proposed, accepted)
+        self.acceptance.record(proposed, accepted)
+        self.stats.drafted += proposed
+        self.stats.accepted += accepted
+        self.stats.fallback_trips += fallback.trips - trips
+
+    def learn(self, tokens: Sequence[int], new: int) -> None:
+        """An emitted token, for proposers that learn (the phrase table)."""
+        table = self._phrase_table()
+        if table is not None:
+            table.learn_step(tokens, new)
+
+    def step_time(self, rows: int, seconds: float) -> None:
+        self.costs.record(rows, seconds)
+
+    def forget(self, key: Hashable) -> None:
+        """A stream ended: its controller goes (a new request starts fresh)."""
+        self.fallbacks.pop(key, None)
+
+    def save_phrases(self, path: str | Path) -> None:
+        table = self._phrase_table()
+        if table is not None:
+            table.save(path)
+
+    def _fallback(self, key: Hashable) -> Fallback:
+        if key not in self.fallbacks:
+            c = self.config
+            self.fallbacks[key] = Fallback(c.min_verified, c.acceptance_threshold, c.cooldown_steps)
+        return self.fallbacks[key]
+
+    def _phrase_table(self) -> PhraseTable | None:
+        proposer = self.proposer
+        if isinstance(proposer, HybridProposer):
+            return proposer.phrases
+        return proposer if isinstance(proposer, PhraseTable) else None
