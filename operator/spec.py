@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
@@ -27,8 +28,12 @@ from pydantic import (
 from pydantic.alias_generators import to_camel, to_snake
 
 from modelfleet.engine.errors import ModelfleetError
+from modelfleet.engine.speculative.config import BUILT, MAX_SPECULATIVE_TOKENS
 from modelfleet.plan import Formats, NonNegativeInt, PositiveInt, _describe
 from modelfleet.planner import parse_quantity
+
+# the proposers the engine has built (engine.speculative.config), as the CRD's enum
+SpeculativeMethod = Literal[BUILT]  # type: ignore[valid-type]
 
 GROUP, VERSION, PLURAL, KIND = "modelfleet.io", "v1alpha1", "modelfleets", "ModelFleet"
 
@@ -134,10 +139,37 @@ class Placement(_Spec):
     numa: Literal["none", "single-numa-node"] = "none"
 
 
+class Speculative(_Spec):
+    """Speculative decoding at every head: the engine's SpeculativeConfig, in camelCase."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)] = 4
+    prompt_lookup_max: PositiveInt = 4
+    prompt_lookup_min: PositiveInt = 1
+    phrase_table: StrictStr | None = None
+    phrase_context: PositiveInt = 3
+    adaptive: StrictBool = True
+    min_verified: PositiveInt = 32
+    acceptance_threshold: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1)] = 0.6
+    cooldown_steps: NonNegativeInt = 64
+
+    @model_validator(mode="after")
+    def _check(self) -> Speculative:
+        # mirrors the CRD's x-kubernetes-validations rule on serving.speculative
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("serving.speculative.promptLookupMin must be <= promptLookupMax")
+        return self
+
+    def plan_fields(self) -> dict[str, object]:
+        """The plan's serving.speculative: the engine's snake_case keys, defaults left out."""
+        return self.model_dump(exclude_defaults=True)
+
+
 class Serving(_Spec):
     max_streams: PositiveInt = 16
     context_length: PositiveInt = 4096
     window_rows: PositiveInt = 8
+    speculative: Speculative | None = None
 
 
 class Gateway(_Spec):

@@ -111,7 +111,11 @@ GOOD = {
             "nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
             "affinity": {"podAntiAffinity": {}}, "numa": "single-numa-node",
         },
-        "serving": {"maxStreams": 32, "contextLength": 8192, "windowRows": 16},
+        "serving": {"maxStreams": 32, "contextLength": 8192, "windowRows": 16, "speculative": {
+            "method": "hybrid", "numSpeculativeTokens": 6, "promptLookupMax": 5, "promptLookupMin": 2,
+            "phraseTable": "/models/phrases.json", "phraseContext": 4, "adaptive": False, "minVerified": 16,
+            "acceptanceThreshold": 0.5, "cooldownSteps": 32,
+        }},
         "gateway": {"replicas": 2, "serviceType": "LoadBalancer", "apiKeysSecret": "keys", "maxQueue": 10, "queueTimeoutSeconds": 2.5},
         "restartPolicy": {"maxStageRestarts": 5}, "rollout": {"progressDeadlineSeconds": 1800},
         "resources": {"cpu": "500m", "memory": "24Gi"},
@@ -176,6 +180,12 @@ BAD = {
     "unknown numa policy": _with(placement={"numa": "interleave"}),
     "numa pinning without resources": _with(placement={"numa": "single-numa-node"}, resources={"memory": "8Gi"}),
     "unknown weight format": {"model": {"uri": "hf://a/b", "servedName": "m", "formats": {"experts": "int3"}}},
+    "unknown speculative method": _with(serving={"speculative": {"method": "medusa"}}),
+    "speculative without a method": _with(serving={"speculative": {"numSpeculativeTokens": 4}}),
+    "too many speculative tokens": _with(serving={"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}),
+    "suffix match shorter than its minimum": _with(
+        serving={"speculative": {"method": "ngram", "promptLookupMin": 5, "promptLookupMax": 2}}
+    ),
     "token secret for a pvc model": {
         "model": {"uri": "pvc://m/x", "servedName": "m", "tokenSecret": {"name": "hf", "key": "t"}}
     },

@@ -4,6 +4,7 @@ what was rejected, and the streams' greedy tokens are those of the single-proces
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from test_pipeline import Fleet, reference, run_concurrently
 
@@ -36,3 +37,30 @@ def test_a_three_stage_fleet_with_speculation_gives_the_greedy_tokens_of_plain_d
         assert fleet.metric(0, "modelfleet_speculative_drafted_tokens_total") == head["drafted"]
     finally:
         fleet.stop()
+
+
+def test_the_crd_offers_the_proposers_the_engine_has_built() -> None:
+    import yaml
+
+    from modelfleet.engine.speculative.config import BUILT, MAX_SPECULATIVE_TOKENS
+
+    crd = yaml.safe_load((Path(__file__).parents[1] / "crds" / "modelfleets.modelfleet.io.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    speculative = spec["properties"]["serving"]["properties"]["speculative"]["properties"]
+    assert tuple(speculative["method"]["enum"]) == BUILT
+    assert speculative["numSpeculativeTokens"]["maximum"] == MAX_SPECULATIVE_TOKENS
+
+
+def test_a_modelfleets_serving_speculative_reaches_the_plan_the_head_reads() -> None:
+    from fleet_fixtures import node, summary
+
+    from modelfleet.operator.placement import place
+    from modelfleet.operator.spec import parse_spec
+
+    spec = parse_spec({
+        "model": {"uri": "pvc://models/qwen", "servedName": "qwen"},
+        "serving": {"speculative": {"method": "ngram", "numSpeculativeTokens": 3}},
+    })  # fmt: skip
+    placement = place(spec, summary(4), [node("a")], "qwen", "ai")
+    config = placement.plan.serving.speculative_config()
+    assert config is not None and (config.method, config.num_speculative_tokens) == ("ngram", 3)
