@@ -37,7 +37,7 @@ from ..engine.formats.plan import FormatPlan
 from ..engine.frame import Frame
 from ..engine.sampling import TailSampler
 from ..engine.scheduler import Scheduler
-from ..engine.speculative.speculator import Speculator
+from ..engine.speculative.speculator import Speculator, build_proposer
 from ..engine.speculative.verify import sample_step
 from ..engine.tensor_parallel import TensorGroup, init_tensor_group
 from ..plan import FleetPlan, Formats, StagePlan
@@ -147,11 +147,7 @@ class StageAgent:
             f"{self.stage.host}:{self.stage.client_port}", config.probe_interval_seconds,
             config.unready_after_seconds, config.keys,
         )  # fmt: skip
-        speculative = self.plan.serving.speculative_config()
-        scheduler = Scheduler(
-            scheduler_config(self.plan, self.backend, len(self.stages)),
-            None if speculative is None else Speculator(speculative),
-        )
+        scheduler = Scheduler(scheduler_config(self.plan, self.backend, len(self.stages)), self._speculator())
         return Head(
             scheduler, self.backend, head_config, compute=self.compute, send=None if self.is_tail else self.send,
             context=self.context, plan_hash=self.plan.plan_hash(), metrics=self.metrics, status=self.status,
@@ -282,6 +278,14 @@ class StageAgent:
                 self.send(wire.ErrorMsg(
                     code=ErrorCode.INTERNAL.value, message=str(exc)[:4000], microbatch=msg.microbatch, step=msg.step,
                 ))  # fmt: skip
+
+    def _speculator(self) -> Speculator | None:
+        """The head's speculative decoding, as the plan asks (a draft model runs on this stage's device)."""
+        config = self.plan.serving.speculative_config()
+        if config is None:
+            return None
+        proposer = build_proposer(config, self.plan.model.path, self.plan.streams_per_group, self.stage.device)
+        return Speculator(config, proposer)
 
     def on_message(self, msg: wire.Message, arrived: float) -> None:
         """A message arriving at a stage after the head."""

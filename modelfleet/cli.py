@@ -88,7 +88,7 @@ def generate(
     from modelfleet.engine.generate import generate as run_generate
     from modelfleet.engine.sampling import SamplingParams
     from modelfleet.engine.speculative.config import SpeculativeConfig
-    from modelfleet.engine.speculative.speculator import Speculator
+    from modelfleet.engine.speculative.speculator import Speculator, build_proposer
     from modelfleet.engine.tokenizer import IncrementalDecoder, TextTokenizer
 
     if (prompt is None) == (prompt_ids is None):
@@ -102,6 +102,7 @@ def generate(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens
         )
         formats = plan_from_options(quantize, experts=experts, attention=attention, head=head, embeddings=embeddings)
+        config = SpeculativeConfig.from_json(speculative_config) if speculative_config else None
         started = time.perf_counter()
         lm = LocalModel.load(
             model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=1, formats=formats
@@ -114,7 +115,9 @@ def generate(
             stream.write(decoder.push(token) if decoder else f"{token} ")
             stream.flush()
 
-        speculator = Speculator(SpeculativeConfig.from_json(speculative_config)) if speculative_config else None
+        speculator = None
+        if config is not None:
+            speculator = Speculator(config, build_proposer(config, model, 1, device))
         result = run_generate(lm, ids, params, on_token, speculator)
         if decoder:
             stream.write(decoder.flush())

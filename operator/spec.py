@@ -148,6 +148,7 @@ class Speculative(_Spec):
     prompt_lookup_min: PositiveInt = 1
     phrase_table: StrictStr | None = None
     phrase_context: PositiveInt = 3
+    model: StrictStr | None = Field(default=None, min_length=1)
     adaptive: StrictBool = True
     min_verified: PositiveInt = 32
     acceptance_threshold: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1)] = 0.6
@@ -155,9 +156,11 @@ class Speculative(_Spec):
 
     @model_validator(mode="after")
     def _check(self) -> Speculative:
-        # mirrors the CRD's x-kubernetes-validations rule on serving.speculative
+        # mirrors the CRD's x-kubernetes-validations rules on serving.speculative
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("serving.speculative.promptLookupMin must be <= promptLookupMax")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("serving.speculative.method draft_model needs serving.speculative.model")
         return self
 
     def plan_fields(self) -> dict[str, object]:

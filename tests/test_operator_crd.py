@@ -182,6 +182,7 @@ BAD = {
     "unknown weight format": {"model": {"uri": "hf://a/b", "servedName": "m", "formats": {"experts": "int3"}}},
     "unknown speculative method": _with(serving={"speculative": {"method": "medusa"}}),
     "speculative without a method": _with(serving={"speculative": {"numSpeculativeTokens": 4}}),
+    "draft model without a model": _with(serving={"speculative": {"method": "draft_model"}}),
     "too many speculative tokens": _with(serving={"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}),
     "suffix match shorter than its minimum": _with(
         serving={"speculative": {"method": "ngram", "promptLookupMin": 5, "promptLookupMax": 2}}

@@ -196,7 +196,7 @@ def test_a_new_request_starts_with_a_fresh_controller() -> None:
     "text, why",
     [
         ('{"method": "medusa"}', "unknown"),
-        ('{"method": "draft_model"}', "not built"),
+        ('{"method": "mtp"}', "not built"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
         ('{"method": "ngram", "k": 3}', "unknown field"),
         ('{"method": "ngram", "adaptive": 1}', "must be a bool"),
@@ -339,3 +339,37 @@ def test_generate_prints_speculation_statistics_and_refuses_a_bad_config(tiny_ch
     assert stats["method"] == "ngram" and stats["drafted"] >= stats["accepted"] >= 0
     bad = runner.invoke(app, [*base, "--speculative-config", '{"method": "medusa"}'])
     assert bad.exit_code == 2 and "'medusa' is unknown" in bad.output
+
+
+# ---- the draft model ---------------------------------------------------------------------------
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+
+
+def test_the_demo_draft_proposes_for_the_demo_model_and_greedy_output_is_unchanged() -> None:
+    from modelfleet.engine.speculative.speculator import build_proposer
+    from modelfleet.engine.tokenizer import TextTokenizer
+
+    prompts = [TextTokenizer(DEMO).encode(text) for text in ("def fibonacci(n):\n    ", "import os\nimport sys\n\n\n")]
+    lm = LocalModel.load(DEMO, max_slots=2)
+    params = SamplingParams(max_tokens=24, stop_token_ids=())
+    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
+    config = SpeculativeConfig("draft_model", model=str(DEMO / "draft"), num_speculative_tokens=3, adaptive=False)
+    speculator = Speculator(config, build_proposer(config, DEMO, max_streams=2))
+    assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
+    stats = speculator.stats
+    assert stats.drafted > 0 and stats.accepted > 0.2 * stats.drafted, stats  # a trained draft agrees often
+
+
+def test_a_draft_whose_vocabulary_differs_from_the_targets_is_refused(tiny_checkpoint) -> None:
+    from modelfleet.engine.speculative.speculator import build_proposer
+
+    path, _ = tiny_checkpoint("qwen3_moe")
+    config = SpeculativeConfig("draft_model", model=str(DEMO / "draft"))
+    with pytest.raises(InputError, match="must share the target's tokenizer"):
+        build_proposer(config, path)
+
+
+def test_the_draft_model_proposer_needs_a_model() -> None:
+    with pytest.raises(InputError, match='needs "model"'):
+        SpeculativeConfig.from_json('{"method": "draft_model"}')

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import InputError
 
 METHODS = ("ngram", "phrase", "hybrid", "draft_model", "mtp")
-BUILT = ("ngram", "phrase", "hybrid")  # the proposers this release has
+BUILT = ("ngram", "phrase", "hybrid", "draft_model")  # the proposers this release has
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -38,6 +38,8 @@ class SpeculativeConfig:
             raise InputError(
                 f"speculative method {self.method!r} is not built in this release; use one of {', '.join(BUILT)}"
             )
+        if self.method == "draft_model" and not self.model:
+            raise InputError('speculative method "draft_model" needs "model": the draft checkpoint\'s directory')
         checks = [
             ("num_speculative_tokens", 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"in [1, {MAX_SPECULATIVE_TOKENS}]"),

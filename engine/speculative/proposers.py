@@ -12,16 +12,17 @@ model (engine.speculative.adaptive) uses as the survival probability of each pro
   ``context`` tokens seen at least ``min_count`` times whose next token agreed at least
   ``min_agreement`` of those times proposes that token, then continues from the extended context.
   It learns from emitted tokens, saves to and loads from a JSON file, and two tables merge.
-- :class:`HybridProposer`: suffix match first, then the phrase table (seed 000's order).
+- :class:`HybridProposer`: suffix match first, then the phrase table, then a draft model when
+  one is configured (seed 000's order; the draft model is engine.speculative.draft).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..errors import InputError
 
@@ -146,13 +147,35 @@ class PhraseTable:
         return table
 
 
+@runtime_checkable
+class BatchProposer(Protocol):
+    """A proposer that proposes for a step's streams together (a draft model: one frame per token)."""
+
+    def propose_many(self, streams: Sequence[tuple[Hashable, Sequence[int]]], k: int) -> list[list[int]]: ...
+
+    def forget(self, key: Hashable) -> None: ...
+
+
 class HybridProposer:
-    """Suffix match first; where it finds nothing, the phrase table."""
+    """Suffix match first; where it finds nothing, the phrase table; then the draft model, if any
+    (seed 000's order)."""
 
     method = "hybrid"
 
-    def __init__(self, ngram: NgramProposer, phrases: PhraseTable):
-        self.ngram, self.phrases = ngram, phrases
+    def __init__(self, ngram: NgramProposer, phrases: PhraseTable, draft: BatchProposer | None = None):
+        self.ngram, self.phrases, self.draft = ngram, phrases, draft
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         return self.ngram.propose(tokens, k) or self.phrases.propose(tokens, k)
+
+    def propose_many(self, streams: Sequence[tuple[Hashable, Sequence[int]]], k: int) -> list[list[int]]:
+        out = [self.propose(tokens, k) for _, tokens in streams]
+        rest = [i for i, proposal in enumerate(out) if not proposal]
+        if self.draft is not None and rest:
+            for i, proposal in zip(rest, self.draft.propose_many([streams[i] for i in rest], k), strict=True):
+                out[i] = proposal
+        return out
+
+    def forget(self, key: Hashable) -> None:
+        if self.draft is not None:
+            self.draft.forget(key)

@@ -15,16 +15,27 @@ from pathlib import Path
 
 from .adaptive import Acceptance, Fallback, StepCosts, joint_widths, survival
 from .config import SpeculativeConfig
-from .proposers import HybridProposer, NgramProposer, PhraseTable, Proposer
+from .proposers import BatchProposer, HybridProposer, NgramProposer, PhraseTable, Proposer
 
 
-def build_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer ``config.method`` names, ready to propose."""
+def build_proposer(
+    config: SpeculativeConfig, target: str | Path | None = None, max_streams: int = 1, device: str = "cpu"
+) -> Proposer:
+    """The proposer ``config.method`` names, ready to propose. A draft model is loaded on
+    ``device`` with a slot for each of ``max_streams`` streams, and checked against the
+    ``target`` checkpoint's vocabulary."""
     ngram = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
     if config.method == "ngram":
         return ngram
+    draft = None
+    if config.model:
+        from .draft import DraftModelProposer  # loads torch and the engine: only when a draft is asked for
+
+        draft = DraftModelProposer.load(config.model, target, max_streams, device)
+        if config.method == "draft_model":
+            return draft
     phrases = PhraseTable.load(config.phrase_table) if config.phrase_table else PhraseTable(config.phrase_context)
-    return phrases if config.method == "phrase" else HybridProposer(ngram, phrases)
+    return phrases if config.method == "phrase" else HybridProposer(ngram, phrases, draft)
 
 
 @dataclass
@@ -74,9 +85,12 @@ class Speculator:
     def drafts(self, streams: Sequence[tuple[Hashable, Sequence[int]]]) -> list[list[int]]:
         """Proposals for each (stream key, tokens so far) of one step, at the chosen widths."""
         gamma = self.config.num_speculative_tokens
-        proposals = [
-            self.proposer.propose(tokens, gamma) if self._fallback(key).drafting else [] for key, tokens in streams
-        ]
+        drafting = [(key, tokens) for key, tokens in streams if self._fallback(key).drafting]
+        if isinstance(self.proposer, BatchProposer):
+            proposed = dict(zip([key for key, _ in drafting], self.proposer.propose_many(drafting, gamma), strict=True))
+        else:
+            proposed = {key: self.proposer.propose(tokens, gamma) for key, tokens in drafting}
+        proposals = [proposed.get(key, []) for key, _ in streams]
         if self.config.adaptive:
             budget = self.row_budget or len(streams) * (1 + gamma)
             confidences = [self.acceptance.confidences(len(p)) for p in proposals]
@@ -120,8 +134,10 @@ class Speculator:
         self.costs.record(rows, seconds)
 
     def forget(self, key: Hashable) -> None:
-        """A stream ended: its controller goes (a new request starts fresh)."""
+        """A stream ended: its controller goes (a new request starts fresh), and its draft state."""
         self.fallbacks.pop(key, None)
+        if isinstance(self.proposer, BatchProposer):
+            self.proposer.forget(key)
 
     def save_phrases(self, path: str | Path) -> None:
         table = self._phrase_table()

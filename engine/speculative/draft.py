@@ -1,0 +1,111 @@
+"""The ``draft_model`` proposer: a small model of the same tokenizer runs ahead of the target.
+
+Each stream gets a slot in the draft's own KV cache. To propose, the draft first catches up on
+what the target committed (the stream's tokens beyond the longest prefix the draft holds: its
+own proposals that were rejected are rewound, never kept), then decodes k tokens greedily, all
+streams of the step in one frame per token. Its proposals are deterministic (argmax), so the
+target verifies them with a one-hot q (engine.speculative.verify): exact at any temperature.
+
+The draft must share the target's vocabulary (same ``vocab_size`` and tokenizer file); a draft
+with another tokenizer is refused at load with what differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from ..frame import Frame
+from ..generate import LocalModel
+
+
+class DraftModelProposer:
+    method = "draft_model"
+
+    def __init__(self, model: LocalModel):
+        self.model = model
+        self.slots: dict[Hashable, int] = {}
+        self.held: dict[Hashable, list[int]] = {}  # the tokens each stream's draft slot holds, in order
+
+    @classmethod
+    def load(
+        cls, path: str | Path, target: str | Path | None, max_streams: int, device: str = "cpu", dtype: str = "float32"
+    ) -> DraftModelProposer:
+        """The draft at ``path`` with a slot for each of ``max_streams`` streams; ``target``'s
+        tokenizer and vocabulary must be the draft's."""
+        if target is not None:
+            check_same_vocabulary(Path(path), Path(target))
+        return cls(LocalModel.load(path, device=device, dtype=dtype, max_slots=max_streams))
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """One stream alone (the speculator asks :meth:`propose_many` for a step's streams)."""
+        return self.propose_many([(None, tokens)], k)[0]
+
+    @torch.inference_mode()
+    def propose_many(self, streams: Sequence[tuple[Hashable, Sequence[int]]], k: int) -> list[list[int]]:
+        """Up to ``k`` greedy draft tokens for each (stream key, tokens so far)."""
+        if k < 1 or not streams:
+            return [[] for _ in streams]
+        rows = [self._catch_up(key, list(tokens)) for key, tokens in streams]
+        logits = self._run(rows)
+        out: list[list[int]] = [[] for _ in streams]
+        for step in range(k):
+            picked = logits.argmax(dim=-1).tolist()
+            for i, token in enumerate(picked):
+                out[i].append(token)
+            if step + 1 < k:
+                logits = self._run([(key, [token]) for (key, _), token in zip(streams, picked, strict=True)])
+        return out
+
+    def forget(self, key: Hashable) -> None:
+        """The stream ended: its draft slot is free."""
+        slot = self.slots.pop(key, None)
+        self.held.pop(key, None)
+        if slot is not None:
+            self.model.release(slot)
+
+    def _catch_up(self, key: Hashable, tokens: list[int]) -> tuple[Hashable, list[int]]:
+        """Rewind the stream's draft slot to the longest prefix it shares with ``tokens`` (less
+        one, so a row remains to predict from) and return the rows it still needs."""
+        if key not in self.slots:
+            self.slots[key] = self.model.acquire()
+            self.held[key] = []
+        held = self.held[key]
+        keep = 0
+        limit = min(len(held), len(tokens) - 1)
+        while keep < limit and held[keep] == tokens[keep]:
+            keep += 1
+        self.model.rewind(self.slots[key], keep)
+        del held[keep:]
+        return key, tokens[keep:]
+
+    def _run(self, rows: list[tuple[Hashable, list[int]]]) -> torch.Tensor:
+        """Feed each stream's rows at its held length; logits [streams, V] at each last row."""
+        streams, last, count = [], [], 0
+        for key, ids in rows:
+            streams.append((self.slots[key], len(self.held[key]), ids))
+            self.held[key] += ids
+            count += len(ids)
+            last.append(count - 1)
+        frame = Frame.of_streams(streams)
+        frame = Frame(frame.slots, frame.positions, token_ids=frame.token_ids,
+                      output_rows=torch.tensor(last, dtype=torch.int64))  # fmt: skip
+        return self.model.forward(frame)
+
+
+def check_same_vocabulary(draft: Path, target: Path) -> None:
+    """Refuse a draft whose tokenizer or vocabulary differs from the target's."""
+    from ..spec import load_spec
+
+    draft_vocab, target_vocab = load_spec(draft).vocab_size, load_spec(target).vocab_size
+    if draft_vocab != target_vocab:
+        raise InputError(
+            f"draft model {draft} has a vocabulary of {draft_vocab} tokens, the target {target_vocab}: a draft must "
+            "share the target's tokenizer (bridging other tokenizers through text is not built yet)"
+        )
+    tokenizers = [p / "tokenizer.json" for p in (draft, target)]
+    if all(t.is_file() for t in tokenizers) and tokenizers[0].read_bytes() != tokenizers[1].read_bytes():
+        raise InputError(f"draft model {draft}'s tokenizer.json differs from the target's; a draft must share it")
