@@ -155,6 +155,7 @@ _register()
 app.command()(__import__("modelfleet.commands.gateway", fromlist=["gateway"]).gateway)
 app.add_typer(__import__("modelfleet.commands.render", fromlist=["app"]).app)  # render, inspect, operator
 app.command()(__import__("modelfleet.commands.fetch", fromlist=["fetch"]).fetch)
+app.add_typer(__import__("modelfleet.commands.phrases", fromlist=["app"]).app, name="phrases")
 
 app.command()(quantize_command)
 

@@ -373,3 +373,29 @@ def test_a_draft_whose_vocabulary_differs_from_the_targets_is_refused(tiny_check
 def test_the_draft_model_proposer_needs_a_model() -> None:
     with pytest.raises(InputError, match='needs "model"'):
         SpeculativeConfig.from_json('{"method": "draft_model"}')
+
+
+def test_phrase_tables_learn_from_text_merge_and_show_through_the_cli(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    runner = CliRunner()
+    code = tmp_path / "a.py"
+    code.write_text("def f(x):\n    return x\n" * 20)
+    for name in ("a", "b"):
+        learned = runner.invoke(
+            app, ["phrases", "learn", "--model", str(DEMO), str(code), "--out", str(tmp_path / f"{name}.json")]
+        )
+        assert learned.exit_code == 0, learned.output
+    merged = runner.invoke(
+        app, ["phrases", "merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m.json")]
+    )
+    assert merged.exit_code == 0, merged.output
+    one, both = PhraseTable.load(tmp_path / "a.json"), PhraseTable.load(tmp_path / "m.json")
+    phrase = next(iter(one.counts))
+    assert both.counts[phrase] == Counter({t: 2 * n for t, n in one.counts[phrase].items()})
+    shown = runner.invoke(app, ["phrases", "show", str(tmp_path / "m.json")])
+    assert shown.exit_code == 0 and "proposing" in shown.output
+    bad = runner.invoke(app, ["phrases", "show", str(code)])
+    assert bad.exit_code == 2 and "cannot be" in bad.output  # (rich wraps the line)
