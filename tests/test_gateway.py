@@ -373,6 +373,39 @@ def test_malformed_and_oversized_bodies_are_refused_and_the_gateway_keeps_servin
     ).is_success
 
 
+SURROGATE_BODIES = [
+    ("/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
+    ("/v1/completions", {"prompt": ["\udfff"]}, "prompt[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud83d"}]}, "messages[0].content"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[1].text"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\udc00"]}, "stop[0]"),
+]  # fmt: skip
+
+
+def test_a_lone_surrogate_anywhere_in_a_request_gets_a_400_naming_the_field_on_a_connection_that_stays_healthy(
+    served,
+) -> None:
+    """Issue 30, item 2: "\\ud800" parses into a string that is not text; it once reached the
+    tokenizer (500 internal error: TypeError) and the next request on the connection was reset."""
+    model = served.gateway.model_name
+    good = {"model": model, "prompt": "hi", "max_tokens": 2}
+    streams = set()
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        for path, body, param in SURROGATE_BODIES:
+            # json.dumps writes each lone surrogate as its \\uXXXX escape, as a hostile client would
+            response = client.post(path, content=json.dumps({"model": model, "max_tokens": 2, **body}),
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == param, response.text
+            assert "lone UTF-16 surrogate" in error["message"] and error["type"] == "invalid_request_error"
+            after = client.post("/v1/completions", json=good)
+            assert after.status_code == 200, after.text
+            streams |= {id(response.extensions["network_stream"]), id(after.extensions["network_stream"])}
+    assert len(streams) == 1  # one keep-alive connection served every request
+
+
 # ---- auth, readiness, admission, disconnects, metrics ------------------------------------------
 
 
@@ -407,6 +440,44 @@ def test_a_gateway_whose_fleet_is_not_ready_answers_503_but_stays_alive(fleet) -
         assert response.status_code == 503 and response.headers["Retry-After"]
         assert httpx.get(served.url + "/readyz", timeout=5).status_code == 503
         assert httpx.get(served.url + "/healthz", timeout=5).status_code == 200
+
+
+class BlockingTokenizer:
+    """A tokenizer whose encode waits until the test lets it go: a prompt that takes long to tokenize."""
+
+    def __init__(self, real: TextTokenizer):
+        self.real, self.entered, self.release = real, threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        self.entered.set()
+        assert self.release.wait(60), "the test never let the tokenizer go"
+        return self.real.encode(text[:16])
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+def test_a_prompt_being_tokenized_stalls_neither_healthz_nor_other_requests(fleet) -> None:
+    """Issue 30, item 3: a 3.9 MiB prompt was tokenized in the event loop for 6-11 s, and /healthz
+    waited as long. Tokenizing runs in a thread pool now: while one prompt's tokenizer is held,
+    the gateway answers /healthz and another request (the head is absent, so: 503)."""
+    model = fleet.plan.model.served_name
+    with Served(GatewayConfig.of(plan_with_head_at(fleet.plan, free_base_port(1)))) as served:
+        slow = BlockingTokenizer(served.gateway.prompts.tokenizer)
+        served.gateway.prompts.tokenizer = slow  # type: ignore[assignment]
+        answers: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: answers.append(served.post("/v1/completions", {"model": model,
+                                   "prompt": "a long prompt", "max_tokens": 2})))  # fmt: skip
+        waiting.start()
+        try:
+            assert slow.entered.wait(30), "the request never reached the tokenizer"
+            assert httpx.get(served.url + "/healthz", timeout=10).status_code == 200
+            assert served.post("/v1/completions", {"model": model, "prompt": [1, 2, 3]}).status_code == 503
+            assert waiting.is_alive()  # still tokenizing: the answers above came while it was
+        finally:
+            slow.release.set()
+            waiting.join(30)
+        assert [a.status_code for a in answers] == [503]
 
 
 class SilentHead:
