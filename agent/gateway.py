@@ -49,7 +49,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.errors import ErrorCode
+from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.sampling import SamplingParams
 from ..engine.spec import load_spec
 from ..plan import FleetPlan, PlanError
@@ -114,14 +114,42 @@ class GatewayConfig:
         return heads
 
 
-def load_api_keys(path: Path | None, env_value: str | None) -> frozenset[str]:
-    """Keys from a file (one per line, # comments) and from MF_API_KEYS (comma-separated)."""
+class ApiKeysError(ModelfleetError):
+    """The API keys given cannot guard the gateway (none in a source that was given, a bad line)."""
+
+
+def parse_api_keys(text: str, where: str) -> list[str]:
+    """Keys of an API keys file: one per line; ``#`` starts a comment, on a line of its own or
+    after the key; blank lines are skipped. A key holds no whitespace and no ``#``."""
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        key = line.split("#", 1)[0].strip()
+        if any(c.isspace() for c in key):
+            raise ApiKeysError(f"{where}, line {number}: a key cannot hold whitespace; write one key per line "
+                               "(a comment after a key starts with #)")  # fmt: skip
+        keys += [key] if key else []
+    return keys
+
+
+def load_api_keys(path: Path | None, env_value: str | None, no_auth: bool = False) -> frozenset[str]:
+    """Keys from a file (:func:`parse_api_keys`) and from MF_API_KEYS (comma-separated). Fails
+    closed: a source that is given but holds no key is an error, not an open gateway; serving
+    without keys takes ``no_auth`` (and then no source may be given)."""
     keys: list[str] = []
+    given = []
     if path is not None:
-        keys += [line.strip() for line in path.read_text().splitlines() if not line.strip().startswith("#")]
+        keys += parse_api_keys(path.read_text(), f"the API keys file {str(path)!r}")
+        given.append(f"the API keys file {str(path)!r}")
     if env_value:
-        keys += [k.strip() for k in env_value.split(",")]
-    return frozenset(k for k in keys if k)
+        keys += parse_api_keys(env_value.replace(",", "\n"), "MF_API_KEYS")
+        given.append("MF_API_KEYS")
+    if no_auth and given:
+        raise ApiKeysError(f"--no-auth serves without API keys, but {' and '.join(given)} was given; drop one")
+    if given and not keys:
+        raise ApiKeysError(f"{' and '.join(given)} holds no API key (only blank lines or # comments), so every "
+                           "request would be accepted; add a key (one per line), or pass --no-auth to serve "
+                           "without keys")  # fmt: skip
+    return frozenset(keys)
 
 
 class ApiError(Exception):
@@ -141,8 +169,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds is not None else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds is not None else {}
+        if self.status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
+            headers["WWW-Authenticate"] = 'Bearer realm="modelfleet"'
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,7 @@ class Head:
     def on_chain_message(self, msg: wire.Message, arrived: float) -> None:
         if isinstance(msg, wire.TokensMsg):
             tokens = dict(zip(msg.slots.tolist(), msg.token_ids.tolist(), strict=True))
+            self.release_strays(tokens)
             self.deliver(self.scheduler.complete(msg.step, tokens))
             self.pump()
         elif isinstance(msg, wire.ProbeAckMsg):
@@ -237,7 +238,19 @@ class Head:
         else:
             self.metrics.malformed.inc()
 
+    def release_strays(self, slots: Iterable[int]) -> None:
+        """Slots a stage reports on (a token, an error) that no stream of the scheduler holds: a
+        frame the head never sent for them (a forged one, a bug) left state on the stages it
+        passed, so free them everywhere. A slot a stream holds is never touched here. (A stream
+        that finished while its step was in flight gets here too: its slot is freed twice, which
+        is harmless, and before any later stream's frame, which travels after the release.)"""
+        for slot in sorted(set(slots) & set(self.scheduler.free_slots)):
+            log.debug("a stage reported on slot %d, which no stream holds; freeing it on every stage", slot)
+            self._release(slot)
+
     def on_error(self, step_id: int, slot: int | None, code: ErrorCode, message: str) -> None:
+        if slot is not None:
+            self.release_strays([slot])
         step = self.scheduler.in_flight.get(step_id)
         if step is None:
             return  # a step failed or completed already

@@ -33,6 +33,7 @@ from test_pipeline import free_base_port, wait_until
 from modelfleet.agent import gateway as gateway_module
 from modelfleet.agent import transport as wire
 from modelfleet.agent.admission import Admission, Busy
+from modelfleet.agent.client import FleetClient, FleetError
 from modelfleet.agent.gateway import Gateway, GatewayConfig
 from modelfleet.agent.launcher import LocalFleet, fetch_json
 from modelfleet.agent.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -417,6 +418,7 @@ def test_api_keys_guard_the_api_but_not_health_and_metrics_can_be_keyed_too(flee
         assert served.post("/v1/completions", body).status_code == 401
         wrong = served.post("/v1/completions", body, headers={"Authorization": "Bearer sk-three"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert wrong.headers["WWW-Authenticate"] == 'Bearer realm="modelfleet"'  # issue 30, item 5
         assert served.post("/v1/completions", body, headers={"Authorization": "Bearer sk-two"}).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             served.openai("sk-nope").models.list()
@@ -1058,6 +1060,16 @@ def test_up_starts_the_fleet_and_the_gateway_and_prints_a_request_that_works(che
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
         # the printed request samples (temperature 1): a first token of EOS is a valid, empty answer
         assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        # issue 30, item 6: the wire is CURVE by default; a local process without the run's keys gets nothing
+        keys_dir = next(line for line in lines if "wire is CURVE" in line).split("keys in ", 1)[1].split(" ")[0]
+        params = SamplingParams(max_tokens=2, stop_token_ids=())
+        with FleetClient(f"127.0.0.1:{base}", keys=wire.load_keypair(keys_dir, "fleet")) as keyed:
+            assert keyed.generate([1, 2, 3], params).finish_reason == "length"
+        with (
+            FleetClient(f"127.0.0.1:{base}", timeout_seconds=3) as stranger,
+            pytest.raises(FleetError, match="no answer"),
+        ):
+            stranger.generate([1, 2, 3], params)
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(30)

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from modelfleet.agent.gateway import ApiKeysError, load_api_keys
 from modelfleet.engine.sampling import SamplingParams, TailSampler
 
 # ---- sampling ---------------------------------------------------------------------------------
@@ -55,3 +56,48 @@ def test_a_row_whose_logits_are_not_finite_fails_alone_and_the_frames_other_rows
     logits[1] = math.nan
     tokens, errors = sampler.sample([0, 1, 2], logits)
     assert set(tokens) == {0, 2} and set(errors) == {1} and errors[1].code == "input"
+
+
+# ---- API keys ---------------------------------------------------------------------------------
+
+
+def test_an_api_keys_file_takes_one_key_a_line_and_a_comment_after_a_key_is_not_part_of_it(tmp_path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys\nsk-one  # alice\n\n   sk-two\t#bob\nsk-three\n")
+    assert load_api_keys(keys, "sk-env, sk-four ,") == {"sk-one", "sk-two", "sk-three", "sk-env", "sk-four"}
+
+
+@pytest.mark.parametrize(
+    "text, env, no_auth, says",
+    [
+        ("", None, False, "holds no API key"),
+        ("# only a comment\n\n   # another\n", None, False, "holds no API key"),
+        (None, " , ,", False, "MF_API_KEYS holds no API key"),
+        ("sk-one\n", None, True, "--no-auth serves without API keys"),
+        ("sk one\n", None, False, "line 1: a key cannot hold whitespace"),
+    ],
+)
+def test_api_keys_fail_closed_an_empty_source_is_an_error_not_an_open_gateway(tmp_path, text, env, no_auth,
+                                                                               says) -> None:  # fmt: skip
+    path = None
+    if text is not None:
+        path = tmp_path / "keys"
+        path.write_text(text)
+    with pytest.raises(ApiKeysError, match=says):
+        load_api_keys(path, env, no_auth)
+
+
+def test_without_a_key_source_the_gateway_is_open_only_when_asked_or_with_a_warning() -> None:
+    assert load_api_keys(None, None, no_auth=True) == frozenset()
+    assert load_api_keys(None, "", no_auth=False) == frozenset()
+
+
+def test_the_gateway_command_refuses_an_empty_keys_file_at_startup(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    keys = tmp_path / "keys"
+    keys.write_text("# nothing here yet\n")
+    result = CliRunner().invoke(app, ["gateway", "--plan", str(tmp_path / "unused.json"), "--api-keys-file", str(keys)])
+    assert result.exit_code == 2 and "holds no API key" in result.output and "--no-auth" in result.output

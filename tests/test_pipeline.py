@@ -5,6 +5,7 @@ killed stage failing its requests fast and rejoining."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from modelfleet.agent import transport as wire
@@ -233,6 +235,66 @@ def test_malformed_and_unauthenticated_messages_are_dropped_while_the_fleet_serv
         assert served.finish_reason == "length", served.error
         assert secure_fleet.metric(1, drops) == before + 2
         assert secure_fleet.metric(1, "modelfleet_stage_frames_total") > frames_before
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_forged_frames_for_a_slot_with_no_sampler_or_with_a_nan_hidden_state_hold_no_slot(
+    secure_fleet, tiny_checkpoint
+) -> None:
+    """Issue 30, item 6: frames no head sent (a peer with the keys, or a bug) reach the tail for
+    a slot no stream holds; whatever the tail makes of them (no sampler, a NaN hidden state), the
+    head frees the slot on every stage, and the fleet serves on."""
+    from modelfleet.engine.spec import load_spec
+
+    width = load_spec(tiny_checkpoint("qwen3_moe")[0]).hidden_size
+    keys = secure_fleet.keys
+    assert keys is not None
+    ctx = zmq.Context()
+    try:
+        peer = ctx.socket(zmq.PUSH)
+        peer.setsockopt(zmq.LINGER, 0)
+        wire.curve_client(peer, keys, keys.public)
+        peer.connect(f"tcp://{secure_fleet.stages[1].address}")
+        nan = torch.full((2, width), math.nan)
+        forged = [
+            wire.FrameMsg(microbatch=0, step=10**9, slots=_ids([7, 7]), positions=_ids([0, 1]),
+                          hidden=torch.zeros(2, width), output_rows=(1,)),  # no stream started in slot 7
+            wire.FrameMsg(microbatch=0, step=10**9 + 1, slots=_ids([8, 8]), positions=_ids([0, 1]), hidden=nan,
+                          output_rows=(1,), new_streams=(wire.StreamStart(slot=8, temperature=0.7),)),
+            wire.FrameMsg(microbatch=0, step=10**9 + 2, slots=_ids([9, 9]), positions=_ids([0, 1]), hidden=nan,
+                          output_rows=(1,), new_streams=(wire.StreamStart(slot=9),)),  # greedy: a token of NaN
+        ]  # fmt: skip
+        frames = secure_fleet.metric(2, "modelfleet_stage_frames_total")
+        for msg in forged:
+            peer.send_multipart(wire.encode(msg))
+        wait_until(
+            lambda: secure_fleet.metric(2, "modelfleet_stage_frames_total") >= frames + 2, 30, "the tail computed"
+        )
+        wait_until(lambda: all(secure_fleet.status(s)["slots_in_use"] == 0 for s in range(STAGES)), 10,
+                   "every stage freed the forged slots")  # fmt: skip
+        with secure_fleet.client() as client:
+            served = client.generate([4, 5, 6], SamplingParams(max_tokens=5, stop_token_ids=()))
+        assert served.finish_reason == "length", served.error
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_message_over_the_size_limit_is_counted_as_malformed_not_dropped_unseen(secure_fleet) -> None:
+    """Issue 30, item 6: a 65 MiB frame was dropped by libzmq's own limit (the peer disconnected,
+    nothing counted); now libzmq's limit is twice the protocol's and the stage counts it."""
+    keys = secure_fleet.keys
+    assert keys is not None
+    ctx = zmq.Context()
+    try:
+        peer = ctx.socket(zmq.PUSH)
+        peer.setsockopt(zmq.LINGER, 0)
+        wire.curve_client(peer, keys, keys.public)
+        peer.connect(f"tcp://{secure_fleet.stages[1].address}")
+        drops = "modelfleet_stage_malformed_messages_total"
+        before = secure_fleet.metric(1, drops)
+        peer.send_multipart([b"\x00" * (wire.MAX_MESSAGE_BYTES + (1 << 20))])
+        wait_until(lambda: secure_fleet.metric(1, drops) == before + 1, 30, "the oversized message counted")
     finally:
         ctx.destroy(linger=0)
 
