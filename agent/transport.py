@@ -448,6 +448,19 @@ class ProbeAckMsg(Message):
 
 
 @dataclass(frozen=True)
+class HeartbeatMsg(Message):
+    """A stage is alive, stage -> head directly, every half second from a thread of its own, so
+    it says nothing about the stage's frames: a busy stage beats, a stopped one does not."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    sent_ns: int = wire(COUNTER)
+    group_index: int = wire(Int(0, MAX_SLOTS))
+    stage_index: int = wire(Int(0, MAX_SLOTS))
+    ready: bool = wire(Bool())
+    plan_hash: str = wire(PLAN_HASH, "")
+
+
+@dataclass(frozen=True)
 class ErrorMsg(Message):
     """A failure to report to the head: of one stream of a frame (``slot`` set: only that stream
     fails, the frame's other rows go on), or of a whole frame (``slot`` None)."""
@@ -523,7 +536,8 @@ class CancelMsg(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        FrameMsg, TokensMsg, ReleaseMsg, RewindMsg, ProbeMsg, ProbeAckMsg, ErrorMsg, SubmitMsg, OutputMsg, CancelMsg
+        FrameMsg, TokensMsg, ReleaseMsg, RewindMsg, ProbeMsg, ProbeAckMsg, HeartbeatMsg, ErrorMsg, SubmitMsg,
+        OutputMsg, CancelMsg,
     )
 }  # fmt: skip
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelfleet.agent.gateway import ApiKeysError, load_api_keys
+from modelfleet.agent.liveness import LivenessPolicy, chain_ready, lost_stages, step_deadline_seconds
 from modelfleet.engine.sampling import SamplingParams, TailSampler
 
 # ---- sampling ---------------------------------------------------------------------------------
@@ -101,3 +102,53 @@ def test_the_gateway_command_refuses_an_empty_keys_file_at_startup(tmp_path) -> 
     keys.write_text("# nothing here yet\n")
     result = CliRunner().invoke(app, ["gateway", "--plan", str(tmp_path / "unused.json"), "--api-keys-file", str(keys)])
     assert result.exit_code == 2 and "holds no API key" in result.output and "--no-auth" in result.output
+
+
+# ---- liveness ---------------------------------------------------------------------------------
+
+POLICY = LivenessPolicy(heartbeat_seconds=3.0, step_floor_seconds=3.0, step_factor=4.0, step_cap_seconds=300.0,
+                        unmeasured_seconds=15.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "round_trips, in_flight, deadline",
+    [
+        ([], 0, 15.0),  # nothing measured yet: a cold start's first steps get room
+        ([0.01, 0.02], 1, 3.0),  # a quick pipeline: the floor, the bound a hung stage is held to
+        ([0.4, 1.5, 0.9], 3, 18.0),  # a loaded one: 4 x the slowest x the steps in flight
+        ([2.0], 0, 8.0),  # no step in flight counts as one (a chain probe alone)
+        ([30.0], 8, 300.0),  # never past the cap
+    ],
+)
+def test_a_steps_deadline_grows_with_measured_round_trips_and_the_steps_in_flight(round_trips, in_flight,
+                                                                                  deadline) -> None:  # fmt: skip
+    assert step_deadline_seconds(POLICY, round_trips, in_flight) == pytest.approx(deadline)
+
+
+@pytest.mark.parametrize(
+    "now, heartbeats, lost",
+    [
+        (100.0, {1: 99.5, 2: 99.9}, []),  # both beat within the last half second
+        (100.0, {1: 96.5, 2: 99.9}, [1]),  # stage 1 silent 3.5 s: lost (stopped, killed, gone)
+        (100.0, {1: 97.0}, [2]),  # stage 2 never heard since the head started at 90
+        (92.0, {}, []),  # two seconds after the head started: no one is late yet
+    ],
+)
+def test_a_stage_is_lost_when_its_heartbeats_stop_whatever_its_frames_do(now, heartbeats, lost) -> None:
+    assert lost_stages(POLICY, now, heartbeats, [1, 2], since=90.0) == lost
+
+
+@pytest.mark.parametrize(
+    "lost, answered, outstanding_since, deadline, ready",
+    [
+        ([], 99.0, None, 3.0, True),
+        ([], 99.0, 95.0, 18.0, True),  # a probe queued 5 s behind frames of a busy pipeline: not dead
+        ([], 99.0, 95.0, 3.0, False),  # the same 5 s on an idle pipeline: the chain broke somewhere
+        ([1], 99.0, None, 3.0, False),  # a stage stopped beating
+        ([], None, 99.0, 3.0, False),  # no probe has come back yet
+    ],
+)
+def test_the_chain_is_ready_while_stages_beat_and_probes_return_within_a_steps_deadline(lost, answered,
+                                                                                       outstanding_since, deadline,
+                                                                                       ready) -> None:  # fmt: skip
+    assert chain_ready(POLICY, 100.0, lost, answered, outstanding_since, deadline) is ready

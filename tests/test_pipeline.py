@@ -191,7 +191,8 @@ def test_six_concurrent_streams_one_with_extreme_sampling_values_all_finish_and_
         results = client.wait([*ids, bad])
     assert [r.finish_reason for r in results] == [r.finish_reason for r in results if r.finish_reason != "error"]
     assert [r.token_ids for r in results] == expected
-    assert [secure_fleet.status(s)["slots_in_use"] for s in range(STAGES)] == [0, 0, 0]
+    # the last release travels behind the last token: give it the time a frame takes
+    wait_until(lambda: all(secure_fleet.status(s)["slots_in_use"] == 0 for s in range(STAGES)), 5, "slots freed")
 
 
 def test_a_cancelled_stream_frees_its_slot_on_every_stage(secure_fleet) -> None:
@@ -323,6 +324,30 @@ def test_killing_a_stage_fails_requests_fast_and_the_restarted_stage_rejoins(sec
         again = client.generate([4, 5, 6], SamplingParams(max_tokens=6, stop_token_ids=()))
         assert again.finish_reason == "length" and len(again.token_ids) == 6
     assert [secure_fleet.status(s)["phase"] for s in range(STAGES)] == ["Ready"] * 3
+
+
+def test_a_stopped_stage_fails_its_streams_within_seconds_and_serves_again_once_continued(secure_fleet) -> None:
+    """Issue 30, item 4: liveness comes from heartbeats (a thread of each stage, beside its
+    frames) and step deadlines derived from measured round trips, so a busy stage is not called
+    dead (tests/test_hardening.py has the deadlines' table); a SIGSTOPed one still is, at once."""
+    stage = secure_fleet.local.children[1].process
+    with secure_fleet.client() as client:
+        request = client.submit([1, 2, 3], SamplingParams(max_tokens=240, stop_token_ids=()))
+        wait_until(lambda: (client.poll(0.01) or True) and len(client.results[request].token_ids) >= 1, 10, "tokens")
+        stage.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            result = client.wait([request])[0]
+            failed_after = time.monotonic() - stopped_at
+            assert result.finish_reason == "error" and result.code == "stage_lost", result.error
+            assert "no heartbeat" in result.error and failed_after < 8.0
+            assert secure_fleet.status(0)["head"]["stages_lost"] == [1]
+        finally:
+            stage.send_signal(signal.SIGCONT)
+        wait_until(lambda: secure_fleet.readyz() == 200, 30, "the fleet is ready again")
+        again = client.generate([4, 5, 6], SamplingParams(max_tokens=6, stop_token_ids=()))
+        assert again.finish_reason == "length" and len(again.token_ids) == 6
+    wait_until(lambda: all(secure_fleet.status(s)["slots_in_use"] == 0 for s in range(STAGES)), 10, "slots freed")
 
 
 def test_a_local_fleet_of_two_replicas_starts_every_stage_of_both_groups(tiny_checkpoint, tmp_path) -> None:
