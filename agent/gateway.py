@@ -13,6 +13,10 @@ Invariants:
 - a request waits for its first output before the response starts, so a refusal (busy, not
   ready, bad input) is an HTTP status with an OpenAI-shaped error body, not a broken stream;
 - a client that disconnects is noticed within ``DISCONNECT_CHECK_SECONDS``;
+- text work whose cost grows with the request (rendering, tokenizing a prompt; detokenizing a
+  burst of over ``DETOKENIZE_INLINE_TOKENS``) runs in a small thread pool, never in the event
+  loop, so one huge prompt does not stall other streams or ``/healthz``; a token or a few are
+  detokenized in the loop (a short window each: a thread hop would cost more than the decode);
 - a request its head fails (a broken chain, a head gone silent) is tried again on another ready
   head, at most ``retries`` times and never twice on one head, but only while nothing of it has
   reached the client: a streamed request until its first token, a non-streamed one until it
@@ -25,13 +29,15 @@ response's two shapes) shares :class:`Job` and the invariants above; the parts t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,23 +49,25 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.errors import ErrorCode
+from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.sampling import SamplingParams
 from ..engine.spec import load_spec
 from ..plan import FleetPlan, PlanError
 from . import transport as wire
 from .admission import Abandoned, Admission, Busy
 from .headlink import HeadLink, Inbox
-from .openai_schema import ChatCompletionRequest, CompletionRequest, describe
+from .openai_schema import ChatCompletionRequest, CompletionRequest, describe, lone_surrogate
 from .prompts import PromptError, Prompts
 from .sse import DONE, IDS_MARK, TEXT_MARK, TokenChunks, data_frame
-from .textstream import TextStream
+from .textstream import Piece, TextStream
 
 log = logging.getLogger("modelfleet.gateway")
 DISCONNECT_CHECK_SECONDS = 0.2
 # A request whose head has not reported ready for this long fails: the head itself may be gone,
 # and then no answer (not even an error) would ever come.
 HEAD_SILENCE_SECONDS = 5.0
+TEXT_THREADS = 2  # tokenizing threads: prompts beyond these wait their turn, off the event loop
+DETOKENIZE_INLINE_TOKENS = 16
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -106,14 +114,42 @@ class GatewayConfig:
         return heads
 
 
-def load_api_keys(path: Path | None, env_value: str | None) -> frozenset[str]:
-    """Keys from a file (one per line, # comments) and from MF_API_KEYS (comma-separated)."""
+class ApiKeysError(ModelfleetError):
+    """The API keys given cannot guard the gateway (none in a source that was given, a bad line)."""
+
+
+def parse_api_keys(text: str, where: str) -> list[str]:
+    """Keys of an API keys file: one per line; ``#`` starts a comment, on a line of its own or
+    after the key; blank lines are skipped. A key holds no whitespace and no ``#``."""
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        key = line.split("#", 1)[0].strip()
+        if any(c.isspace() for c in key):
+            raise ApiKeysError(f"{where}, line {number}: a key cannot hold whitespace; write one key per line "
+                               "(a comment after a key starts with #)")  # fmt: skip
+        keys += [key] if key else []
+    return keys
+
+
+def load_api_keys(path: Path | None, env_value: str | None, no_auth: bool = False) -> frozenset[str]:
+    """Keys from a file (:func:`parse_api_keys`) and from MF_API_KEYS (comma-separated). Fails
+    closed: a source that is given but holds no key is an error, not an open gateway; serving
+    without keys takes ``no_auth`` (and then no source may be given)."""
     keys: list[str] = []
+    given = []
     if path is not None:
-        keys += [line.strip() for line in path.read_text().splitlines() if not line.strip().startswith("#")]
+        keys += parse_api_keys(path.read_text(), f"the API keys file {str(path)!r}")
+        given.append(f"the API keys file {str(path)!r}")
     if env_value:
-        keys += [k.strip() for k in env_value.split(",")]
-    return frozenset(k for k in keys if k)
+        keys += parse_api_keys(env_value.replace(",", "\n"), "MF_API_KEYS")
+        given.append("MF_API_KEYS")
+    if no_auth and given:
+        raise ApiKeysError(f"--no-auth serves without API keys, but {' and '.join(given)} was given; drop one")
+    if given and not keys:
+        raise ApiKeysError(f"{' and '.join(given)} holds no API key (only blank lines or # comments), so every "
+                           "request would be accepted; add a key (one per line), or pass --no-auth to serve "
+                           "without keys")  # fmt: skip
+    return frozenset(keys)
 
 
 class ApiError(Exception):
@@ -133,8 +169,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds is not None else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"Retry-After": str(self.retry_after_seconds)} if self.retry_after_seconds is not None else {}
+        if self.status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
+            headers["WWW-Authenticate"] = 'Bearer realm="modelfleet"'
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 @dataclass(frozen=True)
@@ -310,6 +348,7 @@ class Gateway:
                                    ready=lambda h: self.heads[h].ready)  # fmt: skip
         self.metrics = GatewayMetrics(self.admission, self.heads)
         self.model_name = plan.model.served_name
+        self.text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="gateway-text")
         self.app = self._build_app()
 
     @property
@@ -329,6 +368,7 @@ class Gateway:
             finally:
                 for head in self.heads:
                     await head.stop()
+                self.text_pool.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="modelfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -384,7 +424,7 @@ class Gateway:
         body = self._validate(CompletionRequest, await self._json(request))
         assert isinstance(body, CompletionRequest)
         self._check_model(body.model)
-        ids = self._prompt(lambda: self.prompts.completion(body.prompt_value))
+        ids = await self._prompt_off_loop(lambda: self.prompts.completion(body.prompt_value))
         return await self._serve(request, Job(body, ids, self._params(body, len(ids)), self.model_name, arrived, False))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -394,7 +434,7 @@ class Gateway:
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
-        ids = self._prompt(lambda: self.prompts.chat(messages, body.add_generation_prompt))
+        ids = await self._prompt_off_loop(lambda: self.prompts.chat(messages, body.add_generation_prompt))
         return await self._serve(request, Job(body, ids, self._params(body, len(ids)), self.model_name, arrived, True))
 
     # ---- checks ---------------------------------------------------------------------------
@@ -434,6 +474,9 @@ class Gateway:
     def _validate(model: type[CompletionRequest | ChatCompletionRequest], data: Any) -> Any:
         if not isinstance(data, dict):
             raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+        if (where := lone_surrogate(data)) is not None:
+            raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                                "which is not text; send the character itself or a complete surrogate pair", where)  # fmt: skip
         try:
             return model.model_validate(data)
         except ValidationError as exc:
@@ -451,6 +494,15 @@ class Gateway:
             return list(make())
         except PromptError as exc:
             raise ApiError(400, str(exc), exc.param) from None
+
+    async def _prompt_off_loop(self, make: Callable[[], list[int]]) -> list[int]:
+        """:meth:`_prompt` in the text pool: rendering and tokenizing cost grows with the prompt."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, self._prompt, make)
+
+    async def _detokenize(self, text: TextStream, token_ids: Sequence[int]) -> Piece:
+        if len(token_ids) <= DETOKENIZE_INLINE_TOKENS:
+            return text.push(token_ids)
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, text.push, token_ids)
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
         max_tokens = self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0]
@@ -548,7 +600,7 @@ class Gateway:
                         return
                     if msg.token_ids:
                         last_token_at = self._observe_tokens(job, len(msg.token_ids), last_token_at)
-                        piece = text.push(msg.token_ids)
+                        piece = await self._detokenize(text, msg.token_ids)
                         job.token_ids += piece.token_ids
                         self.metrics.generation_tokens.inc(len(piece.token_ids))
                         yield Text(piece.text, piece.token_ids)

@@ -8,9 +8,11 @@ the tail), takes tokens and errors back, answers clients and probes the chain.
 
 Clients (the gateway, or :class:`FleetClient`) send ``submit``/``cancel`` on a ROUTER socket at
 the stage's client port and get ``output`` messages back; a request that fails ends with an
-error code from :class:`~modelfleet.engine.errors.ErrorCode`. The head is ready only while
-full-chain probes come back; when the chain falls silent, steps in flight for longer than the
-silence fail with ``stage_lost`` and new requests are refused (``not_ready``) until it heals.
+error code from :class:`~modelfleet.engine.errors.ErrorCode`. The head is ready only while every
+stage's heartbeats arrive and full-chain probes come back within a step's deadline (the decisions
+and their deadlines: :mod:`.liveness`); a stage whose heartbeats stop fails every step in flight
+with ``stage_lost``, a step over its deadline fails alone, and new requests are refused
+(``not_ready``) until the chain heals.
 The head knows its stage only through what it is given (a backend, a ``send`` toward the next
 stage, metrics and status), never the stage agent itself.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -37,6 +40,7 @@ from ..engine.speculative.verify import sample_step
 from ..plan import FleetPlan
 from . import transport as wire
 from .health import AgentStatus, StageMetrics
+from .liveness import LivenessPolicy, chain_ready, lost_stages, step_deadline_seconds
 
 log = logging.getLogger("modelfleet.head")
 
@@ -48,8 +52,10 @@ Send = Callable[[wire.Message], None]  # toward the next stage
 class HeadConfig:
     client_address: str  # host:port of the client socket
     probe_interval_seconds: float = 1.0
-    unready_after_seconds: float = 3.0  # the chain silent this long: not ready, steps in flight fail
+    unready_after_seconds: float = 3.0  # a stage's heartbeats silent this long: lost (see .liveness)
     keys: wire.KeyPair | None = None
+    stages: int = 1  # of the head's pipeline group, the head included
+    round_trips_kept: int = 32  # recent step round trips a step's deadline is derived from
 
 
 def scheduler_config(plan: FleetPlan, backend: StageBackend, stages: int) -> SchedulerConfig:
@@ -85,7 +91,13 @@ class Head:
         self.streams: dict[tuple[bytes, int], StreamState] = {}
         self.nonce = 0
         self.last_probe = 0.0
-        self.last_ack = time.monotonic() if send is None else 0.0
+        self.liveness = LivenessPolicy(heartbeat_seconds=config.unready_after_seconds)
+        self.started_at = time.monotonic()
+        self.heartbeats: dict[int, float] = {}  # stage index -> when its last ready heartbeat arrived
+        self.probes: dict[int, float] = {}  # nonce -> sent (monotonic), of probes not answered yet
+        self.last_answered: float | None = None  # when a chain probe last came back
+        self.round_trips: deque[float] = deque(maxlen=config.round_trips_kept)
+        self.lost: list[int] = []
         self.clients = context.socket(zmq.ROUTER)
         wire.limit_message_bytes(self.clients)
         if config.keys is not None:
@@ -99,7 +111,17 @@ class Head:
 
     @property
     def chain_ready(self) -> bool:
-        return self.send_next is None or time.monotonic() - self.last_ack < self.config.unready_after_seconds
+        if self.send_next is None:
+            return True
+        now = time.monotonic()
+        outstanding = next(iter(self.probes.values()), None)
+        return chain_ready(self.liveness, now, self._lost(now), self.last_answered, outstanding, self.step_deadline())
+
+    def step_deadline(self) -> float:
+        return step_deadline_seconds(self.liveness, self.round_trips, len(self.scheduler.in_flight))
+
+    def _lost(self, now: float) -> list[int]:
+        return lost_stages(self.liveness, now, self.heartbeats, range(1, self.config.stages), self.started_at)
 
     def poll_timeout_ms(self) -> int:
         """A head that is also the tail computes its next step on the loop's next turn; a
@@ -108,23 +130,43 @@ class Head:
 
     def tick(self) -> None:
         now = time.monotonic()
-        if self.send_next is not None and now - self.last_probe >= self.config.probe_interval_seconds:
-            self.last_probe, self.nonce = now, self.nonce + 1
-            self.send_next(wire.ProbeMsg(nonce=self.nonce, sent_ns=time.monotonic_ns(), plan_hash=self.plan_hash))
-        if not self.chain_ready:
-            silent = self.config.unready_after_seconds
-            message = f"a pipeline stage stopped answering for over {silent:.0f} s"
-            self.deliver(self.scheduler.fail_stalled(now, silent, ErrorCode.STAGE_LOST, message))
+        if self.send_next is not None:
+            self._probe(now)
+            self._check_liveness(now)
         self.deliver(self.scheduler.expire(now))
         self.pump()
         self._publish()
+
+    def _probe(self, now: float) -> None:
+        if now - self.last_probe < self.config.probe_interval_seconds or len(self.probes) >= 1024:
+            return
+        self.last_probe, self.nonce = now, self.nonce + 1
+        self.probes[self.nonce] = now
+        self.send_next(wire.ProbeMsg(nonce=self.nonce, sent_ns=time.monotonic_ns(), plan_hash=self.plan_hash))  # type: ignore[misc]
+
+    def _check_liveness(self, now: float) -> None:
+        """A stage whose heartbeats stopped fails every step in flight; a step over its deadline fails alone."""
+        lost = self._lost(now)
+        if lost and lost != self.lost:
+            log.warning("stage(s) %s sent no heartbeat for over %g s", lost, self.liveness.heartbeat_seconds)
+        self.lost = lost
+        silent = self.liveness.heartbeat_seconds
+        if lost:
+            message = f"pipeline stage {lost[0]} stopped answering (no heartbeat for over {silent:g} s)"
+            self.deliver(self.scheduler.fail_stalled(now, 0.0, ErrorCode.STAGE_LOST, message))
+            return
+        deadline = self.step_deadline()
+        message = (f"a pipeline stage stopped answering: a step was in flight over {deadline:.1f} s (its deadline "
+                   "from recent round trips and load), so its frames were lost on the way")  # fmt: skip
+        self.deliver(self.scheduler.fail_stalled(now, deadline, ErrorCode.STAGE_LOST, message))
 
     def _publish(self) -> None:
         scheduler = self.scheduler
         self.status.head = {
             "chain_ready": self.chain_ready, "streams_active": scheduler.active, "queue_depth": len(scheduler.queue),
             "microbatches": len(scheduler.microbatches), "free_slots": len(scheduler.free_slots),
-            "steps_in_flight": len(scheduler.in_flight),
+            "steps_in_flight": len(scheduler.in_flight), "step_deadline_seconds": round(self.step_deadline(), 3),
+            "stages_lost": self.lost,
         }  # fmt: skip
         self.metrics.streams_active.set(scheduler.active)
         self.metrics.queue_depth.set(len(scheduler.queue))
@@ -245,14 +287,23 @@ class Head:
 
     def on_chain_message(self, msg: wire.Message, arrived: float) -> None:
         if isinstance(msg, wire.TokensMsg):
+            if (step := self.scheduler.in_flight.get(msg.step)) is not None:
+                self.round_trips.append(time.monotonic() - step.sent_at)
             tokens: dict[int, list[int]] = {}  # a verify window's tokens arrive in order under one slot
             for slot, token in zip(msg.slots.tolist(), msg.token_ids.tolist(), strict=True):
                 tokens.setdefault(slot, []).append(token)
+            self.release_strays(tokens)
             self.deliver(self.scheduler.complete(msg.step, tokens, time.monotonic()))
             self.pump()
-        elif isinstance(msg, wire.ProbeAckMsg):
+        elif isinstance(msg, wire.HeartbeatMsg):
             if msg.plan_hash == self.plan_hash and msg.ready:
-                self.last_ack = time.monotonic()
+                self.heartbeats[msg.stage_index] = time.monotonic()
+        elif isinstance(msg, wire.ProbeAckMsg):
+            if msg.plan_hash == self.plan_hash and msg.ready and msg.nonce in self.probes:
+                now = time.monotonic()
+                self.round_trips.append(now - self.probes[msg.nonce])
+                self.probes = {n: sent for n, sent in self.probes.items() if n > msg.nonce}  # acks come in order
+                self.last_answered = now
             elif msg.plan_hash != self.plan_hash:
                 log.warning("stage %d runs a different plan (hash %s)", msg.stage_index, msg.plan_hash[:12])
         elif isinstance(msg, wire.ErrorMsg) and msg.step is not None:
@@ -260,7 +311,19 @@ class Head:
         else:
             self.metrics.malformed.inc()
 
+    def release_strays(self, slots: Iterable[int]) -> None:
+        """Slots a stage reports on (a token, an error) that no stream of the scheduler holds: a
+        frame the head never sent for them (a forged one, a bug) left state on the stages it
+        passed, so free them everywhere. A slot a stream holds is never touched here. (A stream
+        that finished while its step was in flight gets here too: its slot is freed twice, which
+        is harmless, and before any later stream's frame, which travels after the release.)"""
+        for slot in sorted(set(slots) & set(self.scheduler.free_slots)):
+            log.debug("a stage reported on slot %d, which no stream holds; freeing it on every stage", slot)
+            self._release(slot)
+
     def on_error(self, step_id: int, slot: int | None, code: ErrorCode, message: str) -> None:
+        if slot is not None:
+            self.release_strays([slot])
         step = self.scheduler.in_flight.get(step_id)
         if step is None:
             return  # a step failed or completed already

@@ -83,7 +83,9 @@ class StageMetrics:
         self.layers_loaded = gauge("layers_loaded", "Layers loaded so far.").labels(**labels)
         self.streams_active = gauge("streams_active", "Streams admitted (head).").labels(**labels)
         self.queue_depth = gauge("queue_depth", "Requests waiting for a slot (head).").labels(**labels)
-        self.chain_ready = gauge("chain_ready", "1 when the last full-chain probe answered (head).").labels(**labels)
+        self.chain_ready = gauge(
+            "chain_ready", "1 while every stage beats and chain probes answer in time (head)."
+        ).labels(**labels)
         link_names = [*names, "link", "direction"]
         self._bytes = Counter("modelfleet_stage_bytes_total", "Bytes per link.", link_names, registry=self.registry)
         self._labels = labels

@@ -83,8 +83,9 @@ class Child:
 
 
 class LocalFleet:
-    def __init__(self, plan: FleetPlan, plan_path: Path, out: TextIO | None = None):
-        self.plan, self.plan_path = plan, plan_path
+    def __init__(self, plan: FleetPlan, plan_path: Path, out: TextIO | None = None, keys_dir: Path | None = None):
+        """``keys_dir``: the fleet's CURVE keys (fleet.key, fleet.key_secret) every stage is given; None: plain TCP."""
+        self.plan, self.plan_path, self.keys_dir = plan, plan_path, keys_dir
         self.out = out or sys.stdout
         self.children: list[Child] = []
         self._lock = threading.Lock()
@@ -94,6 +95,8 @@ class LocalFleet:
         if tp_rank:
             stage = self.plan.stage(group_index, stage_index)
             agent += ["--tp-rank", str(tp_rank), "--http-port", str(rank_http_port(stage, tp_rank))]
+        if self.keys_dir is not None:
+            agent += ["--keys-dir", str(self.keys_dir)]
         return [sys.executable, "-P", "-m", "modelfleet.cli", *agent]
 
     def start(self) -> None:

@@ -180,6 +180,39 @@ _SHAPES = {
 }
 
 
+def lone_surrogate(data: object) -> str | None:
+    """The path (``messages[0].content[1].text``, as :func:`describe` names fields) of the first
+    string or key in parsed JSON that holds a lone UTF-16 surrogate, or None. JSON's ``\\ud800``
+    escape (or its raw bytes) parses into a Python string that is not text: it cannot be encoded,
+    so the tokenizer, a log line or a response that echoed it would fail."""
+    stack: list[tuple[str, object]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not _encodes(value):
+                return path.lstrip(".") or "body"
+        elif isinstance(value, dict):
+            for key in value:
+                if not _encodes(key):
+                    return f"{path}.{ascii(key)}".lstrip(".")
+            stack += [(f"{path}.{key}", item) for key, item in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [
+                (f"{path}[{i}]", item)
+                for i, item in reversed(list(enumerate(value)))
+                if isinstance(item, str | dict | list)
+            ]
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def describe(exc: ValidationError) -> tuple[str, str | None]:
     """The first error as (a message naming the field and the limit, the field's path)."""
     error = exc.errors()[0]

@@ -7,7 +7,9 @@ head. Stage 0 also runs the head (:mod:`modelfleet.agent.head`): it admits clien
 schedules frames and receives tokens.
 
 Control messages (release, rewind, probe) travel the same path as frames, so each stage sees
-them in the order the head sent them. Nothing from the wire is trusted: a malformed message is
+them in the order the head sent them. Heartbeats do not: every stage after the head sends them
+straight to the head from a thread and socket of their own (:mod:`.liveness`), so a stage busy
+with a long frame still beats. Nothing from the wire is trusted: a malformed message is
 counted and dropped. Rows the backend refuses (a slot's gap in positions, a full context) fail
 only their stream: the stage reports each such slot to the head with its error code and passes
 the frame's other rows on; a frame it cannot compute at all is reported whole.
@@ -18,6 +20,7 @@ which sends every engine call to the stage's other ranks (:mod:`.follower`) befo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -44,6 +47,7 @@ from ..plan import FleetPlan, Formats, StagePlan
 from . import transport as wire
 from .head import Head, HeadConfig, scheduler_config
 from .health import AgentStatus, Phase, StageMetrics, serve_http
+from .liveness import HEARTBEAT_INTERVAL_SECONDS
 from .tensor_group import DistChannel, TensorGroupLost, TensorStage
 
 log = logging.getLogger("modelfleet.agent")
@@ -78,7 +82,7 @@ class AgentConfig:
     http_host: str | None = None  # default: the stage's own host
     keys: wire.KeyPair | None = None  # the fleet's CURVE key pair; None: plain TCP
     probe_interval_seconds: float = 1.0
-    unready_after_seconds: float = 3.0  # the head turns unready when the chain is silent this long
+    unready_after_seconds: float = 3.0  # the head calls a stage lost when its heartbeats stop this long
     tp_rank: int = 0  # this process's rank in its stage's tensor group (the plan gives the size)
     http_port: int | None = None  # default: the stage's port + 1 (ranks r > 0: on their own host)
     tensor_timeout_seconds: float = 300.0  # the rendezvous, or a collective, waiting longer fails
@@ -116,6 +120,8 @@ class StageAgent:
         self.authenticator: Any = None
         self.pending: deque[tuple[float, list[bytes]]] = deque()
         self.head: Head | None = None  # stage 0
+        self.heart: threading.Thread | None = None  # stages after the head: heartbeats to it
+        self.heart_stop = threading.Event()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -127,6 +133,9 @@ class StageAgent:
             self.open_sockets()
             if self.is_head:
                 self.head = self._head()
+            else:
+                self.heart = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+                self.heart.start()
             self.status.phase = Phase.READY
             log.info(
                 "stage %d ready: layers [%d, %d)", self.stage.stage_index, self.stage.layer_start, self.stage.layer_end
@@ -145,7 +154,7 @@ class StageAgent:
         config = self.config
         head_config = HeadConfig(
             f"{self.stage.host}:{self.stage.client_port}", config.probe_interval_seconds,
-            config.unready_after_seconds, config.keys,
+            config.unready_after_seconds, config.keys, stages=len(self.stages),
         )  # fmt: skip
         scheduler = Scheduler(scheduler_config(self.plan, self.backend, len(self.stages)), self._speculator())
         return Head(
@@ -204,7 +213,34 @@ class StageAgent:
         self.outbox.connect(f"tcp://{target.address}")
         self.status.peers = {"next": target.address}
 
+    def _beat(self) -> None:
+        """Every HEARTBEAT_INTERVAL_SECONDS, a heartbeat to the head on a socket of this thread's own."""
+        keys, head, plan_hash = self.config.keys, self.stages[0], self.plan.plan_hash()
+        sock = self.context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            wire.curve_client(sock, keys, keys.public)
+        sock.connect(f"tcp://{head.address}")
+        try:
+            while True:
+                beat = wire.HeartbeatMsg(
+                    sent_ns=time.monotonic_ns(), group_index=self.config.group_index,
+                    stage_index=self.stage.stage_index, ready=self.status.phase == Phase.READY,
+                    plan_hash=plan_hash,
+                )  # fmt: skip
+                with contextlib.suppress(zmq.Again):
+                    sock.send_multipart(wire.encode(beat), zmq.NOBLOCK)
+                if self.heart_stop.wait(HEARTBEAT_INTERVAL_SECONDS) or self.stopping.is_set():
+                    return
+        finally:
+            sock.close(linger=0)
+
     def close(self) -> None:
+        self.heart_stop.set()
+        if self.heart is not None:
+            self.heart.join(5)
         if isinstance(self.backend, TensorStage):
             self.backend.close()
         for sock in (self.inbox, self.outbox, getattr(self.head, "clients", None)):

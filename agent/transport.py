@@ -44,6 +44,7 @@ from ..engine.scheduler import FinishReason
 
 PROTOCOL_VERSION = 3  # 3: verify windows (frame.output_token_ids, several tokens per slot)
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
+ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20
 MAX_ROWS = 1 << 16  # rows in one frame
 MAX_SLOTS = 1 << 16  # KV slots per stage
@@ -455,6 +456,19 @@ class ProbeAckMsg(Message):
 
 
 @dataclass(frozen=True)
+class HeartbeatMsg(Message):
+    """A stage is alive, stage -> head directly, every half second from a thread of its own, so
+    it says nothing about the stage's frames: a busy stage beats, a stopped one does not."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    sent_ns: int = wire(COUNTER)
+    group_index: int = wire(Int(0, MAX_SLOTS))
+    stage_index: int = wire(Int(0, MAX_SLOTS))
+    ready: bool = wire(Bool())
+    plan_hash: str = wire(PLAN_HASH, "")
+
+
+@dataclass(frozen=True)
 class ErrorMsg(Message):
     """A failure to report to the head: of one stream of a frame (``slot`` set: only that stream
     fails, the frame's other rows go on), or of a whole frame (``slot`` None)."""
@@ -530,7 +544,8 @@ class CancelMsg(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        FrameMsg, TokensMsg, ReleaseMsg, RewindMsg, ProbeMsg, ProbeAckMsg, ErrorMsg, SubmitMsg, OutputMsg, CancelMsg
+        FrameMsg, TokensMsg, ReleaseMsg, RewindMsg, ProbeMsg, ProbeAckMsg, HeartbeatMsg, ErrorMsg, SubmitMsg,
+        OutputMsg, CancelMsg,
     )
 }  # fmt: skip
 
@@ -701,8 +716,11 @@ def recv(socket: zmq.Socket[Any], flags: int = 0, max_message_bytes: int = MAX_M
 
 
 def limit_message_bytes(socket: zmq.Socket[Any], max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
-    """Make libzmq drop a peer that sends a frame over the limit before it is buffered whole."""
-    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    """Make libzmq drop a peer that sends one frame over *twice* the limit, before it is buffered
+    whole. libzmq tells no one why it dropped a peer (a socket monitor sees only a disconnect, as
+    when a peer exits), so the limit itself is enforced by :func:`decode`, whose refusal the
+    receiver counts as malformed: a message up to twice the limit arrives, and is counted."""
+    socket.setsockopt(zmq.MAXMSGSIZE, ZMQ_DROP_FACTOR * max_message_bytes)
 
 
 # ---- CURVE: authentication and encryption between agents ------------------------------------

@@ -8,6 +8,10 @@ import torch
 
 from .errors import InputError, ModelfleetError
 
+# Temperatures below this sample as it does: float32 holds it (a smaller one would be 0 there),
+# and it already leaves only the largest logits (those within ~1e-30 of the top) any mass.
+MIN_TEMPERATURE = 1e-30
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -37,8 +41,14 @@ class SamplingParams:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [V] float32 -> probabilities [V] after temperature, top-k, top-p and min-p."""
-    logits = logits / params.temperature
+    """logits: [V] float32 -> probabilities [V] after temperature, top-k, top-p and min-p.
+
+    Safe for every accepted value: the largest logit is moved to 0 before the temperature divides
+    (so a tiny temperature sends the others to -inf, never the top one to +inf; below
+    ``MIN_TEMPERATURE``, which float32 still holds, every temperature draws alike), and the most
+    likely token always survives top-p (a top_p below float32's smallest value is 0 there). Only
+    logits that are not finite (a NaN hidden state) give a distribution that cannot be sampled."""
+    logits = (logits - logits.max()) / max(params.temperature, MIN_TEMPERATURE)
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -47,6 +57,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[0] = False  # and never less than the most likely token
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)

@@ -33,6 +33,7 @@ from test_pipeline import free_base_port, wait_until
 from modelfleet.agent import gateway as gateway_module
 from modelfleet.agent import transport as wire
 from modelfleet.agent.admission import Admission, Busy
+from modelfleet.agent.client import FleetClient, FleetError
 from modelfleet.agent.gateway import Gateway, GatewayConfig
 from modelfleet.agent.launcher import LocalFleet, fetch_json
 from modelfleet.agent.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -373,6 +374,39 @@ def test_malformed_and_oversized_bodies_are_refused_and_the_gateway_keeps_servin
     ).is_success
 
 
+SURROGATE_BODIES = [
+    ("/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
+    ("/v1/completions", {"prompt": ["\udfff"]}, "prompt[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud83d"}]}, "messages[0].content"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[1].text"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\udc00"]}, "stop[0]"),
+]  # fmt: skip
+
+
+def test_a_lone_surrogate_anywhere_in_a_request_gets_a_400_naming_the_field_on_a_connection_that_stays_healthy(
+    served,
+) -> None:
+    """Issue 30, item 2: "\\ud800" parses into a string that is not text; it once reached the
+    tokenizer (500 internal error: TypeError) and the next request on the connection was reset."""
+    model = served.gateway.model_name
+    good = {"model": model, "prompt": "hi", "max_tokens": 2}
+    streams = set()
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        for path, body, param in SURROGATE_BODIES:
+            # json.dumps writes each lone surrogate as its \\uXXXX escape, as a hostile client would
+            response = client.post(path, content=json.dumps({"model": model, "max_tokens": 2, **body}),
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == param, response.text
+            assert "lone UTF-16 surrogate" in error["message"] and error["type"] == "invalid_request_error"
+            after = client.post("/v1/completions", json=good)
+            assert after.status_code == 200, after.text
+            streams |= {id(response.extensions["network_stream"]), id(after.extensions["network_stream"])}
+    assert len(streams) == 1  # one keep-alive connection served every request
+
+
 # ---- auth, readiness, admission, disconnects, metrics ------------------------------------------
 
 
@@ -384,6 +418,7 @@ def test_api_keys_guard_the_api_but_not_health_and_metrics_can_be_keyed_too(flee
         assert served.post("/v1/completions", body).status_code == 401
         wrong = served.post("/v1/completions", body, headers={"Authorization": "Bearer sk-three"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert wrong.headers["WWW-Authenticate"] == 'Bearer realm="modelfleet"'  # issue 30, item 5
         assert served.post("/v1/completions", body, headers={"Authorization": "Bearer sk-two"}).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             served.openai("sk-nope").models.list()
@@ -407,6 +442,44 @@ def test_a_gateway_whose_fleet_is_not_ready_answers_503_but_stays_alive(fleet) -
         assert response.status_code == 503 and response.headers["Retry-After"]
         assert httpx.get(served.url + "/readyz", timeout=5).status_code == 503
         assert httpx.get(served.url + "/healthz", timeout=5).status_code == 200
+
+
+class BlockingTokenizer:
+    """A tokenizer whose encode waits until the test lets it go: a prompt that takes long to tokenize."""
+
+    def __init__(self, real: TextTokenizer):
+        self.real, self.entered, self.release = real, threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        self.entered.set()
+        assert self.release.wait(60), "the test never let the tokenizer go"
+        return self.real.encode(text[:16])
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+def test_a_prompt_being_tokenized_stalls_neither_healthz_nor_other_requests(fleet) -> None:
+    """Issue 30, item 3: a 3.9 MiB prompt was tokenized in the event loop for 6-11 s, and /healthz
+    waited as long. Tokenizing runs in a thread pool now: while one prompt's tokenizer is held,
+    the gateway answers /healthz and another request (the head is absent, so: 503)."""
+    model = fleet.plan.model.served_name
+    with Served(GatewayConfig.of(plan_with_head_at(fleet.plan, free_base_port(1)))) as served:
+        slow = BlockingTokenizer(served.gateway.prompts.tokenizer)
+        served.gateway.prompts.tokenizer = slow  # type: ignore[assignment]
+        answers: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: answers.append(served.post("/v1/completions", {"model": model,
+                                   "prompt": "a long prompt", "max_tokens": 2})))  # fmt: skip
+        waiting.start()
+        try:
+            assert slow.entered.wait(30), "the request never reached the tokenizer"
+            assert httpx.get(served.url + "/healthz", timeout=10).status_code == 200
+            assert served.post("/v1/completions", {"model": model, "prompt": [1, 2, 3]}).status_code == 503
+            assert waiting.is_alive()  # still tokenizing: the answers above came while it was
+        finally:
+            slow.release.set()
+            waiting.join(30)
+        assert [a.status_code for a in answers] == [503]
 
 
 class SilentHead:
@@ -987,6 +1060,16 @@ def test_up_starts_the_fleet_and_the_gateway_and_prints_a_request_that_works(che
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
         # the printed request samples (temperature 1): a first token of EOS is a valid, empty answer
         assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        # issue 30, item 6: the wire is CURVE by default; a local process without the run's keys gets nothing
+        keys_dir = next(line for line in lines if "wire is CURVE" in line).split("keys in ", 1)[1].split(" ")[0]
+        params = SamplingParams(max_tokens=2, stop_token_ids=())
+        with FleetClient(f"127.0.0.1:{base}", keys=wire.load_keypair(keys_dir, "fleet")) as keyed:
+            assert keyed.generate([1, 2, 3], params).finish_reason == "length"
+        with (
+            FleetClient(f"127.0.0.1:{base}", timeout_seconds=3) as stranger,
+            pytest.raises(FleetError, match="no answer"),
+        ):
+            stranger.generate([1, 2, 3], params)
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(30)

@@ -5,6 +5,7 @@ killed stage failing its requests fast and rejoining."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from modelfleet.agent import transport as wire
@@ -173,20 +175,25 @@ def test_streams_arriving_and_leaving_mid_flight_do_not_disturb_the_others(secur
     assert results[8].finish_reason == "cancelled"
 
 
-def test_a_stream_whose_values_cannot_be_sampled_fails_alone_with_a_code(secure_fleet, tiny_checkpoint) -> None:
-    """The tail fails the one row it cannot sample (a temperature so small that the distribution
-    overflows) and reports that slot alone: the streams sharing its frames finish untouched."""
-    prompts, params = prompts_and_params(4)
-    expected = reference(tiny_checkpoint("qwen3_moe")[0], prompts, params)
+def test_six_concurrent_streams_one_with_extreme_sampling_values_all_finish_and_it_samples_greedily(
+    secure_fleet, tiny_checkpoint
+) -> None:
+    """Issue 30, item 1: top_p of 5e-324 and temperature of 1e-300 are accepted values; they once
+    made the tail's distribution NaN and failed the streams sharing its frames. Now that stream
+    samples the most likely token (as greedy does) and the five beside it finish untouched."""
+    prompts, params = prompts_and_params(5)
+    hostile = SamplingParams(temperature=1e-300, top_p=5e-324, max_tokens=8, seed=1, stop_token_ids=())
+    model_dir = tiny_checkpoint("qwen3_moe")[0]
+    expected = reference(model_dir, [*prompts, prompts[0]], [*params, SamplingParams(max_tokens=8, stop_token_ids=())])
     with secure_fleet.client() as client:
         ids = [client.submit(p, s) for p, s in zip(prompts[:2], params[:2], strict=True)]
-        bad = client.submit(prompts[0], SamplingParams(temperature=1e-300, max_tokens=8, seed=1))
+        bad = client.submit(prompts[0], hostile)
         ids += [client.submit(p, s) for p, s in zip(prompts[2:], params[2:], strict=True)]
         results = client.wait([*ids, bad])
-    assert [r.token_ids for r in results[:4]] == expected
-    failed = results[4]
-    assert failed.finish_reason == "error" and failed.code == "input" and "sampling failed" in failed.error
-    assert [secure_fleet.status(s)["slots_in_use"] for s in range(STAGES)] == [0, 0, 0]
+    assert [r.finish_reason for r in results] == [r.finish_reason for r in results if r.finish_reason != "error"]
+    assert [r.token_ids for r in results] == expected
+    # the last release travels behind the last token: give it the time a frame takes
+    wait_until(lambda: all(secure_fleet.status(s)["slots_in_use"] == 0 for s in range(STAGES)), 5, "slots freed")
 
 
 def test_a_cancelled_stream_frees_its_slot_on_every_stage(secure_fleet) -> None:
@@ -234,6 +241,66 @@ def test_malformed_and_unauthenticated_messages_are_dropped_while_the_fleet_serv
         ctx.destroy(linger=0)
 
 
+def test_forged_frames_for_a_slot_with_no_sampler_or_with_a_nan_hidden_state_hold_no_slot(
+    secure_fleet, tiny_checkpoint
+) -> None:
+    """Issue 30, item 6: frames no head sent (a peer with the keys, or a bug) reach the tail for
+    a slot no stream holds; whatever the tail makes of them (no sampler, a NaN hidden state), the
+    head frees the slot on every stage, and the fleet serves on."""
+    from modelfleet.engine.spec import load_spec
+
+    width = load_spec(tiny_checkpoint("qwen3_moe")[0]).hidden_size
+    keys = secure_fleet.keys
+    assert keys is not None
+    ctx = zmq.Context()
+    try:
+        peer = ctx.socket(zmq.PUSH)
+        peer.setsockopt(zmq.LINGER, 0)
+        wire.curve_client(peer, keys, keys.public)
+        peer.connect(f"tcp://{secure_fleet.stages[1].address}")
+        nan = torch.full((2, width), math.nan)
+        forged = [
+            wire.FrameMsg(microbatch=0, step=10**9, slots=_ids([7, 7]), positions=_ids([0, 1]),
+                          hidden=torch.zeros(2, width), output_rows=(1,)),  # no stream started in slot 7
+            wire.FrameMsg(microbatch=0, step=10**9 + 1, slots=_ids([8, 8]), positions=_ids([0, 1]), hidden=nan,
+                          output_rows=(1,), new_streams=(wire.StreamStart(slot=8, temperature=0.7),)),
+            wire.FrameMsg(microbatch=0, step=10**9 + 2, slots=_ids([9, 9]), positions=_ids([0, 1]), hidden=nan,
+                          output_rows=(1,), new_streams=(wire.StreamStart(slot=9),)),  # greedy: a token of NaN
+        ]  # fmt: skip
+        frames = secure_fleet.metric(2, "modelfleet_stage_frames_total")
+        for msg in forged:
+            peer.send_multipart(wire.encode(msg))
+        wait_until(
+            lambda: secure_fleet.metric(2, "modelfleet_stage_frames_total") >= frames + 2, 30, "the tail computed"
+        )
+        wait_until(lambda: all(secure_fleet.status(s)["slots_in_use"] == 0 for s in range(STAGES)), 10,
+                   "every stage freed the forged slots")  # fmt: skip
+        with secure_fleet.client() as client:
+            served = client.generate([4, 5, 6], SamplingParams(max_tokens=5, stop_token_ids=()))
+        assert served.finish_reason == "length", served.error
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_message_over_the_size_limit_is_counted_as_malformed_not_dropped_unseen(secure_fleet) -> None:
+    """Issue 30, item 6: a 65 MiB frame was dropped by libzmq's own limit (the peer disconnected,
+    nothing counted); now libzmq's limit is twice the protocol's and the stage counts it."""
+    keys = secure_fleet.keys
+    assert keys is not None
+    ctx = zmq.Context()
+    try:
+        peer = ctx.socket(zmq.PUSH)
+        peer.setsockopt(zmq.LINGER, 0)
+        wire.curve_client(peer, keys, keys.public)
+        peer.connect(f"tcp://{secure_fleet.stages[1].address}")
+        drops = "modelfleet_stage_malformed_messages_total"
+        before = secure_fleet.metric(1, drops)
+        peer.send_multipart([b"\x00" * (wire.MAX_MESSAGE_BYTES + (1 << 20))])
+        wait_until(lambda: secure_fleet.metric(1, drops) == before + 1, 30, "the oversized message counted")
+    finally:
+        ctx.destroy(linger=0)
+
+
 def _ids(values: list[int]):  # type: ignore[no-untyped-def]
     import torch
 
@@ -258,6 +325,30 @@ def test_killing_a_stage_fails_requests_fast_and_the_restarted_stage_rejoins(sec
         again = client.generate([4, 5, 6], SamplingParams(max_tokens=6, stop_token_ids=()))
         assert again.finish_reason == "length" and len(again.token_ids) == 6
     assert [secure_fleet.status(s)["phase"] for s in range(STAGES)] == ["Ready"] * 3
+
+
+def test_a_stopped_stage_fails_its_streams_within_seconds_and_serves_again_once_continued(secure_fleet) -> None:
+    """Issue 30, item 4: liveness comes from heartbeats (a thread of each stage, beside its
+    frames) and step deadlines derived from measured round trips, so a busy stage is not called
+    dead (tests/test_hardening.py has the deadlines' table); a SIGSTOPed one still is, at once."""
+    stage = secure_fleet.local.children[1].process
+    with secure_fleet.client() as client:
+        request = client.submit([1, 2, 3], SamplingParams(max_tokens=240, stop_token_ids=()))
+        wait_until(lambda: (client.poll(0.01) or True) and len(client.results[request].token_ids) >= 1, 10, "tokens")
+        stage.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            result = client.wait([request])[0]
+            failed_after = time.monotonic() - stopped_at
+            assert result.finish_reason == "error" and result.code == "stage_lost", result.error
+            assert "no heartbeat" in result.error and failed_after < 8.0
+            assert secure_fleet.status(0)["head"]["stages_lost"] == [1]
+        finally:
+            stage.send_signal(signal.SIGCONT)
+        wait_until(lambda: secure_fleet.readyz() == 200, 30, "the fleet is ready again")
+        again = client.generate([4, 5, 6], SamplingParams(max_tokens=6, stop_token_ids=()))
+        assert again.finish_reason == "length" and len(again.token_ids) == 6
+    wait_until(lambda: all(secure_fleet.status(s)["slots_in_use"] == 0 for s in range(STAGES)), 10, "slots freed")
 
 
 def test_a_local_fleet_of_two_replicas_starts_every_stage_of_both_groups(tiny_checkpoint, tmp_path) -> None:

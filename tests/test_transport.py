@@ -61,6 +61,9 @@ MESSAGES: dict[str, Callable[[], Message]] = {
     "probe": lambda: ProbeMsg(nonce=2**64 - 1, sent_ns=123, plan_hash="ab" * 32),
     "bandwidth_probe": lambda: ProbeMsg(nonce=1, sent_ns=5, padding=torch.zeros(1 << 16, dtype=torch.uint8)),
     "probe_ack": lambda: ProbeAckMsg(nonce=1, sent_ns=5, group_index=0, stage_index=2, ready=True),
+    "heartbeat": lambda: transport.HeartbeatMsg(
+        sent_ns=7, group_index=1, stage_index=2, ready=True, plan_hash="cd" * 32
+    ),
     "error": lambda: ErrorMsg(code="capacity", message="no free KV slot (16 in use)", slot=None),
 }
 

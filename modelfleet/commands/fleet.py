@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -253,11 +254,22 @@ def up(
     host: str = typer.Option("127.0.0.1", "--host", help="Where the gateway (OpenAI-compatible API) listens."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="The gateway's port."),
     api_keys_file: Path | None = typer.Option(
-        None, "--api-keys-file", help="Bearer API keys for the gateway, one per line (also MF_API_KEYS)."
+        None, "--api-keys-file", help="Bearer API keys for the gateway, one per line, # comments (also MF_API_KEYS)."
+    ),
+    keys_dir: Path | None = typer.Option(
+        None, "--keys-dir", help="The fleet's CURVE keys (fleet.key, fleet.key_secret); default: a new pair per run."
+    ),
+    insecure_wire: bool = typer.Option(
+        False,
+        "--insecure-wire",
+        help="Plain TCP between stages, the gateway and clients: any local process may submit.",
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
 ) -> None:
-    """Run a whole fleet on this machine: plan, start every stage and the gateway, wait until ready."""
+    """Run a whole fleet on this machine: plan, start every stage and the gateway, wait until ready.
+
+    The stages, the gateway and their clients speak CURVE (authenticated, encrypted) with a key
+    pair made for this run, unless --keys-dir brings one or --insecure-wire turns it off."""
     from rich.progress import BarColumn, Progress, TextColumn
 
     from modelfleet.agent.launcher import LaunchError, LocalFleet, check_ports
@@ -270,6 +282,7 @@ def up(
     if not model.is_dir():
         fail(f"model directory {str(model)!r} does not exist; pass --model DIR with a checkpoint")
     formats = plan_formats(experts_format, attention_format, head_format, embeddings_format)
+    _check_api_keys(api_keys_file)
     if replicas is not None:
         err.print("[yellow]warning:[/] --replicas is deprecated; it is --groups (pipeline replicas)")
         groups = replicas
@@ -282,10 +295,11 @@ def up(
     except ModelfleetError as exc:
         fail(str(exc))
     out.print(plan_table(fleet_plan))
-    workdir = Path(tempfile.mkdtemp(prefix="modelfleet-"))
+    workdir = Path(tempfile.mkdtemp(prefix="modelfleet-"))  # mode 0700
     plan_path = workdir / "plan.json"
     plan_path.write_text(fleet_plan.to_json())
-    fleet = LocalFleet(fleet_plan, plan_path)
+    wire_keys = _wire_keys(keys_dir, insecure_wire, workdir)
+    fleet = LocalFleet(fleet_plan, plan_path, keys_dir=wire_keys)
     stop_requested = _trap_signals()
     try:
         fleet.start()
@@ -304,7 +318,10 @@ def up(
         head = fleet_plan.groups[0].stages[0]
         out.print(f"[bold green]fleet ready[/]: head at {head.address} (clients on port {head.client_port}), "
                   f"status at http://{head.host}:{head.http_port}/status")  # fmt: skip
-        _start_gateway(fleet, plan_path, host, port, api_keys_file, ready_timeout)
+        _start_gateway(fleet, plan_path, host, port, api_keys_file, ready_timeout, wire_keys)
+        if wire_keys is not None:
+            out.print(f"the fleet's wire is CURVE with the keys in {wire_keys} (clients of the head, such as "
+                      f"`modelfleet complete`, need --keys-dir {wire_keys})")  # fmt: skip
         _print_endpoint(fleet_plan, host, port, keyed=api_keys_file is not None or bool(os.environ.get("MF_API_KEYS")))
         while not stop_requested() and all(c.process.poll() is None for c in fleet.children):
             time.sleep(0.2)
@@ -314,9 +331,48 @@ def up(
     finally:
         err.print("stopping the fleet...")
         fleet.stop()
+        if keys_dir is None and wire_keys is not None:  # this run's pair: no use once its fleet is gone
+            shutil.rmtree(wire_keys, ignore_errors=True)
 
 
-def _start_gateway(fleet: Any, plan_path: Path, host: str, port: int, keys_file: Path | None, timeout: float) -> None:
+def _wire_keys(keys_dir: Path | None, insecure: bool, workdir: Path) -> Path | None:
+    """Where the fleet's CURVE keys are: ``keys_dir`` (checked now), a pair made for this run in
+    ``workdir``, or None (plain TCP) with ``--insecure-wire``, said loudly."""
+    from modelfleet.agent import transport
+    from modelfleet.engine.errors import ModelfleetError
+
+    if insecure:
+        if keys_dir is not None:
+            fail("--keys-dir and --insecure-wire disagree; give one of them")
+        err.print("[bold red]warning: --insecure-wire:[/] stages, the gateway and the head's client port speak plain "
+                  "TCP: any process that can reach them can submit requests (no API key), hold stream slots "
+                  "or end other users' streams")  # fmt: skip
+        return None
+    if keys_dir is not None:
+        try:
+            transport.load_keypair(keys_dir, "fleet")
+        except ModelfleetError as exc:
+            fail(f"--keys-dir {keys_dir}: {exc} (make a pair with `modelfleet keys --out {keys_dir}`)")
+        return keys_dir
+    generated = workdir / "keys"
+    generated.mkdir(mode=0o700)
+    transport.save_keypair(transport.generate_keypair(), generated, "fleet")
+    return generated
+
+
+def _check_api_keys(keys_file: Path | None) -> None:
+    """The gateway's key sources, read as it will (an empty one is an error), before any stage starts."""
+    from modelfleet.agent.gateway import load_api_keys
+    from modelfleet.engine.errors import ModelfleetError
+
+    try:
+        load_api_keys(keys_file, os.environ.get("MF_API_KEYS"))
+    except (ModelfleetError, OSError) as exc:
+        fail(str(exc))
+
+
+def _start_gateway(fleet: Any, plan_path: Path, host: str, port: int, keys_file: Path | None, timeout: float,
+                   wire_keys: Path | None) -> None:  # fmt: skip
     """Spawn ``modelfleet gateway`` beside the stages and wait until its /readyz answers 200."""
     import urllib.error
     import urllib.request
@@ -324,7 +380,8 @@ def _start_gateway(fleet: Any, plan_path: Path, host: str, port: int, keys_file:
     from modelfleet.agent.launcher import LaunchError
 
     command = [sys.executable, "-P", "-m", "modelfleet.cli", "gateway", "--plan", str(plan_path), "--host", host,
-               "--port", str(port), *(["--api-keys-file", str(keys_file)] if keys_file else [])]  # fmt: skip
+               "--port", str(port), *(["--api-keys-file", str(keys_file)] if keys_file else []),
+               *(["--keys-dir", str(wire_keys)] if wire_keys else [])]  # fmt: skip
     child = fleet.spawn("gateway", command, {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"})
     url = f"http://{_local(host)}:{port}/readyz"
     deadline = time.monotonic() + timeout
@@ -377,8 +434,12 @@ def complete(
     temperature: float = typer.Option(0.0, "--temperature", min=0.0),
     seed: int | None = typer.Option(None, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object last."),
+    keys_dir: Path | None = typer.Option(
+        None, "--keys-dir", envvar="MF_KEYS_DIR", help="The fleet's CURVE keys, when its head requires them."
+    ),
 ) -> None:
     """Send one prompt to a running fleet's head and stream the answer."""
+    from modelfleet.agent import transport
     from modelfleet.agent.client import FleetClient, FleetError
     from modelfleet.engine.errors import ModelfleetError
     from modelfleet.engine.sampling import SamplingParams
@@ -398,7 +459,8 @@ def complete(
         )
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
         decoder = IncrementalDecoder(tokenizer) if tokenizer else None
-        with FleetClient(fleet_plan.groups[0].stages[0].address) as client:
+        keys = transport.load_keypair(keys_dir, "fleet") if keys_dir else None
+        with FleetClient(fleet_plan.groups[0].stages[0].address, keys=keys) as client:
             request = client.submit(ids, params)
             for token in client.stream(request):
                 sys.stdout.write(decoder.push(token) if decoder else f"{token} ")

@@ -21,7 +21,13 @@ def gateway(
     host: str = typer.Option("127.0.0.1", "--host", envvar="MF_GATEWAY_HOST", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", envvar="MF_GATEWAY_PORT", min=1, max=65535),
     api_keys_file: Path | None = typer.Option(
-        None, "--api-keys-file", envvar="MF_API_KEYS_FILE", help="Bearer API keys, one per line (also MF_API_KEYS)."
+        None,
+        "--api-keys-file",
+        envvar="MF_API_KEYS_FILE",
+        help="Bearer API keys, one per line, # comments (also MF_API_KEYS).",
+    ),
+    no_auth: bool = typer.Option(
+        False, "--no-auth", envvar="MF_NO_AUTH", help="Serve without API keys (no key source may be given)."
     ),
     metrics_auth: bool = typer.Option(False, "--metrics-auth", help="Require an API key for /metrics too."),
     max_streams: int | None = typer.Option(
@@ -65,15 +71,19 @@ def gateway(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        api_keys = load_api_keys(api_keys_file, os.environ.get("MF_API_KEYS"), no_auth)  # fails closed, first
         plans = [load(path) for path in plan_paths]
         config = GatewayConfig.of(
             plans[0], more_plans=tuple(plans[1:]), max_streams=max_streams, max_queue=max_queue,
             queue_timeout_seconds=queue_timeout, retries=retries,
-            api_keys=load_api_keys(api_keys_file, os.environ.get("MF_API_KEYS")), metrics_auth=metrics_auth,
+            api_keys=api_keys, metrics_auth=metrics_auth,
             max_body_bytes=max_body_bytes, model_dir=model_dir,
             keys=transport.load_keypair(keys_dir, "fleet") if keys_dir else None,
         )  # fmt: skip
         app = Gateway(config).app
+        if not config.api_keys and not no_auth:
+            err.print("[bold yellow]warning:[/] no API keys (--api-keys-file, MF_API_KEYS): every request is "
+                      "accepted; pass --no-auth to say that is meant")  # fmt: skip
     except (ModelfleetError, OSError) as exc:
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(code=2) from exc

@@ -1,0 +1,154 @@
+"""Issue 30's hardening, as pure decisions and small units: sampling that is safe for every
+accepted value, one row's failure kept to its stream, requests that hold text that is not text,
+API keys that fail closed, and the head's liveness deadlines. The live halves of these (a fleet,
+a gateway) are in test_pipeline.py and test_gateway.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from modelfleet.agent.gateway import ApiKeysError, load_api_keys
+from modelfleet.agent.liveness import LivenessPolicy, chain_ready, lost_stages, step_deadline_seconds
+from modelfleet.engine.sampling import SamplingParams, TailSampler
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+TINY = st.sampled_from([5e-324, 1e-320, 1e-300, 1e-45, 1e-38, 1e-30, 1e-7])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    temperature=st.one_of(TINY, st.floats(0.0, 100.0)),
+    top_p=st.one_of(TINY, st.floats(0.0, 1.0, exclude_min=True)),
+    top_k=st.integers(0, 40),
+    min_p=st.one_of(TINY, st.floats(0.0, 1.0)),
+    scale=st.sampled_from([1.0, 1e3, 1e30]),
+    seed=st.integers(0, 2**32),
+)
+def test_every_accepted_sampling_value_draws_a_token_for_finite_logits(temperature, top_p, top_k, min_p, scale,
+                                                                      seed) -> None:  # fmt: skip
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    sampler = TailSampler()
+    sampler.start(3, params)
+    logits = torch.randn(1, 32, generator=torch.Generator().manual_seed(seed)) * scale
+    tokens, errors = sampler.sample([3], logits)
+    assert errors == {} and 0 <= tokens[3] < 32
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1e-300, 1.0), (5e-324, 1.0), (1.0, 1e-300), (1.0, 5e-324)])
+def test_a_temperature_or_top_p_below_what_float32_holds_samples_the_most_likely_token(temperature, top_p) -> None:
+    sampler = TailSampler()
+    sampler.start(0, SamplingParams(temperature=temperature, top_p=top_p, seed=1))
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(2))
+    assert sampler.sample([0], logits) == ({0: int(logits[0].argmax())}, {})
+
+
+def test_a_row_whose_logits_are_not_finite_fails_alone_and_the_frames_other_rows_get_tokens() -> None:
+    """What a NaN hidden state gives at the tail: that stream's error, the others' tokens."""
+    sampler = TailSampler()
+    for slot in (0, 1, 2):
+        sampler.start(slot, SamplingParams(temperature=0.7, seed=slot))
+    logits = torch.randn(3, 16)
+    logits[1] = math.nan
+    tokens, errors = sampler.sample([0, 1, 2], logits)
+    assert set(tokens) == {0, 2} and set(errors) == {1} and errors[1].code == "input"
+
+
+# ---- API keys ---------------------------------------------------------------------------------
+
+
+def test_an_api_keys_file_takes_one_key_a_line_and_a_comment_after_a_key_is_not_part_of_it(tmp_path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys\nsk-one  # alice\n\n   sk-two\t#bob\nsk-three\n")
+    assert load_api_keys(keys, "sk-env, sk-four ,") == {"sk-one", "sk-two", "sk-three", "sk-env", "sk-four"}
+
+
+@pytest.mark.parametrize(
+    "text, env, no_auth, says",
+    [
+        ("", None, False, "holds no API key"),
+        ("# only a comment\n\n   # another\n", None, False, "holds no API key"),
+        (None, " , ,", False, "MF_API_KEYS holds no API key"),
+        ("sk-one\n", None, True, "--no-auth serves without API keys"),
+        ("sk one\n", None, False, "line 1: a key cannot hold whitespace"),
+    ],
+)
+def test_api_keys_fail_closed_an_empty_source_is_an_error_not_an_open_gateway(tmp_path, text, env, no_auth,
+                                                                               says) -> None:  # fmt: skip
+    path = None
+    if text is not None:
+        path = tmp_path / "keys"
+        path.write_text(text)
+    with pytest.raises(ApiKeysError, match=says):
+        load_api_keys(path, env, no_auth)
+
+
+def test_without_a_key_source_the_gateway_is_open_only_when_asked_or_with_a_warning() -> None:
+    assert load_api_keys(None, None, no_auth=True) == frozenset()
+    assert load_api_keys(None, "", no_auth=False) == frozenset()
+
+
+def test_the_gateway_command_refuses_an_empty_keys_file_at_startup(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    keys = tmp_path / "keys"
+    keys.write_text("# nothing here yet\n")
+    result = CliRunner().invoke(app, ["gateway", "--plan", str(tmp_path / "unused.json"), "--api-keys-file", str(keys)])
+    assert result.exit_code == 2 and "holds no API key" in result.output and "--no-auth" in result.output
+
+
+# ---- liveness ---------------------------------------------------------------------------------
+
+POLICY = LivenessPolicy(heartbeat_seconds=3.0, step_floor_seconds=3.0, step_factor=4.0, step_cap_seconds=300.0,
+                        unmeasured_seconds=15.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "round_trips, in_flight, deadline",
+    [
+        ([], 0, 15.0),  # nothing measured yet: a cold start's first steps get room
+        ([0.01, 0.02], 1, 3.0),  # a quick pipeline: the floor, the bound a hung stage is held to
+        ([0.4, 1.5, 0.9], 3, 18.0),  # a loaded one: 4 x the slowest x the steps in flight
+        ([2.0], 0, 8.0),  # no step in flight counts as one (a chain probe alone)
+        ([30.0], 8, 300.0),  # never past the cap
+    ],
+)
+def test_a_steps_deadline_grows_with_measured_round_trips_and_the_steps_in_flight(round_trips, in_flight,
+                                                                                  deadline) -> None:  # fmt: skip
+    assert step_deadline_seconds(POLICY, round_trips, in_flight) == pytest.approx(deadline)
+
+
+@pytest.mark.parametrize(
+    "now, heartbeats, lost",
+    [
+        (100.0, {1: 99.5, 2: 99.9}, []),  # both beat within the last half second
+        (100.0, {1: 96.5, 2: 99.9}, [1]),  # stage 1 silent 3.5 s: lost (stopped, killed, gone)
+        (100.0, {1: 97.0}, [2]),  # stage 2 never heard since the head started at 90
+        (92.0, {}, []),  # two seconds after the head started: no one is late yet
+    ],
+)
+def test_a_stage_is_lost_when_its_heartbeats_stop_whatever_its_frames_do(now, heartbeats, lost) -> None:
+    assert lost_stages(POLICY, now, heartbeats, [1, 2], since=90.0) == lost
+
+
+@pytest.mark.parametrize(
+    "lost, answered, outstanding_since, deadline, ready",
+    [
+        ([], 99.0, None, 3.0, True),
+        ([], 99.0, 95.0, 18.0, True),  # a probe queued 5 s behind frames of a busy pipeline: not dead
+        ([], 99.0, 95.0, 3.0, False),  # the same 5 s on an idle pipeline: the chain broke somewhere
+        ([1], 99.0, None, 3.0, False),  # a stage stopped beating
+        ([], None, 99.0, 3.0, False),  # no probe has come back yet
+    ],
+)
+def test_the_chain_is_ready_while_stages_beat_and_probes_return_within_a_steps_deadline(lost, answered,
+                                                                                       outstanding_since, deadline,
+                                                                                       ready) -> None:  # fmt: skip
+    assert chain_ready(POLICY, 100.0, lost, answered, outstanding_since, deadline) is ready
