@@ -1,0 +1,236 @@
+"""DeepSeek-V4 against transformers on a tiny random checkpoint (tests/dsv4_tiny.py): three
+hyper-connection streams, an HCA layer (blocks of 8), two CSA layers (blocks of 4, an indexer
+keeping 3 blocks) and a sliding layer (window 8), a hash-routed first MoE layer, sqrt-softplus
+routing with a correction bias, clamped experts and a shared expert.
+
+Prompts of 40 positions cross five HCA blocks, ten CSA blocks (so the indexer chooses) and the
+sliding window five times over.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dsv4_tiny import CONFIG, build, save
+from test_quantized_models import successor_chains
+from test_tensor_parallel import free_port
+from tiny import assert_close_to, reference_logits
+
+from modelfleet.engine.cache_layout import cache_layout
+from modelfleet.engine.errors import InputError
+from modelfleet.engine.formats.plan import FormatPlan
+from modelfleet.engine.frame import Frame
+from modelfleet.engine.generate import LocalModel
+from modelfleet.engine.residual import residual_shape
+from modelfleet.engine.shard import Shard
+from modelfleet.engine.spec import load_spec
+from modelfleet.engine.tensor_parallel import close_tensor_group, init_tensor_group
+
+SLACK = 8  # rewind slack of the rings in these tests
+STEPS = 30  # teacher-forced training steps before the int4 comparison
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("deepseek_v4")
+    return path, save(path)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def small_cache(shard: Shard | LocalModel) -> None:
+    shards = shard.shards if isinstance(shard, LocalModel) else [shard]
+    for s in shards:
+        s.allocate_cache(max_slots=4, max_context=128, rewind_slack=SLACK)
+
+
+def test_prompt_logits_match_transformers_at_every_position_across_blocks_and_windows(tiny):
+    path, model = tiny
+    ids = tokens(40, seed=0)
+    ours = Shard.load(path)(Frame.of_streams([(0, 0, ids)]))
+    assert_close_to(ours, reference_logits(model, ids), 1e-4)
+
+
+def test_32_greedy_tokens_match_transformers_generate(tiny):
+    path, model = tiny
+    shard = Shard.load(path)
+    small_cache(shard)
+    prompt = tokens(20, seed=1)
+    steps = [shard(Frame.of_streams([(0, 0, prompt)]))[-1]]
+    generated = [int(steps[-1].argmax())]
+    for position in range(len(prompt), len(prompt) + 31):
+        steps.append(shard(Frame.of_streams([(0, position, generated[-1:])]))[0])
+        generated.append(int(steps[-1].argmax()))
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+    assert generated == out[0, len(prompt) :].tolist() and len(set(generated)) > 4
+    assert_close_to(torch.stack(steps), reference_logits(model, prompt + generated[:-1])[len(prompt) - 1 :])
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_one_two_and_three_shards_passing_hyper_connection_streams_give_the_logits_of_the_whole(tiny, shards):
+    path, model = tiny
+    ids = tokens(40, seed=2)
+    lm = LocalModel.load(path, shards=shards, max_slots=1, max_context=64)
+    assert_close_to(lm.forward(Frame.of_streams([(0, 0, ids)])), reference_logits(model, ids))
+    first = lm.shards[0](Frame.of_streams([(0, 0, ids[:3])]))
+    if shards > 1:  # the residual between stages: hc_mult streams in float32
+        assert first.dtype == torch.float32 and tuple(first.shape) == (3, CONFIG["hc_mult"], CONFIG["hidden_size"])
+
+
+def test_the_residual_shape_is_the_familys_and_a_stage_refuses_rows_of_another(tiny):
+    path, _ = tiny
+    spec = load_spec(path)
+    assert residual_shape(spec) == (CONFIG["hc_mult"], CONFIG["hidden_size"])
+    second = Shard.load(path, 2, 4)
+    flat = torch.zeros(2, CONFIG["hidden_size"])
+    with pytest.raises(InputError, match=r"residual rows are \[3, 64\]"):
+        second(Frame(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([5, 6]), hidden=flat))
+
+
+def test_a_hash_routed_layer_past_the_first_stage_reads_the_token_ids_the_frame_carries(tiny):
+    path, model = tiny
+    ids = tokens(12, seed=3)
+    first, rest = Shard.load(path, 0, 2), Shard.load(path, 2, 4)  # layer 2 routes by token
+    hidden = first(Frame.of_streams([(0, 0, ids)]))
+    assert_close_to(rest(Frame.of_streams([(0, 0, ids)], hidden=hidden)), reference_logits(model, ids))
+    rest.release(0)
+    with pytest.raises(InputError, match="token ids"):
+        rest(Frame(torch.zeros(12, dtype=torch.int64), torch.arange(12), hidden=hidden))
+
+
+def test_cache_layout_lists_window_block_and_journal_entries_per_attention_kind(tiny):
+    path, _ = tiny
+    spec = load_spec(path)
+    hca, csa, sliding = (cache_layout(spec, i).entries for i in (0, 1, 2))
+    assert list(sliding) == ["kv"] and sliding["kv"].window == 8 and not sliding["kv"].split
+    assert list(hca) == ["kv", "compressed", "compressor_inputs"]
+    assert hca["compressed"].stride == 8 and hca["compressor_inputs"].window == 8
+    assert list(csa) == ["kv", "compressed", "indexer_keys", "compressor_inputs"]
+    assert csa["compressed"].stride == 4 and csa["indexer_keys"].shape == (16,)
+    assert csa["compressor_inputs"].window == 8 and csa["compressor_inputs"].shape == (4 * 32 + 4 * 16,)
+
+
+def test_a_frame_of_three_streams_one_in_prefill_gives_each_the_logits_it_gets_alone(tiny):
+    path, _ = tiny
+    alone, mixed = Shard.load(path), Shard.load(path)
+    small_cache(alone), small_cache(mixed)
+    a, b, c = tokens(30, seed=4), tokens(17, seed=5), tokens(9, seed=6)
+    mixed(Frame.of_streams([(0, 0, a[:29]), (1, 0, b[:16])]))
+    out = mixed(Frame.of_streams([(0, 29, a[29:]), (2, 0, c), (1, 16, b[16:])]))
+    expected = [alone(Frame.of_streams([(0, 0, s)])) for s in (a, c, b)]
+    for slot in range(3):
+        alone.release(slot)
+    assert_close_to(out[0], expected[0][-1], 1e-5)
+    assert_close_to(out[1:10], expected[1], 1e-5)
+    assert_close_to(out[10], expected[2][-1], 1e-5)
+
+
+@pytest.mark.parametrize("back", [1, 3, 4, 5, 8])
+def test_rewind_then_re_decode_reproduces_every_state_kind_across_block_boundaries(tiny, back):
+    """Decode to 40 (a boundary of HCA and CSA blocks), rewind ``back`` positions (into pooled
+    blocks: back >= 1 reopens CSA's block 9, >= 8 HCA's block 4), decode other tokens, and match a
+    stream that saw only those."""
+    path, model = tiny
+    shard = Shard.load(path)
+    small_cache(shard)
+    ids, other = tokens(40, seed=7), tokens(back + 3, seed=8)
+    shard(Frame.of_streams([(0, 0, ids[:32])]))
+    for position in range(32, 40):
+        shard(Frame.of_streams([(0, position, ids[position : position + 1])]))
+    shard.rewind(0, 40 - back)
+    ours = torch.cat([shard(Frame.of_streams([(0, 40 - back + j, [t])])) for j, t in enumerate(other)])
+    assert_close_to(ours, reference_logits(model, ids[: 40 - back] + other)[40 - back :])
+
+
+def test_a_released_slot_serves_a_new_stream_as_if_fresh(tiny):
+    path, model = tiny
+    shard = Shard.load(path)
+    small_cache(shard)
+    shard(Frame.of_streams([(0, 0, tokens(37, seed=9))]))
+    shard.release(0)
+    ids = tokens(23, seed=10)
+    assert_close_to(shard(Frame.of_streams([(0, 0, ids)])), reference_logits(model, ids))
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------
+
+
+def _rank_main(rank: int, size: int, port: int, path: Path, out: Path) -> None:
+    torch.set_num_threads(1)
+    group = init_tensor_group(rank, size, "127.0.0.1", port, "cpu", timeout_seconds=60)
+    try:
+        lm = LocalModel.load(path, 2, tensor=group, max_slots=2, max_context=64)
+        logits = lm.forward(Frame.of_streams([(0, 0, tokens(30, seed=11))]))
+        decode = lm.forward(Frame.of_streams([(0, 30, [7]), (1, 0, tokens(5, seed=12))]))
+        heads = lm.shards[0].layers[0].attention.num_heads
+    finally:
+        close_tensor_group()
+    torch.save({"logits": logits, "decode": decode, "heads": heads}, out / f"rank{rank}.pt")
+
+
+def test_two_tensor_ranks_give_the_logits_of_the_whole_model(tiny, tmp_path):
+    path, _ = tiny
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    ranks = [context.Process(target=_rank_main, args=(r, 2, port, path, tmp_path)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=240)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in ranks] == [0, 0], "a rank failed; its traceback is in the captured stderr"
+    results: list[dict[str, Any]] = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    whole = LocalModel.load(path, 2, max_slots=2, max_context=64)
+    logits = whole.forward(Frame.of_streams([(0, 0, tokens(30, seed=11))]))
+    decode = whole.forward(Frame.of_streams([(0, 30, [7]), (1, 0, tokens(5, seed=12))]))
+    for rank in results:
+        assert rank["heads"] == CONFIG["num_attention_heads"] // 2
+        assert_close_to(rank["logits"], logits)
+        assert_close_to(rank["decode"], decode)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module, torch.Tensor]:
+    """The tiny model teacher-forced for STEPS steps on a successor task (each token has one next
+    token), as tests/test_quantized_models.py trains its models: its logits have margins."""
+    model = build(seed=1)
+    successor = torch.randperm(125, generator=torch.Generator().manual_seed(5)) + 3
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps: thread barriers cost more than they save on a busy CPU
+    model.train()
+    for _ in range(STEPS):
+        batch = successor_chains(successor, 8, 12, generator)
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    torch.set_num_threads(threads)
+    path = tmp_path_factory.mktemp("deepseek_v4_trained")
+    model.save_pretrained(path)
+    return path, model, successor
+
+
+def test_int4_experts_keep_a_teacher_forced_models_logits_and_top1_choices(trained):
+    path, model, successor = trained
+    ids = successor_chains(successor, 1, 48, torch.Generator().manual_seed(9))[0].tolist()
+    reference = reference_logits(model, ids)
+    shard = Shard.load(path, formats=FormatPlan(experts="int4"))
+    assert set(shard.bytes_by_role["experts"]) == {"int4"}
+    logits = shard(Frame.of_streams([(0, 0, ids)]))
+    cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
+    top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
+    assert float(cosine.mean()) >= 0.99 and float(cosine.min()) >= 0.9
+    assert float(top1) >= 0.9
