@@ -205,7 +205,7 @@ class Head:
         starts = tuple(wire.StreamStart.of(s.slot, s.params) for s in step.new_streams if s.slot in set(slots))
         self.send_next(wire.FrameMsg(
             microbatch=step.microbatch, step=step.id, slots=frame.slots, positions=frame.positions, hidden=out,
-            output_rows=tuple(output_rows), new_streams=starts,
+            token_ids=frame.token_ids, output_rows=tuple(output_rows), new_streams=starts,
         ))  # fmt: skip
 
     def _sample_here(self, step: Step, slots: list[int], logits: torch.Tensor) -> None:

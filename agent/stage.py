@@ -341,7 +341,7 @@ class StageAgent:
         else:
             self.send(wire.FrameMsg(
                 microbatch=msg.microbatch, step=msg.step, slots=frame.slots, positions=frame.positions, hidden=out,
-                output_rows=tuple(rows), new_streams=starts,
+                token_ids=frame.token_ids, output_rows=tuple(rows), new_streams=starts,
             ))  # fmt: skip
 
     def _refuse(self, msg: wire.FrameMsg, exc: ModelfleetError, slot: int | None) -> None:
