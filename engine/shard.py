@@ -173,8 +173,9 @@ class Shard(nn.Module):
                 split_for_rank(shard, tensor)
                 shard.tensor = tensor
             return shard._prepare(pack)
-        root = LayerWeights(ckpt, "", torch_dtype, torch_device)
         family = family_module(spec.family)
+        source = getattr(family, "tensor_source", None)  # a family reading more than one naming scheme
+        root = LayerWeights(ckpt if source is None else source(spec, ckpt), "", torch_dtype, torch_device)
         layers = []
         for i in _progress(range(layer_start, end), progress, f"loading layers [{layer_start}, {end})"):
             layer = family.build_layer(spec, i, root.sub(f"model.layers.{i}."))

@@ -10,21 +10,27 @@ sliding window five times over.
 from __future__ import annotations
 
 import multiprocessing
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from dsv4_tiny import CONFIG, build, save
+from safetensors.torch import load_file, save_file
 from test_quantized_models import successor_chains
 from test_tensor_parallel import free_port
 from tiny import assert_close_to, reference_logits
 
 from modelfleet.engine.cache_layout import cache_layout
 from modelfleet.engine.errors import InputError
+from modelfleet.engine.formats import MXFP4Weight
+from modelfleet.engine.formats import quantize as mxfp4_quantize
 from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel
+from modelfleet.engine.quantize import QuantizedExperts
 from modelfleet.engine.residual import residual_shape
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import load_spec
@@ -234,3 +240,66 @@ def test_int4_experts_keep_a_teacher_forced_models_logits_and_top1_choices(train
     top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
     assert float(cosine.mean()) >= 0.99 and float(cosine.min()) >= 0.9
     assert float(top1) >= 0.9
+
+
+# ---- the checkpoint as DeepSeek publishes it ----------------------------------------------------
+
+FP8_PROJECTIONS = re.compile(r"\.(wq_a|wq_b|wkv|wo_a|wo_b|shared_experts\.w[123])\.weight$")
+EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+
+
+def published(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(DeepSeek's layout, the float tensors it decodes to under transformers' names): no ``model.``
+    prefix, ``embed.weight``/``norm.weight``/``hc_head_*``; routed experts as FP4 (int8 [out, in/2],
+    two E2M1 codes a byte, low nibble first) with an F8_E8M0 scale per 32; attention and shared-expert
+    projections as FP8 E4M3 with an E8M0 scale per 128x128 block."""
+    stored, decoded = {}, {}
+    for name, t in tensors.items():
+        value = t
+        if EXPERT.search(name):
+            packed = mxfp4_quantize(t, "mxfp4")
+            assert isinstance(packed, MXFP4Weight)
+            decoded[name] = packed.dequantize()
+            stored[name] = packed.blocks.flatten(-2).view(torch.int8)
+            stored[name.removesuffix("weight") + "scale"] = packed.scales.view(torch.float8_e8m0fnu)
+        elif FP8_PROJECTIONS.search(name):
+            exponent = int(torch.ceil(torch.log2(t.abs().max() / 448)).item())
+            value = (t / 2.0**exponent).to(torch.float8_e4m3fn)
+            decoded[name] = value.to(torch.float32) * 2.0**exponent
+            stored[name] = value
+            stored[name.removesuffix("weight") + "scale"] = torch.tensor([[exponent + 127]], dtype=torch.uint8).view(
+                torch.float8_e8m0fnu
+            )
+        else:
+            decoded[name] = t
+            stored[name] = t
+    renamed = {}
+    for name, t in stored.items():
+        new = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}.get(name, name)
+        new = new.replace("model.hc_head.hc_", "hc_head_").removeprefix("model.")
+        renamed[new] = t
+    return renamed, decoded
+
+
+@pytest.fixture(scope="module")
+def published_checkpoint(tiny, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(DeepSeek's layout, transformers' layout of the same decoded weights)."""
+    path, _ = tiny
+    stored, decoded = published(load_file(path / "model.safetensors"))
+    dirs = tmp_path_factory.mktemp("published"), tmp_path_factory.mktemp("decoded")
+    for directory, tensors in zip(dirs, (stored, decoded), strict=True):
+        shutil.copy(path / "config.json", directory / "config.json")
+        save_file(tensors, directory / "model.safetensors")
+    return dirs
+
+
+def test_the_published_layout_keeps_fp4_experts_packed_and_gives_the_logits_of_its_decoded_weights(
+    published_checkpoint,
+):
+    packed_dir, decoded_dir = published_checkpoint
+    packed, decoded = Shard.load(packed_dir), Shard.load(decoded_dir)
+    banks = [m for m in packed.modules() if isinstance(m, QuantizedExperts)]
+    assert len(banks) == CONFIG["num_hidden_layers"] and {b.format for b in banks} == {"mxfp4"}
+    assert set(packed.bytes_by_role["experts"]) >= {"mxfp4"}
+    ids = tokens(24, seed=14)
+    assert_close_to(packed(Frame.of_streams([(0, 0, ids)])), decoded(Frame.of_streams([(0, 0, ids)])), 1e-5)

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache_layout import CacheEntry, LayerCache
+from ..checkpoint import TensorSource
 from ..errors import CheckpointError, ConfigError, InputError
 from ..formats import BLOCK, FormatError, MXFP4Weight
 from ..frame import Segment
@@ -61,7 +62,6 @@ from ..quantize import QuantizedExperts
 from ..rope import inv_freq_and_factor
 from ..spec import ModelSpec, RopeSpec, _rope_from_raw
 from ..weights import LayerWeights
-from .common import dense
 from .deepseek_v3 import Float32Dense
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -597,13 +597,20 @@ def fp4_experts(w: LayerWeights, num_experts: int) -> tuple[MXFP4Weight, MXFP4We
         for e in range(num_experts):
             codes = [w.raw(f"{e}.{n}.weight").view(torch.uint8) for n in names]
             blocks.append(torch.cat(codes).unflatten(-1, (-1, BLOCK // 2)))
-            scales.append(torch.cat([w.raw(f"{e}.{n}.scale").view(torch.uint8) for n in names]))
+            scales.append(torch.cat([e8m0_bytes(w.raw(f"{e}.{n}.scale")) for n in names]))
         try:
             return MXFP4Weight(torch.stack(blocks).to(w.device), torch.stack(scales).to(w.device))
         except FormatError as exc:
             raise CheckpointError(f"'{w.prefix}*.{'/'.join(names)}': {exc}") from exc
 
     return bank(("w1", "w3")), bank(("w2",))
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes of a scale stored as E8M0 (or its raw bytes)."""
+    if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise CheckpointError(f"an FP4 expert's scale must be E8M0 (F8_E8M0 or U8), got {scale.dtype}")
+    return scale.view(torch.uint8)
 
 
 def experts(spec: ModelSpec, w: LayerWeights) -> Experts | QuantizedExperts:
@@ -628,6 +635,71 @@ def routed_moe(spec: ModelSpec, i: int, m: LayerWeights) -> RoutedMoE:
         shared = ClampedGatedMLP(dense(s, "w1"), dense(s, "w3"), dense(s, "w2"), limit)
     proj = Float32Dense(m.get("gate.weight", dtype=torch.float32))
     return RoutedMoE(proj, router, experts(spec, m.sub("experts.")), shared)
+
+
+# ---- the checkpoint ----------------------------------------------------------------------------
+
+FP8_BLOCK = 128  # DeepSeek's FP8 projections: one E8M0 (or float32) scale per 128 x 128 block
+PUBLISHED_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+}
+
+
+class PublishedNames:
+    """A checkpoint read under the names transformers saves (``model.layers.N.``...), whether it
+    holds those or DeepSeek's own (``layers.N.``, ``embed.weight``, ``norm.weight``, ``hc_head_fn``)."""
+
+    def __init__(self, source: TensorSource):
+        self.source = source
+
+    def stored(self, name: str) -> str:
+        if name in self.source:
+            return name
+        alias = PUBLISHED_NAMES.get(name) or (name.removeprefix("model.") if name.startswith("model.") else None)
+        return alias if alias is not None and alias in self.source else name
+
+    def __contains__(self, name: str) -> bool:
+        return self.stored(name) in self.source
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.source.read(self.stored(name))
+
+
+def tensor_source(spec: ModelSpec, source: TensorSource) -> TensorSource:
+    """How the shard reads this family's checkpoints: both naming schemes (:class:`PublishedNames`)."""
+    return PublishedNames(source)
+
+
+def e8m0_or_float(scale: torch.Tensor) -> torch.Tensor:
+    """A scale tensor as float32: E8M0 bytes are 2^(e - 127)."""
+    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        return torch.pow(2.0, scale.view(torch.uint8).to(torch.float32) - 127)
+    return scale.to(torch.float32)
+
+
+def fp8_dequantized(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """An FP8 E4M3 weight [out, in] times its per-128x128-block scale, in float32."""
+    out, inner = weight.shape
+    grid = (-(-out // FP8_BLOCK), -(-inner // FP8_BLOCK))
+    if tuple(scale.shape) != grid:
+        raise CheckpointError(
+            f"'{name}.scale' has shape {tuple(scale.shape)}; an FP8 weight of shape {(out, inner)} needs "
+            f"{grid} (one scale per {FP8_BLOCK}x{FP8_BLOCK} block)"
+        )
+    full = e8m0_or_float(scale).repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return weight.to(torch.float32) * full[:out, :inner]
+
+
+def dense(w: LayerWeights, name: str) -> Dense:
+    """A projection ``{name}.weight``, decoded from FP8 with its block scales where DeepSeek stores it so."""
+    weight = w.raw(f"{name}.weight")
+    if weight.dtype == torch.float8_e4m3fn and f"{name}.scale" in w:
+        weight = fp8_dequantized(weight, w.raw(f"{name}.scale"), w.prefix + name)
+    return Dense(weight.to(device=w.device, dtype=w.dtype))
 
 
 # ---- building ----------------------------------------------------------------------------------
