@@ -30,6 +30,7 @@ from modelfleet.engine.formats import quantize as mxfp4_quantize
 from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel
+from modelfleet.engine.models.deepseek_v4 import load_mtp
 from modelfleet.engine.quantize import QuantizedExperts
 from modelfleet.engine.residual import residual_shape
 from modelfleet.engine.shard import Shard
@@ -303,3 +304,111 @@ def test_the_published_layout_keeps_fp4_experts_packed_and_gives_the_logits_of_i
     assert set(packed.bytes_by_role["experts"]) >= {"mxfp4"}
     ids = tokens(24, seed=14)
     assert_close_to(packed(Frame.of_streams([(0, 0, ids)])), decoded(Frame.of_streams([(0, 0, ids)])), 1e-5)
+
+
+# ---- multi-token prediction ---------------------------------------------------------------------
+# transformers 5.24 builds no MTP layer (it drops ``mtp.*`` on load), so the reference is DeepSeek's
+# MTPBlock wiring (inference/model.py: e = enorm(embed(ids)); x = e_proj(e) + h_proj(hnorm(x));
+# x = Block(x); logits = head(hc_head(x) -> norm)) assembled from transformers' own DeepSeek-V4
+# modules: its decoder layer (a fifth, sliding layer of a model built for the purpose), RMSNorm and
+# hyper head, with the tiny model's embedding and head.
+
+
+class ReferenceMTP(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, extended: torch.nn.Module, generator: torch.Generator):
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead, DeepseekV4RMSNorm
+
+        super().__init__()
+        config, hidden = extended.config, CONFIG["hidden_size"]
+        self.model, self.block = model, extended.model.layers[-1]
+        self.enorm, self.hnorm, self.norm = (DeepseekV4RMSNorm(hidden, config.rms_norm_eps) for _ in range(3))
+        self.e_proj, self.h_proj = (torch.nn.Linear(hidden, hidden, bias=False) for _ in range(2))
+        self.hyper_head = DeepseekV4HyperHead(config)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if not name.startswith(("model.", "block.")):
+                    scale = 0.08 if "proj" in name or name.endswith("fn") else 0.3
+                    p.copy_((1.0 if "norm" in name or name.endswith("scale") else 0.0)
+                            + scale * torch.randn(p.shape, generator=generator))  # fmt: skip
+
+    def streams(self, ids: list[int]) -> torch.Tensor:
+        """The main model's last layer output [S, hc_mult, hidden] (before its hyper head)."""
+        captured = {}
+        hook = self.model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.update(x=out))
+        with torch.no_grad():
+            self.model(torch.tensor([ids]))
+        hook.remove()
+        return captured["x"][0]
+
+    @torch.no_grad()
+    def forward(self, streams: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([next_ids])
+        e = self.enorm(self.model.model.embed_tokens(ids))
+        x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(streams[None]))
+        positions = torch.arange(len(next_ids))[None]
+        rotary = self.model.model.rotary_emb
+        embeddings = {kind: rotary(e, position_ids=positions, layer_type=kind) for kind in ("main", "compress")}
+        q, k = positions[0][:, None], positions[0][None, :]
+        visible = (k <= q) & (q - k < CONFIG["sliding_window"])
+        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[None, None]
+        x = self.block(x, position_embeddings=embeddings, position_ids=positions, attention_mask=mask, input_ids=ids)
+        return self.model.lm_head(self.norm(self.hyper_head(x)))[0]
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tiny, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ReferenceMTP]:
+    """The tiny checkpoint plus ``mtp.0.*`` in DeepSeek's names, and its reference."""
+    path, model = tiny
+    extra = dict(
+        num_hidden_layers=5,
+        layer_types=[*CONFIG["layer_types"], "sliding_attention"],
+        mlp_layer_types=[*CONFIG["mlp_layer_types"], "moe"],
+    )
+    extended_dir = tmp_path_factory.mktemp("extended")
+    extended = save(extended_dir, seed=3, **extra)
+    reference = ReferenceMTP(model, extended, torch.Generator().manual_seed(4))
+    tensors = load_file(path / "model.safetensors")
+    for name, t in load_file(extended_dir / "model.safetensors").items():
+        if name.startswith("model.layers.4."):
+            tensors["mtp.0." + name.removeprefix("model.layers.4.")] = t
+    own = {"e_proj.weight": reference.e_proj.weight, "h_proj.weight": reference.h_proj.weight,
+           "enorm.weight": reference.enorm.weight, "hnorm.weight": reference.hnorm.weight,
+           "norm.weight": reference.norm.weight, "hc_head_fn": reference.hyper_head.hc_fn,
+           "hc_head_base": reference.hyper_head.hc_base, "hc_head_scale": reference.hyper_head.hc_scale}  # fmt: skip
+    tensors.update({f"mtp.0.{name}": t.detach().clone() for name, t in own.items()})
+    directory = tmp_path_factory.mktemp("with_mtp")
+    shutil.copy(path / "config.json", directory / "config.json")
+    save_file(tensors, directory / "model.safetensors")
+    return directory, reference
+
+
+def test_the_mtp_layer_predicts_the_logits_of_deepseeks_mtp_block_at_every_position(with_mtp):
+    directory, reference = with_mtp
+    ids = tokens(21, seed=15)
+    streams = reference.streams(ids[:-1])
+    mtp = load_mtp(directory)
+    mtp.allocate(max_slots=2, max_context=64, rewind_slack=SLACK)
+    ours = mtp(Frame.of_streams([(0, 0, ids[1:])], hidden=streams))
+    assert_close_to(ours, reference(streams, ids[1:]))
+    # the main model's shards give the same streams (the last stage's residual before its hyper head)
+    lm = LocalModel.load(directory, shards=2, max_slots=1, max_context=64)
+    residual = lm.shards[0](Frame.of_streams([(0, 0, ids[:-1])]))
+    last = lm.shards[1]
+    assert last.exit is not None
+    captured = {}
+    hook = last.layers[-1].register_forward_hook(lambda m, a, out: captured.update(x=out))
+    last(Frame.of_streams([(0, 0, ids[:-1])], hidden=residual))
+    hook.remove()
+    torch.testing.assert_close(captured["x"], streams, rtol=1e-4, atol=1e-4)
+
+
+def test_the_mtp_layer_decodes_row_by_row_from_its_own_state_as_in_one_frame(with_mtp):
+    directory, reference = with_mtp
+    ids = tokens(21, seed=16)
+    streams = reference.streams(ids[:-1])
+    mtp = load_mtp(directory)
+    mtp.allocate(max_slots=1, max_context=64, rewind_slack=SLACK)
+    whole = mtp(Frame.of_streams([(0, 0, ids[1:])], hidden=streams))
+    mtp.allocate(max_slots=1, max_context=64, rewind_slack=SLACK)
+    rows = [mtp(Frame.of_streams([(0, t, ids[t + 1 : t + 2])], hidden=streams[t : t + 1])) for t in range(20)]
+    assert_close_to(torch.cat(rows), whole, 1e-5)

@@ -46,16 +46,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_layout import CacheEntry, LayerCache
+from ..cache_layout import REWIND_SLACK_POSITIONS, CacheEntry, LayerCache
 from ..checkpoint import TensorSource
 from ..errors import CheckpointError, ConfigError, InputError
 from ..formats import BLOCK, FormatError, MXFP4Weight
-from ..frame import Segment
+from ..frame import Frame, Segment, segments_of
 from ..kvcache import LayerKV
 from ..layers import DecoderLayer, Dense, Experts, FrameContext, GatedMLP, RMSNorm, SparseMoE
 from ..quantize import QuantizedExperts
@@ -106,9 +107,23 @@ def mlp_layer_types(spec: ModelSpec) -> list[str]:
     return list(types)[: spec.num_layers]
 
 
+def attention_kind(spec: ModelSpec, i: int) -> str:
+    """Layer ``i``'s attention kind; past ``num_hidden_layers`` (the MTP layers) the legacy
+    ``compress_ratios`` entry if the config lists one, else sliding (DeepSeek-V4-Flash's MTP)."""
+    if i < spec.num_layers:
+        return layer_types(spec)[i]
+    ratios = spec.get("compress_ratios") or []
+    return LEGACY_RATIO_KINDS[int(ratios[i])] if i < len(ratios) else SLIDING
+
+
+def mlp_kind(spec: ModelSpec, i: int) -> str:
+    """Layer ``i``'s MoE kind; the MTP layers route by score."""
+    return mlp_layer_types(spec)[i] if i < spec.num_layers else MOE
+
+
 def compress_rate(spec: ModelSpec, i: int) -> int | None:
     """Positions per compressed block of layer ``i`` (None for a sliding layer)."""
-    kind = layer_types(spec)[i]
+    kind = attention_kind(spec, i)
     if kind == SLIDING:
         return None
     rates = {**DEFAULT_COMPRESS_RATES, **(spec.get("compress_rates") or {})}
@@ -187,7 +202,7 @@ def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
     d = spec.head_dim
     entries = {"kv": CacheEntry((d,), window=int(spec.raw["sliding_window"]), split=False)}
     m = compress_rate(spec, i)
-    if m is not None and layer_types(spec)[i] == HCA:
+    if m is not None and attention_kind(spec, i) == HCA:
         entries["compressed"] = CacheEntry((d,), stride=m, split=False)
         entries["compressor_inputs"] = CacheEntry((2 * d,), window=m, split=False)
     elif m is not None:
@@ -622,7 +637,7 @@ def experts(spec: ModelSpec, w: LayerWeights) -> Experts | QuantizedExperts:
 
 
 def routed_moe(spec: ModelSpec, i: int, m: LayerWeights) -> RoutedMoE:
-    hashed = mlp_layer_types(spec)[i] == HASH_MOE
+    hashed = mlp_kind(spec, i) == HASH_MOE
     router = SqrtSoftplusRouter(
         int(spec.raw["num_experts_per_tok"]),
         float(spec.raw["routed_scaling_factor"]),
@@ -711,7 +726,7 @@ def pooler(spec: ModelSpec, w: LayerWeights, rate: int, overlap: bool) -> Pooler
 
 
 def attention(spec: ModelSpec, i: int, w: LayerWeights) -> CompressedAttention:
-    a, kind, rate = w.sub("attn."), layer_types(spec)[i], compress_rate(spec, i)
+    a, kind, rate = w.sub("attn."), attention_kind(spec, i), compress_rate(spec, i)
     main_rope, compress_rope = ropes(spec)
     compressor = indexer = None
     if rate is not None:
@@ -768,3 +783,78 @@ def residual_exit(spec: ModelSpec, root: LayerWeights) -> HyperHead:
     h, f32 = root.sub("model.hc_head."), torch.float32
     eps = float(spec.get("hc_eps", 1e-6))
     return HyperHead(h.get("hc_fn", f32), h.get("hc_base", f32), h.get("hc_scale", f32), eps, spec.rms_norm_eps)
+
+
+# ---- multi-token prediction --------------------------------------------------------------------
+
+
+class MTPHead(nn.Module):
+    """DeepSeek-V4's next-token-prediction layer (``mtp.{k}.``, ``num_nextn_predict_layers``): from
+    the last layer's streams at position t and the embedding of token t + 1, the logits of token t + 2:
+
+        x = e_proj(enorm(embed(next))) + h_proj(hnorm(streams))   (the embedding added to every stream)
+        logits = head(norm(hyper_head(block(x))))
+
+    ``block`` is a full decoder layer (layer index ``num_hidden_layers + k``); the embedding and the
+    head are the model's. It keeps its own per-stream state (:meth:`allocate`), as a shard does.
+    """
+
+    def __init__(self, spec: ModelSpec, index: int, w: LayerWeights, embed: torch.Tensor, head: torch.Tensor):
+        super().__init__()
+        f32 = torch.float32
+        self.spec, self.layer_index = spec, spec.num_layers + index
+        self.block = build_layer(spec, self.layer_index, w)
+        self.e_proj, self.h_proj = dense(w, "e_proj"), dense(w, "h_proj")
+        self.enorm, self.hnorm, self.norm = (RMSNorm(w.get(f"{n}.weight", f32), spec.rms_norm_eps) for n in
+                                             ("enorm", "hnorm", "norm"))  # fmt: skip
+        eps = float(spec.get("hc_eps", 1e-6))
+        self.hyper_head = HyperHead(w.get("hc_head_fn", f32), w.get("hc_head_base", f32), w.get("hc_head_scale", f32),
+                                    eps, spec.rms_norm_eps)  # fmt: skip
+        self.embed = nn.Parameter(embed, requires_grad=False)
+        self.head = Dense(head)
+        self.kv: LayerKV | None = None
+
+    def allocate(self, max_slots: int, max_context: int, rewind_slack: int = REWIND_SLACK_POSITIONS) -> None:
+        entries = cache_layout(self.spec, self.layer_index).entries
+        self.kv = LayerKV(
+            max_slots,
+            {name: e.rows(max_context, rewind_slack) for name, e in entries.items()},
+            {name: e.shape for name, e in entries.items()},
+            self.embed.dtype,
+            self.embed.device,
+            {name: e.is_ring(max_context, rewind_slack) for name, e in entries.items()},
+        )
+
+    @torch.inference_mode()
+    def forward(self, frame: Frame) -> torch.Tensor:
+        """frame.hidden: the last layer's streams [R, hc_mult, hidden] at positions t; frame.token_ids:
+        the tokens at t + 1; segments as a shard's (each slot's state advances with its rows).
+        -> float32 logits [R, vocab] for the tokens at t + 2."""
+        if self.kv is None:
+            self.allocate(1, min(self.spec.max_position_embeddings, 4096))
+        assert self.kv is not None and frame.hidden is not None and frame.token_ids is not None
+        ids = frame.token_ids.to(self.embed.device)
+        streams = frame.hidden.to(self.embed.device, self.embed.dtype)
+        x = self.e_proj(self.enorm(self.embed[ids]))[:, None, :] + self.h_proj(self.hnorm(streams))
+        segments = segments_of(frame.slots.tolist(), frame.positions.tolist())
+        ctx = FrameContext(segments, frame.positions.to(ids.device), token_ids=ids)
+        x = self.block(x, ctx, self.kv)
+        logits: torch.Tensor = self.head(self.norm(self.hyper_head(x)))
+        return logits.to(torch.float32)
+
+
+def load_mtp(model_dir: str | Path, index: int = 0, *, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu") -> MTPHead:  # fmt: skip
+    """MTP layer ``index`` of a checkpoint (``mtp.{index}.``), with the model's embedding and head."""
+    from ..checkpoint import Checkpoint
+    from ..spec import load_spec
+
+    spec = load_spec(model_dir)
+    count = int(spec.get("num_nextn_predict_layers", 0))
+    if not 0 <= index < count:
+        raise ConfigError(f"config.json's num_nextn_predict_layers={count} has no MTP layer {index}")
+    root = LayerWeights(PublishedNames(Checkpoint(model_dir)), "", dtype, torch.device(device))
+    if f"mtp.{index}.e_proj.weight" not in root:
+        raise CheckpointError(f"{model_dir} holds no 'mtp.{index}.' tensors (transformers does not save them)")
+    head_name = "head.weight" if "head.weight" in root else "lm_head.weight"
+    return MTPHead(spec, index, root.sub(f"mtp.{index}."), root.get("model.embed_tokens.weight"), root.get(head_name))
