@@ -9,6 +9,7 @@ sliding window five times over.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import re
 import shutil
@@ -22,7 +23,9 @@ from safetensors.torch import load_file, save_file
 from test_quantized_models import successor_chains
 from test_tensor_parallel import free_port
 from tiny import assert_close_to, reference_logits
+from typer.testing import CliRunner
 
+from modelfleet.cli import app
 from modelfleet.engine.cache_layout import cache_layout
 from modelfleet.engine.errors import InputError
 from modelfleet.engine.formats import MXFP4Weight
@@ -36,6 +39,7 @@ from modelfleet.engine.residual import residual_shape
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import load_spec
 from modelfleet.engine.tensor_parallel import close_tensor_group, init_tensor_group
+from modelfleet.operator.summary import ModelSummary
 
 SLACK = 8  # rewind slack of the rings in these tests
 STEPS = 30  # teacher-forced training steps before the int4 comparison
@@ -412,3 +416,51 @@ def test_the_mtp_layer_decodes_row_by_row_from_its_own_state_as_in_one_frame(wit
     mtp.allocate(max_slots=1, max_context=64, rewind_slack=SLACK)
     rows = [mtp(Frame.of_streams([(0, t, ids[t + 1 : t + 2])], hidden=streams[t : t + 1])) for t in range(20)]
     assert_close_to(torch.cat(rows), whole, 1e-5)
+
+
+# ---- planning and serving -----------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def test_the_freetoken_summary_is_the_inspection_of_the_released_deepseek_v4_flash_config():
+    """The example's summary is what ``inspect`` makes of the released config.json alone: 43 layers,
+    FP4 experts (~3.3 GiB a layer), and each kind's state (the sliding window, CSA's blocks of 4 with
+    the indexer's keys, HCA's blocks of 128, their raw-projection journals)."""
+    result = CliRunner().invoke(app, ["inspect", str(EXAMPLES / "configs" / "deepseek-v4-flash")])
+    assert result.exit_code == 0, result.output
+    inspected = ModelSummary.from_json(result.stdout)
+    assert inspected == ModelSummary.from_json((EXAMPLES / "summaries" / "freetoken-4gpu.json").read_text())
+    assert inspected.family == "deepseek_v4" and inspected.num_layers == 43
+    assert 3.2 * 2**30 < inspected.layer_bytes[5] < 3.4 * 2**30
+    sliding, csa, hca = inspected.kv_entries[0], inspected.kv_entries[2], inspected.kv_entries[3]
+    assert [(e.window, e.stride) for e in sliding] == [(128, 1)]
+    assert [(e.window, e.stride) for e in csa] == [(128, 1), (None, 4), (None, 4), (8, 1)]
+    assert [(e.window, e.stride) for e in hca] == [(128, 1), (None, 128), (128, 1)]
+
+
+def test_inspect_and_plan_of_the_tiny_checkpoint_split_its_layers_and_count_its_state(tiny, tmp_path):
+    path, _ = tiny
+    result = CliRunner().invoke(app, ["inspect", "--model", str(path), "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    inspected = ModelSummary.from_json(result.stdout)
+    assert inspected.family == "deepseek_v4" and all(n > 0 for n in inspected.layer_bytes)
+    assert inspected.layer_role_bytes[1]["experts/plain"] > 0 and inspected.layer_role_bytes[1]["attention/plain"] > 0
+    assert inspected.head_matrix_bytes == CONFIG["vocab_size"] * CONFIG["hidden_size"] * 4 and not inspected.tied
+    result = CliRunner().invoke(app, ["plan", "--model", str(path), "--stages", "2", "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert [(s["layer_start"], s["layer_end"]) for s in plan["groups"][0]["stages"]] == [(0, 2), (2, 4)]
+
+
+def test_a_two_stage_local_fleet_passes_streams_and_token_ids_and_gives_the_engines_tokens(tiny, tmp_path):
+    from test_pipeline import Fleet, prompts_and_params, reference, run_concurrently
+
+    path, _ = tiny
+    fleet = Fleet(path, tmp_path, stages=2)  # stage 1 holds a hash-routed layer: it needs the ids
+    fleet.start()
+    try:
+        prompts, params = prompts_and_params(6)
+        assert run_concurrently(fleet, prompts, params) == reference(path, prompts, params)
+    finally:
+        fleet.stop()

@@ -44,6 +44,7 @@ one design: the state layout is only right together with the code that reads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache_layout import REWIND_SLACK_POSITIONS, CacheEntry, LayerCache
-from ..checkpoint import TensorSource
+from ..checkpoint import TensorInfo, TensorSource
 from ..errors import CheckpointError, ConfigError, InputError
 from ..formats import BLOCK, FormatError, MXFP4Weight
 from ..frame import Frame, Segment, segments_of
@@ -858,3 +859,99 @@ def load_mtp(model_dir: str | Path, index: int = 0, *, dtype: torch.dtype = torc
         raise CheckpointError(f"{model_dir} holds no 'mtp.{index}.' tensors (transformers does not save them)")
     head_name = "head.weight" if "head.weight" in root else "lm_head.weight"
     return MTPHead(spec, index, root.sub(f"mtp.{index}."), root.get("model.embed_tokens.weight"), root.get(head_name))
+
+
+# ---- the published checkpoint's tensors, from the config alone ---------------------------------
+
+
+def published_tensors(spec: ModelSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Name -> (dtype, shape) of every served tensor of DeepSeek's published checkpoint (DeepSeek's
+    names; FP4 experts with E8M0 scales per 32, FP8 projections with a scale per 128x128 block,
+    bf16 compressor/indexer projections, float32 hyper-connections, sinks and position biases): so
+    ``inspect`` and ``render`` size the real model from its config.json alone. MTP layers are not
+    served by the pipeline and not listed."""
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    h, n, vocab = spec.hidden_size, int(spec.raw["hc_mult"]), spec.vocab_size
+    out["embed.weight"], out["head.weight"], out["norm.weight"] = (
+        (torch.bfloat16, (vocab, h)), (torch.bfloat16, (vocab, h)), (torch.bfloat16, (h,)),
+    )  # fmt: skip
+    out.update({"hc_head_fn": (torch.float32, (n, n * h)), "hc_head_base": (torch.float32, (n,)),
+                "hc_head_scale": (torch.float32, (1,))})  # fmt: skip
+    for i in range(spec.num_layers):
+        out.update({f"layers.{i}.{name}": v for name, v in _published_layer(spec, i).items()})
+    return out
+
+
+def _fp8(out: dict[str, tuple[torch.dtype, tuple[int, ...]]], name: str, shape: tuple[int, int]) -> None:
+    out[f"{name}.weight"] = (torch.float8_e4m3fn, shape)
+    out[f"{name}.scale"] = (torch.float8_e8m0fnu, (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK)))
+
+
+def _fp4(out: dict[str, tuple[torch.dtype, tuple[int, ...]]], name: str, shape: tuple[int, int]) -> None:
+    out[f"{name}.weight"] = (torch.int8, (shape[0], shape[1] // 2))
+    out[f"{name}.scale"] = (torch.float8_e8m0fnu, (shape[0], shape[1] // BLOCK))
+
+
+def _published_layer(spec: ModelSpec, i: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    h, d, heads, n = spec.hidden_size, spec.head_dim, spec.num_heads, int(spec.raw["hc_mult"])
+    q_rank, groups, o_rank = int(spec.raw["q_lora_rank"]), int(spec.raw["o_groups"]), int(spec.raw["o_lora_rank"])
+    experts, inter = int(spec.raw["n_routed_experts"]), int(spec.raw["moe_intermediate_size"])
+    bf16, f32 = torch.bfloat16, torch.float32
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for name, (rows, cols) in {"attn.wq_a": (q_rank, h), "attn.wq_b": (heads * d, q_rank), "attn.wkv": (d, h),
+                               "attn.wo_a": (groups * o_rank, heads * d // groups), "attn.wo_b": (h, groups * o_rank),
+                               "ffn.shared_experts.w1": (inter, h), "ffn.shared_experts.w3": (inter, h),
+                               "ffn.shared_experts.w2": (h, inter)}.items():  # fmt: skip
+        _fp8(out, name, (rows, cols))
+    for name, size in {"attn_norm.weight": h, "ffn_norm.weight": h, "attn.q_norm.weight": q_rank,
+                       "attn.kv_norm.weight": d}.items():  # fmt: skip
+        out[name] = (bf16, (size,))
+    out["attn.attn_sink"] = (f32, (heads,))
+    for mix in ("hc_attn", "hc_ffn"):
+        out.update({f"{mix}_fn": (f32, ((2 + n) * n, n * h)), f"{mix}_base": (f32, ((2 + n) * n,)),
+                    f"{mix}_scale": (f32, (3,))})  # fmt: skip
+    rate, kind = compress_rate(spec, i), attention_kind(spec, i)
+    if rate is not None:
+        out.update(_published_compressor("attn.compressor", rate, d, h, 2 if kind == CSA else 1))
+    if kind == CSA:
+        di, index_heads = int(spec.raw["index_head_dim"]), int(spec.raw["index_n_heads"])
+        out.update(_published_compressor("attn.indexer.compressor", rate or 0, di, h, 2))
+        _fp8(out, "attn.indexer.wq_b", (index_heads * di, q_rank))
+        out["attn.indexer.weights_proj.weight"] = (bf16, (index_heads, h))
+    out["ffn.gate.weight"] = (bf16, (experts, h))
+    if mlp_kind(spec, i) == HASH_MOE:
+        out["ffn.gate.tid2eid"] = (torch.int32, (spec.vocab_size, int(spec.raw["num_experts_per_tok"])))
+    else:
+        out["ffn.gate.bias"] = (f32, (experts,))
+    for e in range(experts):
+        for name, shape in (("w1", (inter, h)), ("w3", (inter, h)), ("w2", (h, inter))):
+            _fp4(out, f"ffn.experts.{e}.{name}", shape)
+    return out
+
+
+def _published_compressor(prefix: str, rate: int, dim: int, h: int, halves: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:  # fmt: skip
+    return {
+        f"{prefix}.ape": (torch.float32, (rate, halves * dim)),
+        f"{prefix}.wkv.weight": (torch.bfloat16, (halves * dim, h)),
+        f"{prefix}.wgate.weight": (torch.bfloat16, (halves * dim, h)),
+        f"{prefix}.norm.weight": (torch.bfloat16, (dim,)),
+    }
+
+
+class PublishedIndex:
+    """:func:`published_tensors` as a tensor index (names and infos, no data): what a directory
+    holding only DeepSeek-V4's config.json stands for when it is inspected."""
+
+    def __init__(self, spec: ModelSpec, where: Path):
+        self.tensors, self.where = published_tensors(spec), where
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        dtype, shape = self.tensors[name]
+        return TensorInfo(self.where, dtype, shape, 0, math.prod(shape) * dtype.itemsize)
+
+
+def published_index(spec: ModelSpec, where: Path) -> PublishedIndex:
+    return PublishedIndex(spec, where)
