@@ -21,24 +21,25 @@ import torch
 from dsv4_tiny import CONFIG, build, save
 from safetensors.torch import load_file, save_file
 from test_quantized_models import successor_chains
-from test_tensor_parallel import free_port
+from test_tensor_parallel import LocalGroup, free_port
 from tiny import assert_close_to, reference_logits
 from typer.testing import CliRunner
 
 from modelfleet.cli import app
 from modelfleet.engine.cache_layout import cache_layout
 from modelfleet.engine.errors import InputError
-from modelfleet.engine.formats import MXFP4Weight
+from modelfleet.engine.formats import FormatError, MXFP4Weight
 from modelfleet.engine.formats import quantize as mxfp4_quantize
 from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel
 from modelfleet.engine.models.deepseek_v4 import load_mtp
 from modelfleet.engine.quantize import QuantizedExperts
+from modelfleet.engine.quantized_checkpoint import save_quantized
 from modelfleet.engine.residual import residual_shape
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import load_spec
-from modelfleet.engine.tensor_parallel import close_tensor_group, init_tensor_group
+from modelfleet.engine.tensor_parallel import check_tensor_split, close_tensor_group, init_tensor_group
 from modelfleet.operator.summary import ModelSummary
 
 SLACK = 8  # rewind slack of the rings in these tests
@@ -174,24 +175,34 @@ def test_a_released_slot_serves_a_new_stream_as_if_fresh(tiny):
 # ---- tensor parallelism ----------------------------------------------------------------------
 
 
-def _rank_main(rank: int, size: int, port: int, path: Path, out: Path) -> None:
+# (checkpoint, formats): the tiny model in float32, and one with experts of width 64 in int4 (each
+# rank's 32 columns of down are whole int4 groups: the split is block-preserving)
+TENSOR_CASES = {"float32": None, "int4_experts": FormatPlan(experts="int4")}
+
+
+def _tensor_run(path: Path, formats: FormatPlan | None, group: Any) -> dict[str, Any]:
+    lm = LocalModel.load(path, 2, formats=formats, tensor=group, max_slots=2, max_context=64)
+    logits = lm.forward(Frame.of_streams([(0, 0, tokens(30, seed=11))]))
+    decode = lm.forward(Frame.of_streams([(0, 30, [7]), (1, 0, tokens(5, seed=12))]))
+    return {"logits": logits, "decode": decode, "heads": lm.shards[0].layers[0].attention.num_heads}
+
+
+def _rank_main(rank: int, size: int, port: int, paths: dict[str, Path], out: Path) -> None:
     torch.set_num_threads(1)
     group = init_tensor_group(rank, size, "127.0.0.1", port, "cpu", timeout_seconds=60)
     try:
-        lm = LocalModel.load(path, 2, tensor=group, max_slots=2, max_context=64)
-        logits = lm.forward(Frame.of_streams([(0, 0, tokens(30, seed=11))]))
-        decode = lm.forward(Frame.of_streams([(0, 30, [7]), (1, 0, tokens(5, seed=12))]))
-        heads = lm.shards[0].layers[0].attention.num_heads
+        results = {name: _tensor_run(paths[name], TENSOR_CASES[name], group) for name in TENSOR_CASES}
     finally:
         close_tensor_group()
-    torch.save({"logits": logits, "decode": decode, "heads": heads}, out / f"rank{rank}.pt")
+    torch.save(results, out / f"rank{rank}.pt")
 
 
-def test_two_tensor_ranks_give_the_logits_of_the_whole_model(tiny, tmp_path):
-    path, _ = tiny
+def test_two_tensor_ranks_give_the_logits_of_the_whole_model_in_float32_and_with_int4_experts(tiny, tmp_path):
+    paths = {"float32": tiny[0], "int4_experts": tmp_path / "wide"}
+    save(paths["int4_experts"], seed=6, moe_intermediate_size=64)
     context = multiprocessing.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=_rank_main, args=(r, 2, port, path, tmp_path)) for r in range(2)]
+    ranks = [context.Process(target=_rank_main, args=(r, 2, port, paths, tmp_path)) for r in range(2)]
     for p in ranks:
         p.start()
     for p in ranks:
@@ -201,13 +212,12 @@ def test_two_tensor_ranks_give_the_logits_of_the_whole_model(tiny, tmp_path):
             p.join()
     assert [p.exitcode for p in ranks] == [0, 0], "a rank failed; its traceback is in the captured stderr"
     results: list[dict[str, Any]] = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    whole = LocalModel.load(path, 2, max_slots=2, max_context=64)
-    logits = whole.forward(Frame.of_streams([(0, 0, tokens(30, seed=11))]))
-    decode = whole.forward(Frame.of_streams([(0, 30, [7]), (1, 0, tokens(5, seed=12))]))
-    for rank in results:
-        assert rank["heads"] == CONFIG["num_attention_heads"] // 2
-        assert_close_to(rank["logits"], logits)
-        assert_close_to(rank["decode"], decode)
+    for name, formats in TENSOR_CASES.items():
+        whole = _tensor_run(paths[name], formats, None)
+        for rank in results:
+            assert rank[name]["heads"] == CONFIG["num_attention_heads"] // 2
+            assert_close_to(rank[name]["logits"], whole["logits"])
+            assert_close_to(rank[name]["decode"], whole["decode"])
 
 
 @pytest.fixture(scope="module")
@@ -464,3 +474,62 @@ def test_a_two_stage_local_fleet_passes_streams_and_token_ids_and_gives_the_engi
         assert run_concurrently(fleet, prompts, params) == reference(path, prompts, params)
     finally:
         fleet.stop()
+
+
+# ---- state, formats and dtypes ------------------------------------------------------------------
+
+
+def test_the_compressed_layers_yarn_rope_matches_transformers(tmp_path):
+    """The released config scales the compress RoPE with YaRN (cos/sin factor 1) and leaves the
+    sliding layers' RoPE plain."""
+    yarn = dict(rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32,
+                                  beta_slow=1))  # fmt: skip
+    model = save(tmp_path, seed=5, **yarn)
+    assert model.config.rope_parameters["compress"]["rope_type"] == "yarn"
+    ids = tokens(40, seed=17)
+    assert_close_to(Shard.load(tmp_path)(Frame.of_streams([(0, 0, ids)])), reference_logits(model, ids))
+
+
+def test_a_slot_exported_mid_block_continues_on_another_shard_as_on_its_own(tiny):
+    path, _ = tiny
+    source, target = Shard.load(path), Shard.load(path)
+    small_cache(source), small_cache(target)
+    ids = tokens(34, seed=18)  # 30 positions: CSA and HCA blocks open, the sliding ring wrapped
+    source(Frame.of_streams([(1, 0, ids[:30])]))
+    target.import_slot(2, source.export_slot(1))
+    moved = torch.cat([target(Frame.of_streams([(2, 30 + j, [t])])) for j, t in enumerate(ids[30:])])
+    stayed = torch.cat([source(Frame.of_streams([(1, 30 + j, [t])])) for j, t in enumerate(ids[30:])])
+    assert torch.equal(moved, stayed)
+
+
+def test_an_offline_quantized_checkpoint_gives_the_logits_of_quantizing_at_load_in_any_cut(tiny, tmp_path):
+    path, _ = tiny
+    plan = FormatPlan(experts="int4", attention="int8")
+    save_quantized(Shard.load(path, formats=plan, pack=False), path, tmp_path, plan, torch.float32)
+    frame = Frame.of_streams([(0, 0, tokens(30, seed=19))])
+    at_load = LocalModel.load(path, formats=plan, max_slots=1).forward(frame)
+    for shards in (1, 2):
+        assert torch.equal(LocalModel.load(tmp_path, shards=shards, max_slots=1).forward(frame), at_load)
+
+
+def test_bfloat16_stays_close_to_float32(tiny):
+    path, _ = tiny
+    ids = tokens(40, seed=20)
+    full = Shard.load(path)(Frame.of_streams([(0, 0, ids)]))
+    half = Shard.load(path, dtype="bfloat16")(Frame.of_streams([(0, 0, ids)]))
+    assert float(torch.nn.functional.cosine_similarity(half, full, dim=-1).min()) >= 0.99
+
+
+def test_tensor_parallelism_refuses_to_cut_a_packed_fp4_block_and_names_it(published_checkpoint):
+    packed_dir, _ = published_checkpoint  # moe_intermediate_size 32: two ranks would cut each block
+    with pytest.raises(
+        FormatError, match=r"cannot split layers\.0\.mlp\.experts\.down \(mxfp4\).*cuts a 32-value block"
+    ):
+        Shard.load(packed_dir, tensor=LocalGroup(0, 2))
+
+
+def test_tensor_parallelism_refuses_heads_or_output_groups_that_do_not_divide(tiny):
+    path, _ = tiny
+    with pytest.raises(InputError, match="o_groups=2, which is not divisible by 4"):
+        check_tensor_split(load_spec(path), 4)
+    check_tensor_split(load_spec(path), 2)  # one shared K=V head is no obstacle
