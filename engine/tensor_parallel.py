@@ -47,7 +47,7 @@ from .formats.storage import from_storage, storage_tensors
 from .layers import Attention, DecoderLayer, Dense, Experts, GatedMLP, SparseMoE
 from .models import family as family_module
 from .models.deepseek_v3 import LatentAttention
-from .models.deepseek_v4 import CompressedAttention
+from .models.deepseek_v4_attention import CompressedAttention
 from .quantize import QuantizedDense, QuantizedExperts
 from .spec import ModelSpec
 

@@ -33,7 +33,7 @@ from modelfleet.engine.formats import quantize as mxfp4_quantize
 from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel
-from modelfleet.engine.models.deepseek_v4 import load_mtp
+from modelfleet.engine.models.deepseek_v4_mtp import load_mtp
 from modelfleet.engine.quantize import QuantizedExperts
 from modelfleet.engine.quantized_checkpoint import save_quantized
 from modelfleet.engine.residual import residual_shape
@@ -265,7 +265,7 @@ EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 
 def published(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(DeepSeek's layout, the float tensors it decodes to under transformers' names): no ``model.``
-    prefix, ``embed.weight``/``norm.weight``/``hc_head_*``; routed experts as FP4 (int8 [out, in/2],
+    prefix, ``embed.weight``/``norm.weight``/``hc_head_*``/``attn.kv_norm``; routed experts as FP4 (int8 [out, in/2],
     two E2M1 codes a byte, low nibble first) with an F8_E8M0 scale per 32; attention and shared-expert
     projections as FP8 E4M3 with an E8M0 scale per 128x128 block."""
     stored, decoded = {}, {}
@@ -291,7 +291,9 @@ def published(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     renamed = {}
     for name, t in stored.items():
         new = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}.get(name, name)
-        new = new.replace("model.hc_head.hc_", "hc_head_").removeprefix("model.")
+        new = (
+            new.replace("model.hc_head.hc_", "hc_head_").removeprefix("model.").replace(".attn.norm.", ".attn.kv_norm.")
+        )
         renamed[new] = t
     return renamed, decoded
 
