@@ -265,10 +265,9 @@ class Head:
             self._sample_here(step, [slots[r] for r in output_rows], output_ids, out)
             return
         starts = tuple(wire.StreamStart.of(s.slot, s.params) for s in step.new_streams if s.slot in set(slots))
-        windows = len(set(slots[r] for r in output_rows)) < len(output_rows)  # a stream with a verify window
         self.send_next(wire.FrameMsg(
             microbatch=step.microbatch, step=step.id, slots=frame.slots, positions=frame.positions, hidden=out,
-            output_rows=tuple(output_rows), new_streams=starts, output_token_ids=tuple(output_ids) if windows else (),
+            token_ids=frame.token_ids, output_rows=tuple(output_rows), new_streams=starts,
         ))  # fmt: skip
 
     def _sample_here(self, step: Step, slots: list[int], output_ids: list[int], logits: torch.Tensor) -> None:

@@ -382,16 +382,17 @@ class StageAgent:
         slots = frame.slots.tolist()
         rows = [] if frame.output_rows is None else frame.output_rows.tolist()
         starts = tuple(s for s in msg.new_streams if s.slot in set(slots))
-        output_tokens = _kept_output_tokens(msg, kept) if refused else msg.output_token_ids
         if self.is_tail:
             positions = frame.positions.tolist()
+            ids = [] if frame.token_ids is None else frame.token_ids.tolist()
+            output_tokens = [ids[r] for r in rows] if ids else None  # a verify window's proposals
             self.send(
                 self.sample(msg, starts, [slots[r] for r in rows], [positions[r] for r in rows], output_tokens, out)
             )
         else:
             self.send(wire.FrameMsg(
                 microbatch=msg.microbatch, step=msg.step, slots=frame.slots, positions=frame.positions, hidden=out,
-                output_rows=tuple(rows), new_streams=starts, output_token_ids=output_tokens,
+                token_ids=frame.token_ids, output_rows=tuple(rows), new_streams=starts,
             ))  # fmt: skip
 
     def _refuse(self, msg: wire.FrameMsg, exc: ModelfleetError, slot: int | None) -> None:
@@ -408,7 +409,7 @@ class StageAgent:
         starts: tuple[wire.StreamStart, ...],
         slots: list[int],
         positions: list[int],
-        output_tokens: tuple[int, ...],
+        output_tokens: list[int] | None,
         logits: torch.Tensor,
     ) -> wire.TokensMsg:
         """Tail: one token per lone output row, and a verify window's accepted proposals plus one
@@ -417,7 +418,7 @@ class StageAgent:
         assert self.sampler is not None
         for start in starts:
             self.sampler.start(start.slot, start.sampling_params())
-        tokens, errors = sample_step(self.sampler, slots, output_tokens or [0] * len(slots), logits)
+        tokens, errors = sample_step(self.sampler, slots, output_tokens, logits)
         for slot, exc in errors.items():
             self._refuse(msg, exc, slot)
         first: dict[int, int] = {}  # each slot's first output row's position: its window's tokens follow it
@@ -473,11 +474,3 @@ class StageAgent:
 
 def _as_list(tokens: int | list[int]) -> list[int]:
     return [tokens] if isinstance(tokens, int) else tokens
-
-
-def _kept_output_tokens(msg: wire.FrameMsg, kept: list[int]) -> tuple[int, ...]:
-    """The output rows' input tokens once refused rows are dropped from the frame."""
-    if not msg.output_token_ids:
-        return ()
-    by_row = dict(zip(msg.output_rows, msg.output_token_ids, strict=True))
-    return tuple(by_row[r] for r in kept if r in by_row)

@@ -46,6 +46,7 @@ T = TypeVar("T")
 HEADER_WORDS = 8  # op, rows, payload, hidden width, dtype code, arg0, arg1, arg2
 MAX_ROWS = 1 << 20
 MAX_WIDTH = 1 << 16
+MAX_STREAMS = 64  # residual streams per row (DeepSeek-V4's hc_mult): hidden [R, streams, width]
 # hidden states travel in their own dtype; token ids, slots and positions are int64
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -63,7 +64,9 @@ class CommandError(ModelfleetError):
 
 class Op(enum.IntEnum):
     HEARTBEAT = 0  # nothing to run; keeps the followers' wait under the collective timeout
-    FORWARD = 1  # frame: slots, positions, token ids or hidden states; arg0: output rows (+1), then them
+    # frame: slots, positions, token ids or hidden states (then, if arg1 is 1, the rows' token ids too);
+    # arg0: output rows (+1), then them; arg2: hidden streams per row (0: hidden is [R, width])
+    FORWARD = 1
     RELEASE = 2  # arg0: slot
     REWIND = 3  # arg0: slot, arg1: position
     ALLOCATE = 4  # arg0: max_slots, arg1: max_context, arg2: KV budget bytes (0: none)
@@ -116,29 +119,33 @@ def encode_header(command: Command) -> torch.Tensor:
     frame = command.frame
     if frame is not None:
         rows = int(frame.slots.shape[0])
-        if frame.token_ids is not None:
-            payload = Payload.TOKEN_IDS
-        elif frame.hidden is not None:
-            payload, width = Payload.HIDDEN, int(frame.hidden.shape[1])
+        if frame.hidden is not None:
+            payload, width = Payload.HIDDEN, int(frame.hidden.shape[-1])
             if frame.hidden.dtype not in DTYPE_CODES:
                 raise CommandError(f"hidden states of dtype {frame.hidden.dtype} cannot be sent to tensor ranks")
             dtype_code = DTYPE_CODES[frame.hidden.dtype]
+        elif frame.token_ids is not None:
+            payload = Payload.TOKEN_IDS
     args = command.args
     if frame is not None:  # 0: every row is an output row; n + 1: the n rows that follow the payload
-        args = (0 if frame.output_rows is None else int(frame.output_rows.shape[0]) + 1, 0, 0)
+        ids_too = int(frame.hidden is not None and frame.token_ids is not None)
+        streams = int(frame.hidden.shape[1]) if frame.hidden is not None and frame.hidden.dim() == 3 else 0
+        args = (0 if frame.output_rows is None else int(frame.output_rows.shape[0]) + 1, ids_too, streams)
     return torch.tensor([int(command.op), rows, int(payload), width, dtype_code, *args], dtype=torch.int64)
 
 
 def payload_tensors(command: Command) -> list[torch.Tensor]:
-    """What follows the header, in order: slots [R], positions [R], token ids [R] or hidden [R, H],
-    then the output rows [N] when the frame names N > 0 of them."""
+    """What follows the header, in order: slots [R], positions [R], token ids [R] or hidden [R, H]
+    (or [R, streams, H]) and then, when sent with hidden states, the token ids [R]; then the
+    output rows [N] when the frame names N > 0 of them."""
     frame = command.frame
     if frame is None:
         return []
-    data = frame.token_ids if frame.token_ids is not None else frame.hidden
-    assert data is not None
-    ints = [frame.slots.to(torch.int64), frame.positions.to(torch.int64)]
-    out = [*ints, data if frame.token_ids is None else data.to(torch.int64)]
+    out = [frame.slots.to(torch.int64), frame.positions.to(torch.int64)]
+    if frame.hidden is not None:
+        out.append(frame.hidden)
+    if frame.token_ids is not None:
+        out.append(frame.token_ids.to(torch.int64))
     if frame.output_rows is not None and frame.output_rows.numel():
         out.append(frame.output_rows.to(torch.int64))
     return [t.contiguous().cpu() for t in out]
@@ -155,18 +162,21 @@ def receive_command(channel: Channel) -> Command:
     channel.broadcast(header)
     op, rows, payload, width, dtype_code, *args = (int(w) for w in header.tolist())
     command = _check_header(op, rows, payload, width, dtype_code, args[0])
+    if command.op == Op.FORWARD and (args[1] not in (0, 1) or not 0 <= args[2] <= MAX_STREAMS):
+        raise CommandError(f"tensor command's token-id flag {args[1]} or stream count {args[2]} is invalid")
     if command.op != Op.FORWARD:
         return Command(command.op, args=(args[0], args[1], args[2]))
     slots, positions = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
     channel.broadcast(slots)
     channel.broadcast(positions)
     token_ids = hidden = None
-    if payload == Payload.TOKEN_IDS:
+    if payload == Payload.HIDDEN:
+        streams = (args[2],) if args[2] else ()
+        hidden = torch.empty(rows, *streams, width, dtype=DTYPES[dtype_code])
+        channel.broadcast(hidden)
+    if payload == Payload.TOKEN_IDS or args[1]:
         token_ids = torch.empty(rows, dtype=torch.int64)
         channel.broadcast(token_ids)
-    else:
-        hidden = torch.empty(rows, width, dtype=DTYPES[dtype_code])
-        channel.broadcast(hidden)
     output_rows = None
     if args[0] > 0:
         output_rows = torch.empty(args[0] - 1, dtype=torch.int64)

@@ -42,7 +42,7 @@ from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import FinishReason
 
-PROTOCOL_VERSION = 3  # 3: verify windows (frame.output_token_ids, several tokens per slot)
+PROTOCOL_VERSION = 3  # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens per slot
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20
@@ -210,6 +210,7 @@ class Tensor:
     dtypes: tuple[str, ...]
     ndim: int
     optional: bool = False
+    max_ndim: int | None = None  # ranks ndim..max_ndim are accepted (None: exactly ndim)
 
     def check(self, value: object, where: str) -> torch.Tensor | None:
         if value is None:
@@ -220,8 +221,9 @@ class Tensor:
             raise MalformedMessage(f"{where} must be a tensor, got {_type_name(value)}")
         if DTYPE_NAMES.get(value.dtype) not in self.dtypes:
             raise MalformedMessage(f"{where} has dtype {value.dtype}; allowed: {', '.join(self.dtypes)}")
-        if value.dim() != self.ndim:
-            raise MalformedMessage(f"{where} has rank {value.dim()} (shape {list(value.shape)}), needs {self.ndim}")
+        if not self.ndim <= value.dim() <= (self.max_ndim or self.ndim):
+            ranks = self.ndim if self.max_ndim is None else f"{self.ndim} to {self.max_ndim}"
+            raise MalformedMessage(f"{where} has rank {value.dim()} (shape {list(value.shape)}), needs {ranks}")
         return value
 
 
@@ -344,8 +346,10 @@ class FrameMsg(Message):
     """Rows of independent streams for the next stage (see engine.frame.Frame), one step of one
     microbatch (the head's set of streams that share frames).
 
-    Stage 0 sends ``token_ids`` [R] only when the receiver embeds; later stages send ``hidden``
-    [R, hidden_size] float32. ``output_rows`` are the rows whose output the tail samples (the
+    Stage 0 sends ``token_ids`` [R] alone when the receiver embeds; later stages send ``hidden``
+    float32 [R, *residual_shape] ([R, hidden_size], or DeepSeek-V4's [R, hc_mult, hidden_size]; the
+    receiving stage checks the shape against its model, ``engine.residual``) with the rows' token ids
+    (a family may route by token). ``output_rows`` are the rows whose output the tail samples (the
     last row of a finished prefill, every decode row, every speculative row); the tail computes
     the head for those rows only.
     """
@@ -356,24 +360,19 @@ class FrameMsg(Message):
     slots: torch.Tensor = wire(INT_IDS)  # [R] int64
     positions: torch.Tensor = wire(INT_IDS)  # [R] int64
     token_ids: torch.Tensor | None = wire(Tensor(("int64",), 1, optional=True), None)  # [R]
-    hidden: torch.Tensor | None = wire(Tensor(("float32",), 2, optional=True), None)  # [R, H]
+    hidden: torch.Tensor | None = wire(Tensor(("float32",), 2, optional=True, max_ndim=3), None)  # [R, (S,) H]
     output_rows: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_ROWS - 1)), ())
     new_streams: tuple[StreamStart, ...] = wire(Records(StreamStart, MAX_SLOTS), ())
-    # the input token of each output row, when the frame holds a verify window (a stream with
-    # several output rows): the window's tokens after its first are the proposals the tail verifies
-    output_token_ids: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_TOKEN_ID)), ())
 
     def check(self) -> None:
         rows = _rows(self.TYPE, self.slots, MAX_ROWS)
-        if self.output_token_ids and len(self.output_token_ids) != len(self.output_rows):
-            raise MalformedMessage(
-                f"frame.output_token_ids has {len(self.output_token_ids)} ids for {len(self.output_rows)} output rows"
-            )
         _same_rows(self.TYPE, rows, positions=self.positions, token_ids=self.token_ids, hidden=self.hidden)
-        if (self.token_ids is None) == (self.hidden is None):
-            raise MalformedMessage("frame must carry exactly one of token_ids and hidden")
-        if self.hidden is not None and not 1 <= self.hidden.shape[1] <= MAX_HIDDEN:
-            raise MalformedMessage(f"frame.hidden has width {self.hidden.shape[1]}, outside [1, {MAX_HIDDEN}]")
+        if self.token_ids is None and self.hidden is None:
+            raise MalformedMessage("frame must carry token_ids, hidden, or both")
+        if self.hidden is not None and not 1 <= math.prod(self.hidden.shape[1:]) <= MAX_HIDDEN:
+            raise MalformedMessage(
+                f"frame.hidden has rows of shape {list(self.hidden.shape[1:])}, outside [1, {MAX_HIDDEN}] values"
+            )
         _values_in("frame.slots", self.slots, 0, MAX_SLOTS - 1)
         _values_in("frame.positions", self.positions, 0, MAX_POSITION)
         if self.token_ids is not None:
@@ -695,9 +694,11 @@ def _descriptor(entry: object, where: str, specs: dict[str, Any]) -> Descriptor:
     spec: Tensor = specs[name]
     if type(dtype) is not str or dtype not in spec.dtypes:
         raise MalformedMessage(f"{where}.dtype={dtype!r} is not allowed for {name}; allowed: {', '.join(spec.dtypes)}")
-    dims = IntList(spec.ndim, Int(0, MAX_MESSAGE_BYTES)).check(shape, f"{where}.shape")
-    if len(dims) != spec.ndim:
-        raise MalformedMessage(f"{where}.shape={list(dims)} has rank {len(dims)}; {name} needs rank {spec.ndim}")
+    max_ndim = spec.max_ndim or spec.ndim
+    dims = IntList(max_ndim, Int(0, MAX_MESSAGE_BYTES)).check(shape, f"{where}.shape")
+    if not spec.ndim <= len(dims) <= max_ndim:
+        ranks = spec.ndim if max_ndim == spec.ndim else f"{spec.ndim} to {max_ndim}"
+        raise MalformedMessage(f"{where}.shape={list(dims)} has rank {len(dims)}; {name} needs rank {ranks}")
     return name, DTYPES[dtype], dims
 
 

@@ -35,6 +35,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # DeepSeek-V4's FP4 expert and FP8 block scales
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 

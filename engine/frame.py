@@ -3,7 +3,9 @@
 A frame holds R rows. Row r belongs to the stream in KV slot ``slots[r]`` at absolute position
 ``positions[r]``. Rows of one stream are consecutive in the frame and in position (a prefill
 window, or a single decode row); rows of different streams are independent. The first shard
-takes ``token_ids`` [R]; every later shard takes ``hidden`` [R, hidden_size] in float32.
+takes ``token_ids`` [R]; every later shard takes ``hidden`` [R, *residual_shape] in float32
+(``engine.models.residual_shape``: [R, hidden_size] for most families), and may also be given the
+rows' ``token_ids`` (a family routing by token, DeepSeek-V4's hash layers, reads them).
 ``output_rows`` names the rows whose output is wanted at the end of the model (the rows a token is
 sampled from): the last shard computes the head for those rows only. None: every row.
 """
@@ -39,8 +41,8 @@ class Segment:
 class Frame:
     slots: torch.Tensor  # [R] int64
     positions: torch.Tensor  # [R] int64
-    token_ids: torch.Tensor | None = None  # [R] int64, first shard only
-    hidden: torch.Tensor | None = None  # [R, H] float32, later shards
+    token_ids: torch.Tensor | None = None  # [R] int64: embedded by the first shard, read by hash routing
+    hidden: torch.Tensor | None = None  # [R, *residual_shape] float32, later shards
     output_rows: torch.Tensor | None = None  # [N] int64, increasing row indices; None: all R rows
 
     @property
@@ -63,7 +65,7 @@ class Frame:
 
     @staticmethod
     def of_streams(streams: list[tuple[int, int, list[int]]], hidden: torch.Tensor | None = None) -> Frame:
-        """Build a frame from (slot, first position, token ids) per stream."""
+        """Build a frame from (slot, first position, token ids) per stream (the ids go with ``hidden`` too)."""
         slots: list[int] = []
         positions: list[int] = []
         tokens: list[int] = []
@@ -74,7 +76,7 @@ class Frame:
         return Frame(
             slots=torch.tensor(slots, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
-            token_ids=None if hidden is not None else torch.tensor(tokens, dtype=torch.int64),
+            token_ids=torch.tensor(tokens, dtype=torch.int64),
             hidden=hidden,
         )
 

@@ -118,7 +118,8 @@ class LocalModel:
     def forward(self, frame: Frame) -> torch.Tensor:
         x: torch.Tensor = self.shards[0](frame)
         for shard in self.shards[1:]:
-            x = shard(Frame(frame.slots, frame.positions, hidden=x, output_rows=frame.output_rows))
+            # token ids travel with the residual: a family may route by token (DeepSeek-V4's hash layers)
+            x = shard(Frame(frame.slots, frame.positions, frame.token_ids, hidden=x, output_rows=frame.output_rows))
         return x
 
     def run_step(self, step: Step) -> torch.Tensor:

@@ -74,6 +74,7 @@ class FrameContext:
     slots: torch.Tensor | None = None  # [R] int64 on the compute device (static decode only)
     rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     mask_cache: dict[tuple[int, bool, int | None], torch.Tensor] = field(default_factory=dict)
+    token_ids: torch.Tensor | None = None  # [R] int64 on the device: the rows' tokens (hash routing)
 
     def static_mask(self, capacity: int, ring: bool, window: int | None) -> torch.Tensor:
         """[B, 1, 1, capacity]: which cache entries each static decode row sees (shared by layers)."""

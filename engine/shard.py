@@ -25,6 +25,7 @@ from .layers import Dense, Experts, FrameContext, RMSNorm
 from .models import family as family_module
 from .quantize import QuantizedEmbedding, apply_embedding_format, apply_formats, bytes_by_role, prepare_kernels
 from .quantized_checkpoint import QuantizedCheckpoint, fill_quantized, open_checkpoint
+from .residual import residual_shape
 from .spec import ModelSpec, load_spec
 from .tensor_parallel import TensorGroup, check_tensor_split, split_for_rank
 from .weights import LayerWeights
@@ -64,6 +65,12 @@ class Shard(nn.Module):
         self.slots: SlotTable | None = None
         self.kv: list[LayerKV] = []
         self.tensor: TensorGroup | None = None  # set when the layers hold one rank's share
+        # the family's residual at the ends (DeepSeek-V4's hyper-connection streams): the first
+        # shard's entry takes the embedding [R, hidden] to the residual [R, *residual_shape];
+        # the last shard's exit takes the residual back to [R, hidden] before the final norm
+        self.entry: nn.Module | None = None
+        self.exit: nn.Module | None = None
+        self.residual_shape: tuple[int, ...] = residual_shape(spec)
 
     @property
     def is_first(self) -> bool:
@@ -166,8 +173,9 @@ class Shard(nn.Module):
                 split_for_rank(shard, tensor)
                 shard.tensor = tensor
             return shard._prepare(pack)
-        root = LayerWeights(ckpt, "", torch_dtype, torch_device)
         family = family_module(spec.family)
+        source = getattr(family, "tensor_source", None)  # a family reading more than one naming scheme
+        root = LayerWeights(ckpt if source is None else source(spec, ckpt), "", torch_dtype, torch_device)
         layers = []
         for i in _progress(range(layer_start, end), progress, f"loading layers [{layer_start}, {end})"):
             layer = family.build_layer(spec, i, root.sub(f"model.layers.{i}."))
@@ -182,12 +190,13 @@ class Shard(nn.Module):
         norm = head = None
         if end == spec.num_layers:
             norm = RMSNorm(root.get("model.norm.weight"), spec.rms_norm_eps)
-            head_name = "lm_head.weight"
+            head_name = "head.weight" if "head.weight" in root else "lm_head.weight"  # DeepSeek-V4: head
             if spec.tie_word_embeddings or head_name not in root:
                 head_name = "model.embed_tokens.weight"
-            head = Dense(root.get(head_name) if embed is None or head_name == "lm_head.weight" else embed)
+            head = Dense(root.get(head_name) if embed is None or head_name != "model.embed_tokens.weight" else embed)
         shard = cls(spec, layer_start, end, layers, embed, norm, head, torch_device, torch_dtype)
         shard.tensor = tensor
+        _attach_residual_ends(shard, family, root)
         if formats is not None:
             tied = head is not None and head_name == "model.embed_tokens.weight"
             apply_embedding_format(shard, formats, tied)
@@ -333,7 +342,8 @@ class Shard(nn.Module):
         segments = segments_of(slots, positions)
         self.check_segments(segments)
         x = self._input(frame)
-        x = self.run_layers(x, FrameContext(segments, frame.positions.to(self.device)))
+        ids = None if frame.token_ids is None else frame.token_ids.to(self.device)
+        x = self.run_layers(x, FrameContext(segments, frame.positions.to(self.device), token_ids=ids))
         self.commit_segments(segments)
         if frame.output_rows is not None and self.head is not None:
             x = x[frame.output_rows.to(self.device)]
@@ -371,6 +381,8 @@ class Shard(nn.Module):
         """float32 residuals for the next shard, or float32 logits from the last."""
         if self.norm is None or self.head is None:
             return x.to(torch.float32)
+        if self.exit is not None:
+            x = self.exit(x)
         logits: torch.Tensor = self.head(self.norm(x))
         return logits.to(torch.float32)
 
@@ -378,6 +390,11 @@ class Shard(nn.Module):
         if self.embed is None:
             if frame.hidden is None:
                 raise InputError(f"shard [{self.layer_start}, {self.layer_end}) takes hidden states, got none")
+            if tuple(frame.hidden.shape[1:]) != self.residual_shape:
+                raise InputError(
+                    f"frame.hidden has rows of shape {list(frame.hidden.shape[1:])}; this model's residual rows "
+                    f"are {list(self.residual_shape)} (engine.models.residual_shape)"
+                )
             return frame.hidden.to(self.device, self.dtype)
         if frame.token_ids is None:
             raise InputError("the first shard takes token ids, got none")
@@ -385,7 +402,8 @@ class Shard(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
             bad = next(t for t in ids.tolist() if not 0 <= t < self.spec.vocab_size)
             raise InputError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
-        return self.embed_tokens(ids.to(self.device))
+        x = self.embed_tokens(ids.to(self.device))
+        return x if self.entry is None else self.entry(x)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """[R] token ids on the device -> [R, hidden] in the compute dtype (the table may be stored narrower)."""
@@ -394,6 +412,15 @@ class Shard(nn.Module):
             embedded: torch.Tensor = self.embed(ids, self.dtype)
             return embedded
         return self.embed[ids].to(self.dtype)
+
+
+def _attach_residual_ends(shard: Shard, family: object, root: LayerWeights) -> None:
+    """The family's residual entry (first shard) and exit (last shard), where it has them."""
+    entry, exit_ = getattr(family, "residual_entry", None), getattr(family, "residual_exit", None)
+    if entry is not None and shard.is_first:
+        shard.entry = entry(shard.spec)
+    if exit_ is not None and shard.is_last:
+        shard.exit = exit_(shard.spec, root)
 
 
 def _progress(items: range, show: bool, label: str):  # type: ignore[no-untyped-def]

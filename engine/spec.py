@@ -64,6 +64,8 @@ class ModelSpec:
 
 def _rope_from_raw(raw: dict[str, Any]) -> RopeSpec:
     params = raw.get("rope_parameters") or {}
+    if isinstance(params, dict) and isinstance(params.get("main"), dict):
+        params = params["main"]  # rope keyed by kind (DeepSeek-V4: main, compress): the family reads the rest
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise ConfigError("config.json field 'rope_parameters' must be one flat object (per-layer rope is unsupported)")
     merged = {**(raw.get("rope_scaling") or {}), **params}

@@ -25,6 +25,8 @@ Invariants:
   a quantized weight is cut with :meth:`QuantizedWeight.slice`, which refuses to cut a block;
 - latent attention (DeepSeek-V3's MLA) splits its heads (q_up's and kv_up's rows, o_proj's
   columns); its latent cache is shared by every head, so each rank holds all of it;
+- DeepSeek-V4's compressed attention splits its query heads and the output groups they form;
+  its K=V head, compressors, indexer and their state are shared, so each rank holds all of them;
 - a size-1 group changes nothing.
 """
 
@@ -43,7 +45,9 @@ from .errors import InputError
 from .formats import FormatError, QuantizedWeight
 from .formats.storage import from_storage, storage_tensors
 from .layers import Attention, DecoderLayer, Dense, Experts, GatedMLP, SparseMoE
+from .models import family as family_module
 from .models.deepseek_v3 import LatentAttention
+from .models.deepseek_v4_attention import CompressedAttention
 from .quantize import QuantizedDense, QuantizedExperts
 from .spec import ModelSpec
 
@@ -113,7 +117,9 @@ def check_tensor_split(spec: ModelSpec, size: int) -> None:
     """Refuse, before any weight is read, a model whose heads do not split over ``size`` ranks."""
     if size == 1:
         return
-    for field, value in (("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads)):
+    fields = getattr(family_module(spec.family), "tensor_split_fields", None)  # a family that splits otherwise
+    pairs = [("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads)]
+    for field, value in pairs if fields is None else fields(spec):
         per_rank(value, field, size, "config.json")
 
 
@@ -162,6 +168,9 @@ def _split_attention(a: nn.Module, group: TensorGroup, path: str) -> None:
     if isinstance(a, LatentAttention):
         _split_latent_attention(a, group, path)
         return
+    if isinstance(a, CompressedAttention):
+        _split_compressed_attention(a, group, path)
+        return
     if not isinstance(a, Attention):
         raise InputError(f"{path} is {type(a).__name__}, which tensor parallelism cannot split")
     hq = per_rank(a.num_heads, "num_attention_heads", group.size, path)
@@ -188,6 +197,20 @@ def _split_latent_attention(a: LatentAttention, group: TensorGroup, path: str) -
     _keep_rows(a.kv_up, [(start * kv_dim, heads * kv_dim)], f"{path}.kv_up")
     _keep_columns(a.o_proj, start * a.v_dim, heads * a.v_dim, group.rank == 0, f"{path}.o_proj")
     a.num_heads = heads
+
+
+def _split_compressed_attention(a: CompressedAttention, group: TensorGroup, path: str) -> None:
+    """DeepSeek-V4: query heads (q_up's rows, sinks) and the output groups those heads form
+    (wo_a's rows, wo_b's columns); the K=V head, compressors and indexer are shared by all heads."""
+    heads = per_rank(a.num_heads, "num_attention_heads", group.size, path)
+    groups = per_rank(a.o_groups, "o_groups", group.size, path)
+    rank_width = _out_features(a.o_groups_proj) // a.o_groups  # o_lora_rank
+    start, d = group.rank * heads, a.head_dim
+    _keep_rows(a.q_up, [(start * d, heads * d)], f"{path}.q_up")
+    _keep_rows(a.o_groups_proj, [(group.rank * groups * rank_width, groups * rank_width)], f"{path}.o_groups_proj")
+    _keep_columns(a.o_proj, group.rank * groups * rank_width, groups * rank_width, group.rank == 0, f"{path}.o_proj")
+    a.sinks = _param(_take(a.sinks, 0, [(start, heads)]))
+    a.num_heads, a.o_groups = heads, groups
 
 
 def _split_feed_forward(m: nn.Module, group: TensorGroup, path: str) -> None:

@@ -49,6 +49,7 @@ EMBED_NAME, NORM_NAME, HEAD_NAME = "model.embed_tokens.weight", "model.norm.weig
 # a checkpoint written by `modelfleet quantize` names tensors by shard path: embed, layers.N..., norm.weight, head.weight,
 # and a packed weight by its storage tensors: embed.weight.codes, head.weight.scales, ...
 _QUANTIZED_NAMES = {"embed": EMBED_NAME, "norm.weight": NORM_NAME, "head.weight": HEAD_NAME}
+_QUANTIZED_NAMES["embed.weight"] = EMBED_NAME  # DeepSeek-V4's own names: embed.weight, norm.weight, head.weight
 _PACKED_NAME = re.compile(r"^(embed|head)\.weight\.[a-z]+$")
 _LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -209,7 +210,7 @@ def _add_role_bytes(table: dict[str, int], role: str, shape: Sequence[int], plai
 
 
 _FUSED_EXPERTS = re.compile(r"\.experts\.[a-z_]+_proj$")  # GPT-OSS's fused banks, no ".weight"
-_ROUTERS = re.compile(r"^(mlp|block_sparse_moe)\.(gate|router)\.")
+_ROUTERS = re.compile(r"^(mlp|block_sparse_moe|ffn)\.(gate|router)\.")
 
 
 def _layer_role(rest: str) -> str | None:
@@ -218,9 +219,9 @@ def _layer_role(rest: str) -> str | None:
     which stays plain; feed-forward and expert matrices but the routers; None for the rest."""
     if "norm" in rest or rest.endswith(("sinks", "bias")):
         return None
-    if rest.startswith("self_attn."):
+    if rest.startswith(("self_attn.", "attn.")):  # attn., ffn.: DeepSeek-V4's names
         return None if "kv_b_proj" in rest else "attention"
-    if rest.startswith(("mlp.", "block_sparse_moe.")) and not _ROUTERS.match(rest):
+    if rest.startswith(("mlp.", "block_sparse_moe.", "ffn.")) and not _ROUTERS.match(rest):
         return "experts"
     return None
 

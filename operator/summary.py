@@ -102,7 +102,20 @@ def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSumma
         remote = RemoteCheckpoint(str(model))
         return _summarise(spec_from_config(remote.config), remote, dtype)
     spec = load_spec(model)
-    return _summarise(spec, Checkpoint(model), dtype)
+    return _summarise(spec, _local_index(Path(model), spec, Checkpoint), dtype)
+
+
+def _local_index(model: Path, spec: ModelSpec, checkpoint: type[TensorIndex]) -> TensorIndex:
+    """The directory's safetensors headers; a directory holding only config.json stands for the
+    checkpoint its family publishes, where the family lists that checkpoint's tensors
+    (``published_index``: DeepSeek-V4), so the real model is planned from its config alone."""
+    from modelfleet.engine.models import family
+
+    published = getattr(family(spec.family), "published_index", None)
+    if published is not None and not any(model.glob("*.safetensors")):
+        index: TensorIndex = published(spec, model / "config.json")
+        return index
+    return checkpoint(model)  # type: ignore[call-arg]
 
 
 def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSummary:

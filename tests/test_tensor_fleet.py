@@ -83,6 +83,12 @@ def test_commands_round_trip_as_int64_headers_and_the_frames_tensors() -> None:
     assert received.frame.hidden is not None and torch.equal(received.frame.hidden, hidden)
     assert [t.dtype for t in sent] == [torch.int64, torch.int64, torch.int64, torch.float32]
 
+    streams, ids = torch.randn(2, 3, 8), torch.tensor([5, 6])
+    frame = Frame(torch.tensor([1, 1]), torch.tensor([4, 5]), token_ids=ids, hidden=streams)
+    received, sent = round_trip(Command(Op.FORWARD, frame))  # DeepSeek-V4: hc_mult streams, and ids to route by
+    assert received.frame is not None and received.frame.hidden is not None and received.frame.token_ids is not None
+    assert torch.equal(received.frame.hidden, streams) and received.frame.token_ids.tolist() == [5, 6]
+
     for command in (Command(Op.RELEASE, args=(6, 0, 0)), Command(Op.REWIND, args=(2, 17, 0)),
                     Command(Op.ALLOCATE, args=(16, 256, 1 << 40)), Command(Op.HEARTBEAT), Command(Op.STOP)):  # fmt: skip
         received, sent = round_trip(command)
@@ -98,6 +104,8 @@ def test_commands_round_trip_as_int64_headers_and_the_frames_tensors() -> None:
         ([1, 1 << 30, 1, 0, 0, 0, 0, 0], "rows, outside"),
         ([1, 4, 2, 8, 7, 0, 0, 0], "dtype code 7"),
         ([1, 4, 3, 0, 0, 0, 0, 0], "payload 3"),
+        ([1, 4, 2, 8, 1, 0, 2, 0], "token-id flag 2"),
+        ([1, 4, 2, 8, 1, 0, 0, 65], "stream count 65"),
     ],
 )
 def test_a_header_no_leader_sends_is_refused_before_anything_is_allocated(header: list[int], says: str) -> None:

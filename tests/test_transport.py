@@ -55,6 +55,14 @@ def _hidden_frame() -> FrameMsg:
 MESSAGES: dict[str, Callable[[], Message]] = {
     "frame_of_token_ids": _prefill_frame,
     "frame_of_hidden_states": _hidden_frame,
+    "frame_of_hyper_connection_streams_with_token_ids": lambda: FrameMsg(
+        microbatch=0,
+        step=3,
+        slots=_ids(1, 1),
+        positions=_ids(7, 8),
+        hidden=torch.randn(2, 4, 16),
+        token_ids=_ids(5, 6),
+    ),  # fmt: skip
     "tokens": lambda: TokensMsg(microbatch=1, step=8, slots=_ids(0, 3), positions=_ids(3, 42), token_ids=_ids(17, 2)),
     "release": lambda: ReleaseMsg(slots=(0, 3)),
     "rewind": lambda: RewindMsg(slot=3, position=40),
@@ -247,7 +255,8 @@ MALFORMED: dict[str, tuple[Callable[[], list[Any]], str]] = {
         lambda: transport.encode(dataclasses.replace(_prefill_frame(), positions=_ids(0, 1, 2))),
         "frame.positions has 3 rows",
     ),
-    "both token ids and hidden states": (lambda: _both_inputs(), "exactly one of token_ids and hidden"),
+    "neither token ids nor hidden states": (lambda: _no_inputs(), "token_ids, hidden, or both"),
+    "hidden states of rank 4": (lambda: _hidden_of_rank_4(), "shape has 4 items, over the limit of 3"),
     "a sample row past the frame": (lambda: _tampered(_prefill_frame(), _set("output_rows", [4])), "row 4 of a 4-row"),
     "a new stream with no rows": (lambda: _tampered(_prefill_frame(), _set_stream("slot", 9)), "starts slot(s) [9]"),
     "an extension type": (lambda: [msgpack.packb({"v": 1, "x": msgpack.ExtType(1, b"\x80\x04")})], "extension type 1"),
@@ -259,12 +268,18 @@ MALFORMED: dict[str, tuple[Callable[[], list[Any]], str]] = {
 }
 
 
-def _both_inputs() -> list[bytes]:
-    hidden = _hidden_frame()
-    parts = transport.encode(hidden)
+def _no_inputs() -> list[bytes]:
+    parts = transport.encode(_hidden_frame())
     header = _header(parts)
-    header["tensors"].append({"name": "token_ids", "dtype": "int64", "shape": [3]})
-    return [msgpack.packb(header), *parts[1:], _ids(1, 2, 3).numpy().tobytes()]
+    header["tensors"] = [t for t in header["tensors"] if t["name"] != "hidden"]
+    return [msgpack.packb(header), *parts[1:3]]
+
+
+def _hidden_of_rank_4() -> list[bytes]:
+    parts = transport.encode(_hidden_frame())
+    header = _header(parts)
+    next(t for t in header["tensors"] if t["name"] == "hidden")["shape"] = [3, 2, 2, 16]
+    return [msgpack.packb(header), *parts[1:]]
 
 
 def _nested(depth: int) -> Any:

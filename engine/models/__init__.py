@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-FAMILIES: tuple[str, ...] = ("deepseek_v3", "gpt_oss", "mixtral", "qwen3_moe")
+FAMILIES: tuple[str, ...] = ("deepseek_v3", "deepseek_v4", "gpt_oss", "mixtral", "qwen3_moe")
 
 
 def family(name: str) -> ModuleType:

@@ -105,12 +105,13 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def sample_step(
-    sampler: TailSampler, slots: Sequence[int], token_ids: Sequence[int], logits: torch.Tensor
+    sampler: TailSampler, slots: Sequence[int], token_ids: Sequence[int] | None, logits: torch.Tensor
 ) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError]]:
     """The tail's tokens for a step's output rows: ``slots[r]`` and ``token_ids[r]`` are output
-    row r's stream slot and input token, ``logits`` [R, V]. A slot's lone row is sampled; a run of
-    rows of one slot is a verify window (its input tokens after the first are the proposals) and
-    emits its accepted proposals and one token. A row that cannot be sampled fails its slot alone."""
+        row r's stream slot and input token, ``logits`` [R, V]. A slot's lone row is sampled; a run of
+        rows of one slot is a verify window (its input tokens after the first are the proposals) and
+        emits its accepted proposals and one token (``token_ids`` None: a frame without them, whose
+    windows cannot be verified). A row that cannot be sampled fails its slot alone."""
     windows: dict[int, list[int]] = {}
     for row, slot in enumerate(slots):
         windows.setdefault(slot, []).append(row)
@@ -124,6 +125,9 @@ def sample_step(
         stream = sampler.samplers.get(slot)
         if stream is None:
             errors[slot] = InputError(f"slot {slot} has no sampler: its stream's first rows never reached the tail")
+            continue
+        if token_ids is None:
+            errors[slot] = InputError(f"slot {slot} has a verify window but the frame carries no token ids")
             continue
         drafts = [token_ids[r] for r in rows[1:]]
         try:
