@@ -60,6 +60,7 @@ class Shard(nn.Module):
             None if embed is None else nn.Parameter(embed, requires_grad=False)
         )
         self.norm, self.head = norm, head
+        self.embed_norm: RMSNorm | None = None  # a family's norm of the embedded tokens (adapt_shard)
         self.device, self.dtype = device, dtype
         self.slots: SlotTable | None = None
         self.kv: list[LayerKV] = []
@@ -166,8 +167,10 @@ class Shard(nn.Module):
                 split_for_rank(shard, tensor)
                 shard.tensor = tensor
             return shard._prepare(pack)
-        root = LayerWeights(ckpt, "", torch_dtype, torch_device)
         family = family_module(spec.family)
+        if hasattr(family, "tensor_source"):  # a family's own checkpoint layout, read by transformers' names
+            ckpt = family.tensor_source(spec, ckpt)
+        root = LayerWeights(ckpt, "", torch_dtype, torch_device)
         layers = []
         for i in _progress(range(layer_start, end), progress, f"loading layers [{layer_start}, {end})"):
             layer = family.build_layer(spec, i, root.sub(f"model.layers.{i}."))
@@ -188,6 +191,8 @@ class Shard(nn.Module):
             head = Dense(root.get(head_name) if embed is None or head_name == "lm_head.weight" else embed)
         shard = cls(spec, layer_start, end, layers, embed, norm, head, torch_device, torch_dtype)
         shard.tensor = tensor
+        if hasattr(family, "adapt_shard"):
+            family.adapt_shard(spec, shard, root.sub("model."))
         if formats is not None:
             tied = head is not None and head_name == "model.embed_tokens.weight"
             apply_embedding_format(shard, formats, tied)
@@ -392,8 +397,9 @@ class Shard(nn.Module):
         assert self.embed is not None
         if isinstance(self.embed, QuantizedEmbedding):
             embedded: torch.Tensor = self.embed(ids, self.dtype)
-            return embedded
-        return self.embed[ids].to(self.dtype)
+        else:
+            embedded = self.embed[ids].to(self.dtype)
+        return embedded if self.embed_norm is None else self.embed_norm(embedded)
 
 
 def _progress(items: range, show: bool, label: str):  # type: ignore[no-untyped-def]
