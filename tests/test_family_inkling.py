@@ -92,3 +92,87 @@ def test_multimodal_checkpoint_serves_its_text_decoder_without_reading_the_tower
         ref = model(input_ids=torch.tensor([PROMPT])).logits[0]
     assert_close_to(ours, ref)
     assert read and all(name.startswith("model.llm.") for name in read)  # no tower, no MTP
+
+
+# Windowed entries keep window + SLACK positions: the convolutions' 3 + 8 = 11 and the sliding
+# layers' 6 + 8 = 14, so streams of 30+ positions wrap every ring; a rewind of up to 9 is exact.
+SLACK = 8
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def ring_shard(path: Path, slots: int = 3) -> Shard:
+    shard = Shard.load(path)
+    shard.allocate_cache(max_slots=slots, max_context=256, rewind_slack=SLACK)
+    rings = {name: kv.rings[name] for kv in shard.kv for name in kv.tensors}
+    assert all(rings[name] for name in ("k_conv", "v_conv", "attn_conv", "mlp_conv"))
+    assert any(kv.rings["k"] and kv.capacities["k"] == 6 + SLACK for kv in shard.kv)
+    return shard
+
+
+def test_cache_layout_lists_attention_first_then_each_convolution_history() -> None:
+    from inkling_tiny import TEXT_CONFIG
+
+    from modelfleet.engine.cache_layout import cache_layout
+    from modelfleet.engine.spec import spec_from_config
+
+    spec = spec_from_config({"model_type": "inkling_text", **TEXT_CONFIG})
+    sliding, full = cache_layout(spec, 0), cache_layout(spec, 1)
+    assert list(sliding.entries) == ["k", "v", "k_conv", "v_conv", "attn_conv", "mlp_conv"]
+    assert (sliding.entries["k"].shape, sliding.entries["k"].window) == ((2, 8), 6)
+    assert (full.entries["k"].shape, full.entries["k"].window) == ((2, 16), None)
+    assert full.entries["v_conv"].window == 3 and full.entries["attn_conv"].shape == (64,)
+    half = full.for_rank(2)
+    assert half.entries["k_conv"].shape == (1, 16) and half.entries["mlp_conv"].shape == (64,)
+
+
+def test_a_frame_mixing_three_streams_gives_each_the_logits_it_gets_alone(tiny) -> None:
+    path, model = tiny
+    shard = ring_shard(path)
+    a, b, c = tokens(12, seed=1), tokens(31, seed=2), tokens(11, seed=3)
+    shard(Frame.of_streams([(1, 0, b[:30])]))
+    shard(Frame.of_streams([(2, 0, c[:9])]))
+    mixed = shard(Frame.of_streams([(0, 0, a), (1, 30, b[30:]), (2, 9, c[9:])]))
+    assert_close_to(mixed[:12], reference_logits(model, a))
+    assert_close_to(mixed[12:13], reference_logits(model, b)[30:])
+    assert_close_to(mixed[13:], reference_logits(model, c)[9:])
+
+
+def test_rewind_by_one_to_eight_positions_then_new_tokens_matches_transformers(tiny) -> None:
+    path, model = tiny
+    shard = ring_shard(path, slots=1)
+    history = tokens(30, seed=4)
+    shard(Frame.of_streams([(0, 0, history)]))
+    for depth in range(1, 9):
+        grown = tokens(8, seed=10 + depth)
+        for token in grown:
+            shard(Frame.of_streams([(0, len(history), [token])]))
+            history.append(token)
+        shard.rewind(0, len(history) - depth)
+        del history[len(history) - depth :]
+        alternative = tokens(2, seed=30 + depth)
+        ours = torch.cat([shard(Frame.of_streams([(0, len(history) + j, [t])])) for j, t in enumerate(alternative)])
+        history += alternative
+        assert_close_to(ours, reference_logits(model, history)[-2:])
+
+
+def test_a_released_slot_serves_its_next_stream_as_if_new(tiny) -> None:
+    path, model = tiny
+    shard = ring_shard(path, slots=1)
+    shard(Frame.of_streams([(0, 0, tokens(40, seed=5))]))
+    shard.release(0)
+    fresh = tokens(10, seed=6)
+    assert_close_to(shard(Frame.of_streams([(0, 0, fresh)])), reference_logits(model, fresh))
+    again = tokens(7, seed=7)  # position 0 starts a new stream even without a release
+    assert_close_to(shard(Frame.of_streams([(0, 0, again)])), reference_logits(model, again))
+
+
+def test_an_exported_slot_continues_on_another_shard(tiny) -> None:
+    path, model = tiny
+    first, second = ring_shard(path, slots=1), ring_shard(path, slots=2)
+    ids = tokens(33, seed=8)
+    first(Frame.of_streams([(0, 0, ids[:32])]))
+    second.import_slot(1, first.export_slot(0))
+    assert_close_to(second(Frame.of_streams([(1, 32, ids[32:])])), reference_logits(model, ids)[32:])
