@@ -6,6 +6,10 @@ the muP multiplier and the unpadded vocabulary; through shards, mixed frames, re
 
 from __future__ import annotations
 
+import copy
+import multiprocessing
+import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,10 +18,15 @@ from inkling_tiny import save_multimodal_model, save_text_model
 from tiny import assert_close_to
 
 from modelfleet.engine.checkpoint import Checkpoint
-from modelfleet.engine.frame import Frame
-from modelfleet.engine.generate import LocalModel
+from modelfleet.engine.formats.plan import FormatPlan
+from modelfleet.engine.frame import Frame, segments_of
+from modelfleet.engine.generate import LocalModel, generate
+from modelfleet.engine.layers import FrameContext
+from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
+from modelfleet.engine.tensor_parallel import TensorGroup, close_tensor_group, init_tensor_group, split_for_rank
 
+INT4_INT8 = FormatPlan(experts="int4", attention="int8")
 PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33, 90, 6, 101, 58, 27, 14, 71, 40, 9, 88, 52, 30]
 
 
@@ -176,3 +185,81 @@ def test_an_exported_slot_continues_on_another_shard(tiny) -> None:
     first(Frame.of_streams([(0, 0, ids[:32])]))
     second.import_slot(1, first.export_slot(0))
     assert_close_to(second(Frame.of_streams([(1, 32, ids[32:])])), reference_logits(model, ids)[32:])
+
+
+# ---- tensor parallelism: two ranks (gloo on CPU) against the whole model ------------------------
+
+# int4 blocks are 32 values along a weight's input: each rank's share of the experts' and the dense
+# MLP's width (down's input) must be a multiple of 32
+# (int8 keeps a scale per output row: a rank quantizing its columns of o_proj alone gets other
+# scales, so int8 attention is checked split after quantizing, below)
+TP_CASES: dict[str, FormatPlan | None] = {"float": None, "int4_experts": FormatPlan(experts="int4")}
+TP_WIDTHS = dict(moe_intermediate_size=64, intermediate_size=64)
+
+
+def tp_run(path: Path, formats: FormatPlan | None, tensor: TensorGroup | None) -> dict[str, object]:
+    lm = LocalModel.load(path, 1, formats=formats, tensor=tensor, max_slots=1, max_context=64)
+    logits = lm.forward(Frame.of_streams([(0, 0, PROMPT)]))
+    lm.release(0)
+    tokens = generate(lm, PROMPT, SamplingParams(max_tokens=12, stop_token_ids=())).token_ids
+    return dict(logits=logits, tokens=tokens, kv=sum(s.kv_bytes_per_position() for s in lm.shards))
+
+
+def tp_rank_main(rank: int, port: int, path: Path, out_dir: Path) -> None:
+    torch.set_num_threads(1)  # two ranks share two cores
+    group = init_tensor_group(rank, 2, "127.0.0.1", port, "cpu", timeout_seconds=60)
+    try:
+        results = {name: tp_run(path, formats, group) for name, formats in TP_CASES.items()}
+    finally:
+        close_tensor_group()
+    torch.save(results, out_dir / f"rank{rank}.pt")
+
+
+def test_two_tensor_ranks_give_the_logits_and_greedy_tokens_of_the_whole_model(tmp_path: Path) -> None:
+    path = tmp_path / "model"
+    save_text_model(path, **TP_WIDTHS)
+    context = multiprocessing.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ranks = [context.Process(target=tp_rank_main, args=(r, port, path, tmp_path)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=240)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in ranks] == [0, 0], "a rank failed; its traceback is in the captured stderr"
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for name, formats in TP_CASES.items():
+        whole = tp_run(path, formats, None)
+        for rank in results:
+            assert_close_to(rank[name]["logits"], whole["logits"]), name
+            assert rank[name]["tokens"] == whole["tokens"]
+            assert rank[name]["kv"] < whole["kv"]  # k, v and their convolutions' histories are halved
+
+
+@dataclass(frozen=True)
+class LocalGroup(TensorGroup):
+    """A rank whose reduce is left to the test: its blocks return their partial sums."""
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def test_int4_experts_and_int8_attention_split_after_quantizing_give_partial_sums_of_the_whole(tmp_path) -> None:
+    save_text_model(tmp_path, **TP_WIDTHS)
+    whole = Shard.load(tmp_path, formats=INT4_INT8, pack=False)
+    ranks = [copy.deepcopy(whole) for _ in range(2)]
+    for r, shard in enumerate(ranks):
+        shard.tensor = LocalGroup(r, 2)  # its cache holds this rank's share of k, v and their convolutions
+        split_for_rank(shard, shard.tensor)  # QuantizedWeight.slice cuts only at block boundaries
+    for shard in (whole, *ranks):
+        shard.allocate_cache(max_slots=1, max_context=32)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
+    ctx = FrameContext(segments_of([0] * 9, list(range(9))), torch.arange(9))
+    for i, layer in enumerate(whole.layers):
+        partial = [s.layers[i].attention(x, ctx, s.kv[i]) for s in ranks]
+        assert_close_to(sum(partial), layer.attention(x, ctx, whole.kv[i]), 1e-5)
+        assert_close_to(sum(s.layers[i].mlp(x) for s in ranks), layer.mlp(x), 1e-5)
