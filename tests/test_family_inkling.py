@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inkling_tiny import save_multimodal_model, save_text_model
+from inkling_tiny import build_text_model, save_multimodal_model, save_text_model
 from tiny import assert_close_to
 
 from modelfleet.engine.checkpoint import Checkpoint
@@ -263,3 +263,45 @@ def test_int4_experts_and_int8_attention_split_after_quantizing_give_partial_sum
         partial = [s.layers[i].attention(x, ctx, s.kv[i]) for s in ranks]
         assert_close_to(sum(partial), layer.attention(x, ctx, whole.kv[i]), 1e-5)
         assert_close_to(sum(s.layers[i].mlp(x) for s in ranks), layer.mlp(x), 1e-5)
+
+
+# ---- weight formats ------------------------------------------------------------------------------
+
+
+def successor_chains(successor: torch.Tensor, rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """[rows, length] token ids, each the successor of the one before."""
+    chain = [torch.randint(3, 128, (rows,), generator=generator)]
+    for _ in range(length - 1):
+        chain.append(successor[chain[-1] - 3])
+    return torch.stack(chain, dim=1)
+
+
+def test_int4_experts_and_int8_attention_keep_a_trained_models_logits_and_top1_choices(tmp_path: Path) -> None:
+    # trained a little on a successor task (each token has one next token) so that its predictions
+    # have margins, as a real model's do (a random one's nearly flat logits flip under any 4-bit error)
+    model = build_text_model(unpadded_vocab_size=None, **TP_WIDTHS)
+    successor = torch.randperm(125, generator=torch.Generator().manual_seed(5)) + 3
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(60):
+        batch = successor_chains(successor, 16, 16, generator)
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    model.save_pretrained(tmp_path)
+    ids = successor_chains(successor, 1, 64, torch.Generator().manual_seed(9))[0].tolist()
+    reference = reference_logits(model, ids)
+    shard = Shard.load(tmp_path, formats=INT4_INT8)
+    # every matrix in its format; what stays float32 is the dense MLPs' scalar scales (experts) and
+    # the relative banks and k/v convolution taps (attention), never quantized
+    experts, attention = shard.bytes_by_role["experts"], shard.bytes_by_role["attention"]
+    assert set(experts) == {"int4", "fp32"} and experts["fp32"] < 0.01 * experts["int4"]
+    assert set(attention) == {"int8", "fp32"} and attention["fp32"] < 0.1 * attention["int8"]
+    logits = shard(Frame.of_streams([(0, 0, ids)]))
+    cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
+    top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
+    assert float(cosine.mean()) >= 0.99 and float(cosine.min()) >= 0.9
+    assert float(top1) >= 0.9
