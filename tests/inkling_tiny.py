@@ -96,3 +96,40 @@ def save_multimodal_model(path: Path, seed: int = 0):  # type: ignore[no-untyped
     randomise(model)
     model.save_pretrained(path)
     return model
+
+
+def save_text_model_with_mtp(path: Path, seed: int = 0, **overrides: Any):  # type: ignore[no-untyped-def]
+    """A text model with MTP layers (depth 0 sliding, depth 1 full): transformers' ``MtpModel``
+    over it, randomised, its tensors added to the checkpoint under Inkling's MTP names (the
+    wrapper as the released checkpoints name it, each block by the decoder layer's names).
+    -> (main model, MtpModel)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    model = save_text_model(path, seed, num_mtp_layers=2, mtp_local_layer_ids=[0], **overrides)
+    mtp = MtpModel(model, 2).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if name.startswith(("layers.", "shared_post_norm")):
+                if "norm" in name or "scale" in name:
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                elif "sconv" in name or "rel_logits_proj" in name:
+                    p.copy_(torch.randn_like(p) * 0.3)
+                else:
+                    p.copy_(torch.randn_like(p) * 0.08)
+    renames = {
+        ".enorm.": ".embed_norm.",
+        ".hnorm.": ".hidden_norm.",
+        ".eh_proj.": ".input_proj.",
+        ".mtp_block.": ".transformer_block.",
+    }
+    tensors = load_file(path / "model.safetensors")
+    for name, tensor in mtp.state_dict().items():
+        if name.startswith("layers."):
+            for old, new in renames.items():
+                name = name.replace(old, new)
+            tensors[f"model.mtp.{name}"] = tensor.clone()
+        elif name.startswith("shared_post_norm."):
+            tensors[name.replace("shared_post_norm.", "model.mtp.chain_norm.")] = tensor.clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return model, mtp

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inkling_tiny import build_text_model, save_multimodal_model, save_text_model
+from inkling_tiny import build_text_model, save_multimodal_model, save_text_model, save_text_model_with_mtp
 from tiny import assert_close_to
 
 from modelfleet.engine.checkpoint import Checkpoint
@@ -22,6 +22,7 @@ from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame, segments_of
 from modelfleet.engine.generate import LocalModel, generate
 from modelfleet.engine.layers import FrameContext
+from modelfleet.engine.models.inkling_mtp import InklingMtp
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.tensor_parallel import TensorGroup, close_tensor_group, init_tensor_group, split_for_rank
@@ -305,3 +306,64 @@ def test_int4_experts_and_int8_attention_keep_a_trained_models_logits_and_top1_c
     top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
     assert float(cosine.mean()) >= 0.99 and float(cosine.min()) >= 0.9
     assert float(top1) >= 0.9
+
+
+# ---- multi-token prediction ------------------------------------------------------------------------
+
+
+def final_hidden(shard: Shard, ids: list[int]) -> torch.Tensor:
+    """The main model's final hidden states after its final norm (what transformers' MTP reads)."""
+    positions = list(range(len(ids)))
+    ctx = FrameContext(segments_of([0] * len(ids), positions), torch.tensor(positions))
+    assert shard.norm is not None
+    shard.allocate_cache(max_slots=1, max_context=64)
+    return shard.norm(shard.run_layers(shard.embed_tokens(torch.tensor(ids)), ctx))
+
+
+@pytest.fixture
+def windowed_mtp_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.24's ``MtpModel`` masks a ``hybrid_sliding`` MTP layer with a plain causal
+    mask (``masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING``), while its main model's
+    ``hybrid_sliding`` layers see only the window. The engine gives an MTP layer of that kind the
+    window too (its relative bank is as long as the window, and Inkling's other implementations
+    treat ``mtp_local_layer_ids`` as local attention); the reference here is patched to agree."""
+    from transformers import masking_utils
+
+    windowed = {
+        "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+        "linear_attention": masking_utils.create_recurrent_attention_mask,
+    }
+    monkeypatch.setitem(masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, "hybrid_sliding", windowed)
+
+
+@pytest.mark.parametrize("chain_norm", [False, True])
+def test_mtp_chain_drafts_the_tokens_and_logits_of_transformers_mtp_model(
+    tmp_path: Path, chain_norm: bool, windowed_mtp_masks: None
+) -> None:
+    from transformers.cache_utils import MtpCache
+
+    model, mtp_ref = save_text_model_with_mtp(tmp_path, chain_hidden_post_norm=chain_norm)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        hidden, sampled = out.hidden_states[-1], out.logits[0, -1].argmax()
+        mtp_ids, positions = torch.cat([ids[:, 1:], sampled.view(1, 1)], dim=1), torch.arange(1, len(PROMPT) + 1)[None]
+        cache = MtpCache(config=model.config.get_mtp_config())
+        ref_tokens, ref_logits, _ = mtp_ref(mtp_ids, hidden, None, positions, cache)
+        rows = mtp_ref._project_to_logits(
+            mtp_ref.forward_layer(
+                0, hidden, positions, MtpCache(config=model.config.get_mtp_config()), input_ids=mtp_ids
+            )
+        )
+    ours_hidden = final_hidden(Shard.load(tmp_path), PROMPT)
+    assert_close_to(ours_hidden, hidden[0], 1e-5)
+    mtp = InklingMtp.load(tmp_path)
+    tokens, logits = mtp.draft(0, 0, ours_hidden, mtp_ids[0].tolist())
+    assert tokens == ref_tokens[0].tolist()
+    assert_close_to(logits, ref_logits[0])
+    # depth 0 over every row, in two chunks: its per-stream state carries the first into the second
+    fresh = InklingMtp.load(tmp_path)
+    chunks = [
+        fresh.step(0, 0, start, ours_hidden[start:end], mtp_ids[0, start:end]) for start, end in ((0, 10), (10, 24))
+    ]
+    assert_close_to(fresh.logits(torch.cat(chunks)), rows[0])

@@ -25,8 +25,8 @@ Checkpoints: transformers' text layout, a multimodal one, or the released layout
 (:mod:`.inkling_layout` reads them all by transformers' names).
 
 Around the layers: the embedding is RMS-normalised (``embed_tokens.embed_norm``); the final
-hidden state is divided by ``logits_mup_width_multiplier`` before the head (folded into the final
-norm's weight at load); logits past ``unpadded_vocab_size`` are dropped (head rows cut at load).
+hidden state is divided by ``logits_mup_width_multiplier`` before the head (folded into the head's
+weight at load); logits past ``unpadded_vocab_size`` are dropped (head rows cut at load).
 
 Per-stream state (:func:`cache_layout`): attention's k and v (a ring over the window on sliding
 layers) and each convolution's input history over ``kernel - 1`` positions, a ring whose rewind
@@ -279,7 +279,8 @@ class InklingAttention(nn.Module):
         assert ctx.segments is not None, "inkling runs general frames only (no static decode)"
         for seg in ctx.segments:
             rs = slice(seg.row_start, seg.row_end)
-            out[rs] = self._attend_segment(kv, seg.slot, seg.pos_start, q[rs], {"k": k[rs], "v": v[rs]}, states[rs])
+            new = {"k": k[rs], "v": v[rs]}
+            out[rs] = self._attend_segment(kv, seg.slot, seg.pos_start, q[rs], new, states[rs], ctx.positions[rs])
         y: torch.Tensor = self.o_proj(out.reshape(rows, self.num_heads * d))
         return y
 
@@ -291,9 +292,12 @@ class InklingAttention(nn.Module):
         q: torch.Tensor,
         new: dict[str, torch.Tensor],
         states: torch.Tensor,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """Store one stream's k/v rows and attend its queries over the visible history.
-        q: [n, H, D], states: [n, H, d_rel] -> [n, H, D]."""
+        """Store one stream's k/v rows (at row indices from ``pos_start``) and attend its queries
+        over the visible history. q: [n, H, D], states: [n, H, d_rel] -> [n, H, D]; ``positions``
+        [n]: the queries' positions in the sequence, which log scaling reads (an MTP layer's rows
+        sit ahead of their row indices)."""
         n = q.shape[0]
         # read what survives before this segment's rows overwrite a ring
         k_start = 0 if self.window is None else max(0, pos_start - self.window + 1)
@@ -305,7 +309,7 @@ class InklingAttention(nn.Module):
         distance = q_pos[:, None] - k_pos[None, :]  # [n, L]
         bias = relative_bias(states, self.rel_bank.to(states.dtype), distance)  # [H, n, L]
         if self.log_scaling is not None:
-            tau = log_scale(q_pos, *self.log_scaling)
+            tau = log_scale(positions, *self.log_scaling)
             q = (q.float() * tau[:, None, None]).to(q.dtype)
             bias = (bias.float() * tau[None, :, None]).to(bias.dtype)
         groups = self.num_heads // self.num_kv_heads
@@ -496,17 +500,21 @@ def build_layer(spec: ModelSpec, i: int, w: LayerWeights) -> InklingDecoderLayer
 
 def adapt_shard(spec: ModelSpec, shard: nn.Module, w: LayerWeights) -> None:
     """The parts around the layers, in place (``w`` at the decoder's prefix): the embedding's RMS
-    norm on a first shard; on a last one the final norm's weight divided by the muP width
-    multiplier (so the head reads hidden / multiplier) and the head cut to ``unpadded_vocab_size``."""
+    norm on a first shard, :func:`logits_head` on a last one."""
     if getattr(shard, "embed", None) is not None:
         shard.embed_norm = RMSNorm(w.get("embed_tokens.embed_norm.weight"), spec.rms_norm_eps)
-    norm, head = getattr(shard, "norm", None), getattr(shard, "head", None)
-    if isinstance(norm, RMSNorm):
-        multiplier = float(spec.get("logits_mup_width_multiplier", 1.0))
-        norm.weight = nn.Parameter(norm.weight.data / multiplier, requires_grad=False)
+    head = getattr(shard, "head", None)
+    if isinstance(head, Dense):
+        shard.head = logits_head(spec, head.weight.data)
+
+
+def logits_head(spec: ModelSpec, weight: torch.Tensor) -> Dense:
+    """The head as the family reads it: rows cut to ``unpadded_vocab_size`` and divided by the muP
+    width multiplier (head(h / m) = (W / m) h), so the final norm's output stays the hidden state
+    the MTP layers take."""
     unpadded = spec.get("unpadded_vocab_size")
-    if isinstance(head, Dense) and unpadded is not None and unpadded < head.weight.shape[0]:
-        head.weight = nn.Parameter(head.weight.data[:unpadded].clone(), requires_grad=False)
+    rows = weight.shape[0] if unpadded is None else min(int(unpadded), weight.shape[0])
+    return Dense(weight[:rows] / float(spec.get("logits_mup_width_multiplier", 1.0)))
 
 
 def vocab_size_out(spec: ModelSpec) -> int:

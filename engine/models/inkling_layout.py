@@ -12,12 +12,14 @@ Three layouts exist:
 :class:`RenamedTensors` presents any of them under the first layout's names, converting on read
 (de-interleaving gate/up rows), and lists only the text decoder's tensors: the vision and audio
 towers are neither read nor counted. Tensors it does not name (MTP layers) stay reachable by their
-own names.
+own names; the MTP layers' (``model.mtp.layers.K.{embed_norm,hidden_norm,input_proj}``,
+``model.mtp.chain_norm``) are named alike in every layout, their blocks converted like any layer's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -59,6 +61,7 @@ OUTER = {
     "lm_head.weight": "unembed.weight",
 }
 LAYERS = "model.layers."
+MTP_BLOCK = re.compile(r"^model\.mtp\.layers\.\d+\.transformer_block\.")
 
 Conversion = tuple[str, int, int | None]  # (source name, dim, half): dim -1 = as stored; half None = whole
 
@@ -71,14 +74,8 @@ def _rename(rest: str, forward: bool) -> str | None:
     return None
 
 
-def original_source(name: str) -> Conversion | None:
-    """Where transformers' ``name`` comes from in the original layout."""
-    if name in OUTER:
-        return ORIGINAL + OUTER[name], -1, None
-    if not name.startswith(LAYERS):
-        return None
-    index, _, rest = name[len(LAYERS) :].partition(".")
-    layer = f"{ORIGINAL}layers.{index}."
+def _layer_source(layer: str, rest: str) -> Conversion:
+    """A tensor inside a decoder layer (``rest``, by transformers' name) in the original layer ``layer``."""
     if rest in HALVES:
         fused, dim, half = HALVES[rest]
         return layer + fused, dim, half
@@ -87,6 +84,20 @@ def original_source(name: str) -> Conversion | None:
         return layer + fused, dim, None
     renamed = _rename(rest, forward=True)
     return layer + (renamed if renamed is not None else rest), -1, None
+
+
+def original_source(name: str) -> Conversion | None:
+    """Where transformers' ``name`` comes from in the original layout (an MTP layer's block,
+    ``model.mtp.layers.K.transformer_block.``, holds a decoder layer's tensors by the same names)."""
+    if name in OUTER:
+        return ORIGINAL + OUTER[name], -1, None
+    block = MTP_BLOCK.match(name)
+    if block is not None:
+        return _layer_source(block.group(0), name[block.end() :])
+    if not name.startswith(LAYERS):
+        return None
+    index, _, rest = name[len(LAYERS) :].partition(".")
+    return _layer_source(f"{ORIGINAL}layers.{index}.", rest)
 
 
 def transformers_names(original: str) -> list[str]:
