@@ -9,6 +9,7 @@ operator sizes KV with the same arithmetic as the shard that allocates it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -18,6 +19,7 @@ from modelfleet.plan import ComputeDtype, Formats, PlanError, _describe
 from modelfleet.planner import LayerBytes, TensorIndex, dtype_itemsize, layer_bytes_of
 
 if TYPE_CHECKING:
+    from modelfleet.engine.checkpoint import TensorInfo
     from modelfleet.engine.spec import ModelSpec
 
 SUMMARY_KEY = "summary.json"
@@ -93,7 +95,9 @@ class ModelSummary(BaseModel):
 
 def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSummary:
     """The summary of a checkpoint, from config.json and safetensors headers only: a local
-    directory, or ``hf://ORG/NAME[@REV]`` read over HTTP Range requests (no tensor bytes)."""
+    directory, or ``hf://ORG/NAME[@REV]`` read over HTTP Range requests (no tensor bytes). A
+    directory holding only config.json is counted from the shapes its family lists, where the
+    family lists them."""
     from modelfleet.engine.checkpoint import Checkpoint
     from modelfleet.engine.hub import RemoteCheckpoint, is_hub_uri
     from modelfleet.engine.spec import load_spec, spec_from_config
@@ -102,7 +106,43 @@ def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSumma
         remote = RemoteCheckpoint(str(model))
         return _summarise(spec_from_config(remote.config), remote, dtype)
     spec = load_spec(model)
-    return _summarise(spec, Checkpoint(model), dtype)
+    return _summarise(spec, _tensor_index(spec, Path(model), Checkpoint), dtype)
+
+
+def _tensor_index(spec: ModelSpec, directory: Path, checkpoint: Callable[[Path], TensorIndex]) -> TensorIndex:
+    """The directory's tensors; for one holding only config.json, the shapes its family lists
+    (``tensor_shapes``, where the family has it), so a summary needs no weights."""
+    from modelfleet.engine.models import family
+
+    has_weights = any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").is_file()
+    shapes = getattr(family(spec.family), "tensor_shapes", None)
+    if has_weights or shapes is None:
+        return checkpoint(directory)
+    return ShapesOnly(shapes(spec))
+
+
+class ShapesOnly:
+    """A tensor index of names and shapes without data (bfloat16, as a summary counts them at
+    its own dtype anyway)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]]):
+        self.shapes = dict(shapes)
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def info(self, name: str) -> TensorInfo:
+        import math
+
+        import torch
+
+        from modelfleet.engine.checkpoint import TensorInfo
+
+        shape = self.shapes[name]
+        return TensorInfo(Path("config.json"), torch.bfloat16, shape, 0, 2 * math.prod(shape))
 
 
 def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSummary:

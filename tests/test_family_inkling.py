@@ -15,17 +15,24 @@ from pathlib import Path
 import pytest
 import torch
 from inkling_tiny import build_text_model, save_multimodal_model, save_text_model, save_text_model_with_mtp
+from pydantic import ValidationError
 from tiny import assert_close_to
 
+from modelfleet import planner
+from modelfleet.agent.openai_schema import ChatCompletionRequest, describe
 from modelfleet.engine.checkpoint import Checkpoint
 from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame, segments_of
 from modelfleet.engine.generate import LocalModel, generate
 from modelfleet.engine.layers import FrameContext
+from modelfleet.engine.models.inkling import tensor_shapes
 from modelfleet.engine.models.inkling_mtp import InklingMtp
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
+from modelfleet.engine.spec import load_spec
 from modelfleet.engine.tensor_parallel import TensorGroup, close_tensor_group, init_tensor_group, split_for_rank
+from modelfleet.operator.summary import inspect_checkpoint
+from modelfleet.plan import Formats, ServingLimits
 
 INT4_INT8 = FormatPlan(experts="int4", attention="int8")
 PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33, 90, 6, 101, 58, 27, 14, 71, 40, 9, 88, 52, 30]
@@ -367,3 +374,72 @@ def test_mtp_chain_drafts_the_tokens_and_logits_of_transformers_mtp_model(
         fresh.step(0, 0, start, ours_hidden[start:end], mtp_ids[0, start:end]) for start, end in ((0, 10), (10, 24))
     ]
     assert_close_to(fresh.logits(torch.cat(chunks)), rows[0])
+
+
+# ---- sizes: plan, inspect, a config-only directory -------------------------------------------------
+
+
+def test_the_family_lists_every_tensor_of_the_checkpoint_with_its_shape(tiny) -> None:
+    path, _ = tiny
+    spec, checkpoint = load_spec(path), Checkpoint(path)
+    assert tensor_shapes(spec) == {name: checkpoint.info(name).shape for name in checkpoint.names()}
+
+
+def test_inspect_of_a_config_only_directory_gives_the_summary_of_the_checkpoint(tiny, tmp_path: Path) -> None:
+    path, _ = tiny
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    whole, config_only = inspect_checkpoint(path), inspect_checkpoint(tmp_path)
+    assert config_only == whole
+    assert [len(entries) for entries in whole.kv_entries] == [6] * 4  # k, v and four convolution histories
+    assert whole.layer_bytes[1] > whole.layer_bytes[0]  # a sparse layer outweighs the dense first one
+
+
+def test_a_multimodal_checkpoint_is_sized_as_its_text_decoder_without_the_towers(tiny, tmp_path: Path) -> None:
+    path, _ = tiny
+    save_multimodal_model(tmp_path)
+    text, multimodal = planner.layer_bytes(path, "bfloat16"), planner.layer_bytes(tmp_path, "bfloat16")
+    assert multimodal.per_layer == text.per_layer
+    assert (multimodal.embed_bytes, multimodal.head_matrix_bytes) == (text.embed_bytes, text.head_matrix_bytes)
+
+
+def test_a_plan_in_two_stages_holds_the_bytes_the_shards_hold_in_their_formats(tiny) -> None:
+    path, _ = tiny
+    formats = Formats(experts="int4", attention="int8", head="int8")
+    plan = planner.build_plan(
+        path, 2, dtype="bfloat16", formats=formats, serving=ServingLimits(max_streams=2, context_length=64)
+    )
+    stages = plan.groups[0].stages
+    assert [(s.layer_start, s.layer_end) for s in stages] == [(0, 2), (2, 4)]
+    plain = planner.layer_bytes(path, "bfloat16")
+    engine_formats = FormatPlan(experts="int4", attention="int8", head="int8")
+    held = [Shard.load(path, s.layer_start, s.layer_end, dtype="bfloat16", formats=engine_formats) for s in stages]
+    for stage, shard in zip(stages, held, strict=True):
+        # the relative banks, convolution taps and routers stay float32 beside the planned formats
+        assert abs(shard.weights_bytes - stage.weights_bytes) <= 0.05 * stage.weights_bytes
+    assert sum(s.weights_bytes for s in stages) < 0.6 * (sum(plain.per_layer) + plain.embed_bytes + plain.head_bytes)
+
+
+# ---- requests carrying images or audio ------------------------------------------------------------
+
+MEDIA_PARTS = [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+]
+
+
+@pytest.mark.parametrize("part", MEDIA_PARTS, ids=["image", "audio"])
+def test_a_chat_request_carrying_an_image_or_audio_is_refused_naming_the_content_field(part) -> None:
+    # the towers are not served: the gateway's schema reads text parts only (a 400, as for any
+    # request the schema refuses), so a multimodal Inkling checkpoint is served as a text model
+    body = {"model": "inkling", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate(body)
+    message, param = describe(refused.value)
+    assert param == "messages[0].content" and "this server reads text only" in message
+
+
+def test_a_request_asking_for_audio_output_is_refused_naming_the_field() -> None:
+    body = {"model": "inkling", "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate(body)
+    assert describe(refused.value) == ("unknown field 'modalities': this server does not support it", "modalities")

@@ -517,6 +517,60 @@ def logits_head(spec: ModelSpec, weight: torch.Tensor) -> Dense:
     return Dense(weight[:rows] / float(spec.get("logits_mup_width_multiplier", 1.0)))
 
 
+def layer_tensor_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer ``i``'s tensors by transformers' names (relative to the layer) and their shapes."""
+    heads, kv_heads, head_dim, window = attention_shape(spec, i)
+    hidden, d_rel, kernel = spec.hidden_size, int(spec.raw["d_rel"]), int(spec.raw["conv_kernel_size"])
+    extent = window if window is not None else int(spec.raw["rel_extent"])
+    shapes: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (heads * head_dim, hidden),
+        "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.r_proj.weight": (heads * d_rel, hidden),
+        "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "self_attn.q_norm.weight": (head_dim,),
+        "self_attn.k_norm.weight": (head_dim,),
+        "self_attn.k_sconv.conv1d.weight": (kv_heads * head_dim, 1, kernel),
+        "self_attn.v_sconv.conv1d.weight": (kv_heads * head_dim, 1, kernel),
+        "self_attn.rel_logits_proj.proj": (d_rel, extent),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "attn_sconv.conv1d.weight": (hidden, 1, kernel),
+        "mlp_sconv.conv1d.weight": (hidden, 1, kernel),
+    }
+    if mlp_layer_types(spec)[i] == DENSE:
+        inter = int(spec.raw["intermediate_size"])
+        shapes |= {"mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden)}
+        return shapes | {"mlp.down_proj.weight": (hidden, inter), "mlp.global_scale": (1,)}
+    experts, shared = int(spec.raw["n_routed_experts"]), int(spec.raw["n_shared_experts"])
+    inter = int(spec.raw["moe_intermediate_size"])
+    return shapes | {
+        "mlp.gate.weight": (experts + shared, hidden),
+        "mlp.gate.global_scale": (1,),
+        "mlp.gate.e_score_correction_bias": (experts,),
+        "mlp.experts.gate_up_proj": (experts, 2 * inter, hidden),
+        "mlp.experts.down_proj": (experts, hidden, inter),
+        "mlp.shared_experts.gate_proj": (shared, inter, hidden),
+        "mlp.shared_experts.up_proj": (shared, inter, hidden),
+        "mlp.shared_experts.down_proj": (shared, hidden, inter),
+    }
+
+
+def tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor the text decoder reads, by transformers' names, and its shape: what a summary
+    of a directory holding only config.json is counted from (MTP layers and towers excluded)."""
+    hidden = spec.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (spec.vocab_size, hidden),
+        "model.embed_tokens.embed_norm.weight": (hidden,),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (spec.vocab_size, hidden),
+    }
+    for i in range(spec.num_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer_tensor_shapes(spec, i).items()}
+    return shapes
+
+
 def vocab_size_out(spec: ModelSpec) -> int:
     """Logits per row: ``unpadded_vocab_size`` when it cuts the head, else ``vocab_size``."""
     unpadded = spec.get("unpadded_vocab_size")
@@ -535,6 +589,7 @@ __all__ = [
     "layer_types",
     "mlp_layer_types",
     "sink_routing",
+    "tensor_shapes",
     "tensor_source",
     "validate",
 ]
