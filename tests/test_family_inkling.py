@@ -27,6 +27,7 @@ from modelfleet.engine.generate import LocalModel, generate
 from modelfleet.engine.layers import FrameContext
 from modelfleet.engine.models.inkling import tensor_shapes
 from modelfleet.engine.models.inkling_mtp import InklingMtp
+from modelfleet.engine.quantized_checkpoint import save_quantized
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import load_spec
@@ -443,3 +444,32 @@ def test_a_request_asking_for_audio_output_is_refused_naming_the_field() -> None
     with pytest.raises(ValidationError) as refused:
         ChatCompletionRequest.model_validate(body)
     assert describe(refused.value) == ("unknown field 'modalities': this server does not support it", "modalities")
+
+
+def test_an_offline_quantized_checkpoint_gives_exactly_the_logits_of_quantizing_at_load(tiny, tmp_path: Path) -> None:
+    path, _ = tiny
+    plan = FormatPlan.default()
+    save_quantized(Shard.load(path, formats=plan, pack=False), path, tmp_path, plan, torch.float32)
+    frame = Frame.of_streams([(0, 0, PROMPT)])
+    offline, at_load = LocalModel.load(tmp_path, 2), LocalModel.load(path, 2, formats=plan)
+    assert torch.equal(offline.forward(frame), at_load.forward(frame))
+    assert offline.bytes_by_role == at_load.bytes_by_role
+
+
+# ---- a local fleet ------------------------------------------------------------------------------------
+
+
+def test_a_two_stage_local_fleet_gives_the_greedy_tokens_of_the_single_process_engine(tiny, tmp_path: Path) -> None:
+    # concurrent streams in prefill windows of 4 rows and decode rows, framed together, through
+    # two stage processes: every stage's k/v and convolution histories per slot
+    from test_pipeline import Fleet, prompts_and_params, reference, run_concurrently
+
+    path, _ = tiny
+    fleet = Fleet(path, tmp_path, stages=2)
+    fleet.start()
+    try:
+        prompts, params = prompts_and_params(8)
+        assert run_concurrently(fleet, prompts, params) == reference(path, prompts, params)
+        assert [fleet.status(s)["slots_in_use"] for s in range(2)] == [0, 0]
+    finally:
+        fleet.stop()

@@ -73,7 +73,8 @@ def decoder_config(raw: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(text, dict):
             raise ConfigError("config.json of an inkling_mm_model checkpoint lacks the object 'text_config'")
         mtp = raw.get("mtp_config") or {}
-        merged = {"eos_token_id": raw.get("eos_token_id"), "bos_token_id": raw.get("bos_token_id"), **text}
+        outer = ("eos_token_id", "bos_token_id", "quantization_config")  # a modelfleet-quantized one's plan too
+        merged = {**{key: raw[key] for key in outer if key in raw}, **text}
         merged.setdefault("num_mtp_layers", mtp.get("num_nextn_predict_layers"))
         merged.setdefault("mtp_local_layer_ids", mtp.get("local_layer_ids"))
         merged.setdefault("chain_hidden_post_norm", mtp.get("chain_hidden_post_norm", False))
