@@ -40,7 +40,8 @@ from ..engine.formats.plan import FormatPlan
 from ..engine.frame import Frame
 from ..engine.sampling import TailSampler
 from ..engine.scheduler import Scheduler
-from ..engine.speculative.speculator import Speculator, build_proposer
+from ..engine.speculative.build import build_proposer
+from ..engine.speculative.speculator import Speculator
 from ..engine.speculative.verify import sample_step
 from ..engine.tensor_parallel import TensorGroup, init_tensor_group
 from ..plan import FleetPlan, Formats, StagePlan

@@ -77,9 +77,10 @@ def timed(lm, prompts, tokens: int, speculator=None):  # type: ignore[no-untyped
 
 
 def measure(lm, prompts, method: str, table, args) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    from modelfleet.engine.speculative.build import build_proposer
     from modelfleet.engine.speculative.config import SpeculativeConfig
     from modelfleet.engine.speculative.proposers import HybridProposer
-    from modelfleet.engine.speculative.speculator import Speculator, build_proposer
+    from modelfleet.engine.speculative.speculator import Speculator
 
     config = SpeculativeConfig(method, num_speculative_tokens=args.k)
 

@@ -10,6 +10,7 @@ nothing keeps a memory map of a whole file alive.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -221,3 +222,22 @@ class TensorDict:
         if name not in self.tensors:
             raise CheckpointError(f"tensor {name!r} is not in the state dict")
         return self.tensors[name].detach().clone()
+
+
+class ListedTensors:
+    """A tensor index of names, dtypes and shapes without data: what a directory holding only
+    config.json stands for, where a model family lists the checkpoint it publishes
+    (``published_tensors``), so ``inspect`` and the planners size the real model from its config."""
+
+    def __init__(self, tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], where: Path):
+        self.tensors, self.where = dict(tensors), where
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        dtype, shape = self.tensors[name]
+        return TensorInfo(self.where, dtype, shape, 0, math.prod(shape) * dtype.itemsize)

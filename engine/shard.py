@@ -61,6 +61,7 @@ class Shard(nn.Module):
             None if embed is None else nn.Parameter(embed, requires_grad=False)
         )
         self.norm, self.head = norm, head
+        self.embed_norm: RMSNorm | None = None  # a family's norm of the embedded tokens (adapt_shard)
         self.device, self.dtype = device, dtype
         self.slots: SlotTable | None = None
         self.kv: list[LayerKV] = []
@@ -197,6 +198,8 @@ class Shard(nn.Module):
         shard = cls(spec, layer_start, end, layers, embed, norm, head, torch_device, torch_dtype)
         shard.tensor = tensor
         _attach_residual_ends(shard, family, root)
+        if hasattr(family, "adapt_shard"):
+            family.adapt_shard(spec, shard, root.sub("model."))
         if formats is not None:
             tied = head is not None and head_name == "model.embed_tokens.weight"
             apply_embedding_format(shard, formats, tied)
@@ -410,8 +413,9 @@ class Shard(nn.Module):
         assert self.embed is not None
         if isinstance(self.embed, QuantizedEmbedding):
             embedded: torch.Tensor = self.embed(ids, self.dtype)
-            return embedded
-        return self.embed[ids].to(self.dtype)
+        else:
+            embedded = self.embed[ids].to(self.dtype)
+        return embedded if self.embed_norm is None else self.embed_norm(embedded)
 
 
 def _attach_residual_ends(shard: Shard, family: object, root: LayerWeights) -> None:

@@ -95,14 +95,17 @@ def _int_field(raw: dict[str, Any], key: str, family: str) -> int:
 
 
 def spec_from_config(raw: dict[str, Any]) -> ModelSpec:
-    from .models import FAMILIES
+    from .models import FAMILIES, MODEL_TYPES, family_of
     from .models import family as family_module  # late import: families import this module
 
-    family = raw.get("model_type")
+    family = family_of(raw.get("model_type"))
     if family not in FAMILIES:
+        supported = sorted({*FAMILIES, *MODEL_TYPES})
         raise ConfigError(
-            f"architecture model_type={family!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+            f"architecture model_type={raw.get('model_type')!r} is not supported; supported: {', '.join(supported)}"
         )
+    assert isinstance(family, str)
+    raw = getattr(family_module(family), "decoder_config", dict)(raw)
     hidden = _int_field(raw, "hidden_size", family)
     heads = _int_field(raw, "num_attention_heads", family)
     eos = raw.get("eos_token_id")

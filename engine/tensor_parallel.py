@@ -27,6 +27,8 @@ Invariants:
   columns); its latent cache is shared by every head, so each rank holds all of it;
 - DeepSeek-V4's compressed attention splits its query heads and the output groups they form;
   its K=V head, compressors, indexer and their state are shared, so each rank holds all of them;
+- Inkling's attention splits its heads, its k/v convolutions' channels following their kv heads;
+  the convolutions on the residual branch run after the reduce, on the whole hidden state;
 - a size-1 group changes nothing.
 """
 
@@ -48,6 +50,7 @@ from .layers import Attention, DecoderLayer, Dense, Experts, GatedMLP, SparseMoE
 from .models import family as family_module
 from .models.deepseek_v3 import LatentAttention
 from .models.deepseek_v4_attention import CompressedAttention
+from .models.inkling import InklingAttention
 from .quantize import QuantizedDense, QuantizedExperts
 from .spec import ModelSpec
 
@@ -171,6 +174,9 @@ def _split_attention(a: nn.Module, group: TensorGroup, path: str) -> None:
     if isinstance(a, CompressedAttention):
         _split_compressed_attention(a, group, path)
         return
+    if isinstance(a, InklingAttention):
+        _split_inkling_attention(a, group, path)
+        return
     if not isinstance(a, Attention):
         raise InputError(f"{path} is {type(a).__name__}, which tensor parallelism cannot split")
     hq = per_rank(a.num_heads, "num_attention_heads", group.size, path)
@@ -213,6 +219,23 @@ def _split_compressed_attention(a: CompressedAttention, group: TensorGroup, path
     a.num_heads, a.o_groups = heads, groups
 
 
+def _split_inkling_attention(a: InklingAttention, group: TensorGroup, path: str) -> None:
+    """Heads of q_proj and r_proj ([H * D] and [H * d_rel] rows), kv heads of k_proj, v_proj and
+    of their convolutions' channels ([Hkv * D]), o_proj's input columns; the q/k norms and the
+    relative bank are shared by every head."""
+    hq = per_rank(a.num_heads, "num_attention_heads (swa_num_attention_heads on sliding layers)", group.size, path)
+    hkv = per_rank(a.num_kv_heads, "num_key_value_heads (swa_ on sliding layers)", group.size, path)
+    d, d_rel, r = a.head_dim, _out_features(a.r_proj) // a.num_heads, group.rank
+    _keep_rows(a.q_proj, [(r * hq * d, hq * d)], f"{path}.q_proj")
+    _keep_rows(a.r_proj, [(r * hq * d_rel, hq * d_rel)], f"{path}.r_proj")
+    for name in ("k_proj", "v_proj"):
+        _keep_rows(getattr(a, name), [(r * hkv * d, hkv * d)], f"{path}.{name}")
+    for conv in (a.k_conv, a.v_conv):  # [Hkv * D, kernel]: channels follow their heads
+        conv.weight = _param(_take(conv.weight, 0, [(r * hkv * d, hkv * d)]))
+    _keep_columns(a.o_proj, r * hq * d, hq * d, group.rank == 0, f"{path}.o_proj")
+    a.num_heads, a.num_kv_heads = hq, hkv
+
+
 def _split_feed_forward(m: nn.Module, group: TensorGroup, path: str) -> None:
     if isinstance(m, SparseMoE):
         _split_experts(m.experts, group, f"{path}.experts")
@@ -225,6 +248,8 @@ def _split_feed_forward(m: nn.Module, group: TensorGroup, path: str) -> None:
         _keep_rows(m.gate, [(start, share)], f"{path}.gate")
         _keep_rows(m.up, [(start, share)], f"{path}.up")
         _keep_columns(m.down, start, share, group.rank == 0, f"{path}.down")
+    elif isinstance(m, Experts | QuantizedExperts):  # shared experts held as a bank (Inkling's)
+        _split_experts(m, group, path)
     else:
         raise InputError(f"{path} is {type(m).__name__}, which tensor parallelism cannot split")
 

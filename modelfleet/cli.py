@@ -87,8 +87,9 @@ def generate(
     from modelfleet.engine.generate import LocalModel
     from modelfleet.engine.generate import generate as run_generate
     from modelfleet.engine.sampling import SamplingParams
+    from modelfleet.engine.speculative.build import build_proposer
     from modelfleet.engine.speculative.config import SpeculativeConfig
-    from modelfleet.engine.speculative.speculator import Speculator, build_proposer
+    from modelfleet.engine.speculative.speculator import Speculator
     from modelfleet.engine.tokenizer import IncrementalDecoder, TextTokenizer
 
     if (prompt is None) == (prompt_ids is None):

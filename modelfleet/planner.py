@@ -167,6 +167,11 @@ def layer_bytes(model_dir: str | Path, dtype: str | None = None) -> LayerBytes:
 
 def layer_bytes_of(spec: ModelSpec, checkpoint: TensorIndex, dtype: str | None = None) -> LayerBytes:
     """:func:`layer_bytes` of a parsed config and a tensor index (a directory's or a Hub repository's)."""
+    from .engine.models import family
+
+    view = getattr(family(spec.family), "tensor_source", None)
+    if view is not None:  # a family's own checkpoint layout, listed by transformers' names
+        checkpoint = view(spec, checkpoint)
     # a quantized checkpoint is loaded as stored: its bytes are the resident bytes
     itemsize = None if spec.raw.get("quantization_config") else _itemsize(dtype)
     per_layer = [0] * spec.num_layers

@@ -347,7 +347,7 @@ DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 
 
 def test_the_demo_draft_proposes_for_the_demo_model_and_greedy_output_is_unchanged() -> None:
-    from modelfleet.engine.speculative.speculator import build_proposer
+    from modelfleet.engine.speculative.build import build_proposer
     from modelfleet.engine.tokenizer import TextTokenizer
 
     prompts = [TextTokenizer(DEMO).encode(text) for text in ("def fibonacci(n):\n    ", "import os\nimport sys\n\n\n")]
@@ -362,7 +362,7 @@ def test_the_demo_draft_proposes_for_the_demo_model_and_greedy_output_is_unchang
 
 
 def test_a_draft_whose_vocabulary_differs_from_the_targets_is_refused(tiny_checkpoint) -> None:
-    from modelfleet.engine.speculative.speculator import build_proposer
+    from modelfleet.engine.speculative.build import build_proposer
 
     path, _ = tiny_checkpoint("qwen3_moe")
     config = SpeculativeConfig("draft_model", model=str(DEMO / "draft"))

@@ -58,7 +58,7 @@ from ..spec import ModelSpec
 from ..weights import LayerWeights
 from .deepseek_v3 import Float32Dense
 from .deepseek_v4_attention import CompressedAttention, Indexer, Pooler, ropes, unit_rms
-from .deepseek_v4_checkpoint import dense, fp4_experts, published_index, tensor_source
+from .deepseek_v4_checkpoint import dense, fp4_experts, published_tensors, tensor_source
 from .deepseek_v4_config import (
     CSA,
     HASH_MOE,
@@ -74,7 +74,7 @@ from .deepseek_v4_config import (
 __all__ = [  # the family surface (engine.models): what the shard, planner and tensor parallelism ask
     "build_layer",
     "cache_layout",
-    "published_index",
+    "published_tensors",
     "residual_entry",
     "residual_exit",
     "residual_shape",

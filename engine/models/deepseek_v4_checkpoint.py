@@ -11,9 +11,6 @@ moved into an :class:`~engine.formats.MXFP4Weight` bank, never decoded.
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import torch
 
 from ..checkpoint import TensorInfo, TensorSource
@@ -51,6 +48,15 @@ class PublishedNames:
 
     def read(self, name: str) -> torch.Tensor:
         return self.source.read(self.stored(name))
+
+    # over a tensor index (the planner's view of a checkpoint): the names as stored, each found
+    # under either spelling; the planner reads DeepSeek's own names (attn., ffn., embed.weight)
+    def names(self) -> list[str]:
+        return list(self.source.names())  # type: ignore[attr-defined]
+
+    def info(self, name: str) -> TensorInfo:
+        info: TensorInfo = self.source.info(self.stored(name))  # type: ignore[attr-defined]
+        return info
 
 
 def spellings(name: str) -> list[str]:
@@ -193,22 +199,3 @@ def _published_compressor(prefix: str, rate: int, dim: int, h: int, halves: int)
         f"{prefix}.wgate.weight": (torch.bfloat16, (halves * dim, h)),
         f"{prefix}.norm.weight": (torch.bfloat16, (dim,)),
     }
-
-
-class PublishedIndex:
-    """:func:`published_tensors` as a tensor index (names and infos, no data): what a directory
-    holding only DeepSeek-V4's config.json stands for when it is inspected."""
-
-    def __init__(self, spec: ModelSpec, where: Path):
-        self.tensors, self.where = published_tensors(spec), where
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-    def info(self, name: str) -> TensorInfo:
-        dtype, shape = self.tensors[name]
-        return TensorInfo(self.where, dtype, shape, 0, math.prod(shape) * dtype.itemsize)
-
-
-def published_index(spec: ModelSpec, where: Path) -> PublishedIndex:
-    return PublishedIndex(spec, where)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from ..errors import InputError
+from .config import SpeculativeConfig
 
 
 class Proposer(Protocol):
@@ -179,3 +180,17 @@ class HybridProposer:
     def forget(self, key: Hashable) -> None:
         if self.draft is not None:
             self.draft.forget(key)
+
+
+def simple_proposer(config: SpeculativeConfig, draft: BatchProposer | None = None) -> Proposer:
+    """The proposer ``config.method`` names, from the ones that need no model (a draft model is
+    loaded by engine.speculative.build and passed in as ``draft`` for hybrid)."""
+    if config.method == "draft_model":
+        raise InputError(
+            "the draft_model proposer loads a model: build it with engine.speculative.build.build_proposer"
+        )
+    ngram = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.method == "ngram":
+        return ngram
+    phrases = PhraseTable.load(config.phrase_table) if config.phrase_table else PhraseTable(config.phrase_context)
+    return phrases if config.method == "phrase" else HybridProposer(ngram, phrases, draft)

@@ -15,27 +15,7 @@ from pathlib import Path
 
 from .adaptive import Acceptance, Fallback, StepCosts, joint_widths, survival
 from .config import SpeculativeConfig
-from .proposers import BatchProposer, HybridProposer, NgramProposer, PhraseTable, Proposer
-
-
-def build_proposer(
-    config: SpeculativeConfig, target: str | Path | None = None, max_streams: int = 1, device: str = "cpu"
-) -> Proposer:
-    """The proposer ``config.method`` names, ready to propose. A draft model is loaded on
-    ``device`` with a slot for each of ``max_streams`` streams, and checked against the
-    ``target`` checkpoint's vocabulary."""
-    ngram = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-    if config.method == "ngram":
-        return ngram
-    draft = None
-    if config.model:
-        from .draft import DraftModelProposer  # loads torch and the engine: only when a draft is asked for
-
-        draft = DraftModelProposer.load(config.model, target, max_streams, device)
-        if config.method == "draft_model":
-            return draft
-    phrases = PhraseTable.load(config.phrase_table) if config.phrase_table else PhraseTable(config.phrase_context)
-    return phrases if config.method == "phrase" else HybridProposer(ngram, phrases, draft)
+from .proposers import BatchProposer, HybridProposer, PhraseTable, Proposer, simple_proposer
 
 
 @dataclass
@@ -75,7 +55,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, row_budget: int | None = None):
         self.config = config
-        self.proposer = proposer or build_proposer(config)
+        self.proposer = proposer or simple_proposer(config)
         self.row_budget = row_budget
         self.acceptance = Acceptance()  # per proposer and position, shared by its streams
         self.costs = StepCosts()

@@ -1,0 +1,26 @@
+"""Building a proposer from a speculative config, a draft model included.
+
+Apart from :mod:`.speculator` because a draft model is a whole engine model
+(:mod:`engine.generate`), which imports the scheduler, which imports the speculator: the callers
+that build (``generate``, the stage agent) import this module; the scheduler never does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import SpeculativeConfig
+from .draft import DraftModelProposer
+from .proposers import Proposer, simple_proposer
+
+
+def build_proposer(
+    config: SpeculativeConfig, target: str | Path | None = None, max_streams: int = 1, device: str = "cpu"
+) -> Proposer:
+    """The proposer ``config.method`` names, ready to propose. A draft model is loaded on
+    ``device`` with a slot for each of ``max_streams`` streams, and checked against the
+    ``target`` checkpoint's vocabulary."""
+    if not config.model:
+        return simple_proposer(config)
+    draft = DraftModelProposer.load(config.model, target, max_streams, device)
+    return draft if config.method == "draft_model" else simple_proposer(config, draft)
