@@ -9,7 +9,7 @@ only when asked.
 A layer's state is a set of named :class:`CacheEntry` tensors, each stored as rows indexed by
 position (one row per ``stride`` positions):
 - attention's K and V (or MLA's latent): a row per position, every position or a window of them;
-- a short convolution's history: a row per position of its input, over a window of ``kernel - 1``;
+- a short convolution's history: a row per position of its input, over a window of ``kernel``;
 - a compressor's entries: one row per block of ``stride`` positions, and the raw inputs of the
   blocks still open as a windowed entry of their own.
 An entry over a window keeps ``window + REWIND_SLACK_POSITIONS`` positions as a ring, so a rewind of
@@ -47,10 +47,12 @@ def rows_kept(
 class CacheEntry:
     """One tensor a layer keeps per stream, as rows of ``shape``.
 
-    ``window``: positions behind the newest the layer reads again (a sliding window, a
-    convolution's ``kernel - 1``); None when every position stays. ``stride``: positions per row
-    (a compressor's block). ``split``: tensor parallelism splits axis 0 (heads, channels) over the
-    ranks; False when every rank keeps all of it (MLA's shared latent)."""
+    ``window``: positions one step reads, the newest included (a sliding window W; a
+    convolution's kernel K, which reads the K - 1 before the newest), so that keeping ``window +
+    slack`` positions leaves a rewind of up to ``slack + 1`` exact; None when every position
+    stays. ``stride``: positions per row (a compressor's block). ``split``: tensor parallelism
+    splits axis 0 (heads, channels) over the ranks; False when every rank keeps all of it (MLA's
+    shared latent)."""
 
     shape: tuple[int, ...]
     window: int | None = None

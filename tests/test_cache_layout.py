@@ -13,7 +13,7 @@ from modelfleet.operator.summary import KVEntry, ModelSummary
 
 SLACK = REWIND_SLACK_POSITIONS
 
-# attention at every position, a convolution's history over kernel - 1 = 3 positions, and a
+# attention at every position, a convolution's history (kernel 3: window 3), and a
 # compressor's blocks of 4 positions (one row each), as a hybrid layer would declare them
 HYBRID = LayerCache(
     {

@@ -462,7 +462,7 @@ def test_an_offline_quantized_checkpoint_gives_exactly_the_logits_of_quantizing_
 def test_a_two_stage_local_fleet_gives_the_greedy_tokens_of_the_single_process_engine(tiny, tmp_path: Path) -> None:
     # concurrent streams in prefill windows of 4 rows and decode rows, framed together, through
     # two stage processes: every stage's k/v and convolution histories per slot
-    from test_pipeline import Fleet, prompts_and_params, reference, run_concurrently
+    from test_pipeline import Fleet, prompts_and_params, reference, run_concurrently, wait_until
 
     path, _ = tiny
     fleet = Fleet(path, tmp_path, stages=2)
@@ -470,6 +470,6 @@ def test_a_two_stage_local_fleet_gives_the_greedy_tokens_of_the_single_process_e
     try:
         prompts, params = prompts_and_params(8)
         assert run_concurrently(fleet, prompts, params) == reference(path, prompts, params)
-        assert [fleet.status(s)["slots_in_use"] for s in range(2)] == [0, 0]
+        wait_until(lambda: [fleet.status(s)["slots_in_use"] for s in range(2)] == [0, 0], 5, "slots freed")
     finally:
         fleet.stop()

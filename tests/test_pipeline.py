@@ -142,8 +142,9 @@ def test_three_stage_fleet_with_keys_gives_the_greedy_tokens_of_the_single_proce
     assert run_concurrently(secure_fleet, prompts, params) == reference(
         tiny_checkpoint("qwen3_moe")[0], prompts, params
     )
+    # a finish reaches the client before the releases reach every stage
+    wait_until(lambda: [secure_fleet.status(s)["slots_in_use"] for s in range(STAGES)] == [0, 0, 0], 5, "slots freed")
     statuses = [secure_fleet.status(s) for s in range(STAGES)]
-    assert [s["slots_in_use"] for s in statuses] == [0, 0, 0]
     assert statuses[0]["head"]["chain_ready"] and statuses[0]["role"] == "head" and statuses[2]["role"] == "tail"
 
 

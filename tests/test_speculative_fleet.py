@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from test_pipeline import Fleet, reference, run_concurrently
+from test_pipeline import Fleet, reference, run_concurrently, wait_until
 
 from modelfleet.engine.sampling import SamplingParams
 
@@ -33,7 +33,7 @@ def test_a_three_stage_fleet_with_speculation_gives_the_greedy_tokens_of_plain_d
         assert run_concurrently(fleet, prompts, params) == reference(path, prompts, params)
         head = fleet.status(0)["head"]["speculative"]
         assert head["method"] == "ngram" and head["drafted"] > head["accepted"], head  # rejections: rewinds ran
-        assert [fleet.status(s)["slots_in_use"] for s in range(3)] == [0, 0, 0]
+        wait_until(lambda: [fleet.status(s)["slots_in_use"] for s in range(3)] == [0, 0, 0], 5, "slots freed")
         assert fleet.metric(0, "modelfleet_speculative_drafted_tokens_total") == head["drafted"]
     finally:
         fleet.stop()
