@@ -25,6 +25,7 @@ from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame, segments_of
 from modelfleet.engine.generate import LocalModel, generate
 from modelfleet.engine.layers import FrameContext
+from modelfleet.engine.models import inkling
 from modelfleet.engine.models.inkling import tensor_shapes
 from modelfleet.engine.models.inkling_mtp import InklingMtp
 from modelfleet.engine.quantized_checkpoint import save_quantized
@@ -110,6 +111,36 @@ def test_multimodal_checkpoint_serves_its_text_decoder_without_reading_the_tower
         ref = model(input_ids=torch.tensor([PROMPT])).logits[0]
     assert_close_to(ours, ref)
     assert read and all(name.startswith("model.llm.") for name in read)  # no tower, no MTP
+
+
+def _without_correction_bias(route):  # type: ignore[no-untyped-def]
+    return lambda logits, bias, top_k, shared, scale: route(logits, bias * 0, top_k, shared, scale)
+
+
+def _without_shared_experts(route):  # type: ignore[no-untyped-def]
+    def routed_only(*args):  # type: ignore[no-untyped-def]
+        index, weight, gammas = route(*args)
+        return index, weight, gammas * 0
+
+    return routed_only
+
+
+CONTROLS = {
+    "relative_bias": lambda states, bank, distance: torch.zeros(states.shape[1], *distance.shape),
+    "log_scale": lambda positions, n_floor, alpha: torch.ones(positions.shape[0]),
+    "causal_conv": lambda history, x, weight: torch.zeros_like(x),
+    "sink_routing": _without_correction_bias(inkling.sink_routing),
+    "sink_routing ": _without_shared_experts(inkling.sink_routing),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_each_feature_left_out_moves_the_logits_far_beyond_the_tolerance(tiny, monkeypatch, name: str) -> None:
+    # the tiny model's random parameters make every path count, so the comparisons above can fail
+    path, model = tiny
+    monkeypatch.setattr(inkling, name.strip(), CONTROLS[name])
+    ours, ref = Shard.load(path)(Frame.of_streams([(0, 0, PROMPT)])), reference_logits(model, PROMPT)
+    assert (ours - ref).abs().max() > 0.05 * ref.abs().max()
 
 
 # Windowed entries keep window + SLACK positions: the convolutions' 3 + 8 = 11 and the sliding
