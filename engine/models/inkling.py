@@ -33,7 +33,9 @@ layers) and each convolution's input history over ``kernel - 1`` positions, a ri
 slack is the carry journal. Under tensor parallelism k/v and their convolutions' channels follow
 the kv heads; attn_conv and mlp_conv run after the all-reduce on the whole hidden state.
 
-The multi-token-prediction layers (``num_mtp_layers``) are served by :mod:`.inkling_mtp`.
+The multi-token-prediction layers (``num_mtp_layers``) are served by :mod:`.inkling_mtp`;
+docs/inkling.md lists each feature with its test. One module of about 550 lines: the family's
+config reading, cache layout, layers and builders, each small, read together.
 """
 
 from __future__ import annotations
