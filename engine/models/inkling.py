@@ -34,7 +34,7 @@ slack is the carry journal. Under tensor parallelism k/v and their convolutions'
 the kv heads; attn_conv and mlp_conv run after the all-reduce on the whole hidden state.
 
 The multi-token-prediction layers (``num_mtp_layers``) are served by :mod:`.inkling_mtp`;
-docs/inkling.md lists each feature with its test. One module of about 550 lines: the family's
+docs/inkling.md lists each feature with its test. One module of about 600 lines: the family's
 config reading, cache layout, layers and builders, each small, read together.
 """
 
