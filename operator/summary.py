@@ -9,7 +9,7 @@ operator sizes KV with the same arithmetic as the shard that allocates it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -98,7 +98,6 @@ def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSumma
     directory, or ``hf://ORG/NAME[@REV]`` read over HTTP Range requests (no tensor bytes). A
     directory holding only config.json is counted from the shapes its family lists, where the
     family lists them."""
-    from modelfleet.engine.checkpoint import Checkpoint
     from modelfleet.engine.hub import RemoteCheckpoint, is_hub_uri
     from modelfleet.engine.spec import load_spec, spec_from_config
 
@@ -106,18 +105,19 @@ def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSumma
         remote = RemoteCheckpoint(str(model))
         return _summarise(spec_from_config(remote.config), remote, dtype)
     spec = load_spec(model)
-    return _summarise(spec, _tensor_index(spec, Path(model), Checkpoint), dtype)
+    return _summarise(spec, _tensor_index(spec, Path(model)), dtype)
 
 
-def _tensor_index(spec: ModelSpec, directory: Path, checkpoint: Callable[[Path], TensorIndex]) -> TensorIndex:
+def _tensor_index(spec: ModelSpec, directory: Path) -> TensorIndex:
     """The directory's tensors; for one holding only config.json, the shapes its family lists
     (``tensor_shapes``, where the family has it), so a summary needs no weights."""
+    from modelfleet.engine.checkpoint import Checkpoint
     from modelfleet.engine.models import family
 
     has_weights = any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").is_file()
     shapes = getattr(family(spec.family), "tensor_shapes", None)
     if has_weights or shapes is None:
-        return checkpoint(directory)
+        return Checkpoint(directory)
     return ShapesOnly(shapes(spec))
 
 
