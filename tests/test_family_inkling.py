@@ -406,6 +406,10 @@ def test_mtp_chain_drafts_the_tokens_and_logits_of_transformers_mtp_model(
         fresh.step(0, 0, start, ours_hidden[start:end], mtp_ids[0, start:end]) for start, end in ((0, 10), (10, 24))
     ]
     assert_close_to(fresh.logits(torch.cat(chunks)), rows[0])
+    # a rejected draft: every depth back by 5 rows, then those rows again give the same outputs
+    fresh.rewind(0, 19)
+    again = fresh.step(0, 0, 19, ours_hidden[19:], mtp_ids[0, 19:])
+    assert_close_to(fresh.logits(again), rows[0, 19:])
 
 
 # ---- sizes: plan, inspect, a config-only directory -------------------------------------------------
