@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from inkling_tiny import build_text_model, save_multimodal_model, save_text_model, save_text_model_with_mtp
+from inkling_tiny import (
+    build_text_model,
+    save_multimodal_model,
+    save_multimodal_model_with_mtp,
+    save_text_model,
+    save_text_model_with_mtp,
+)
 from pydantic import ValidationError
 from tiny import assert_close_to
 
@@ -508,3 +514,24 @@ def test_a_two_stage_local_fleet_gives_the_greedy_tokens_of_the_single_process_e
         assert [fleet.status(s)["slots_in_use"] for s in range(2)] == [0, 0]
     finally:
         fleet.stop()
+
+
+def test_mtp_layers_of_a_multimodal_checkpoint_in_the_released_layout_draft_as_transformers(
+    tmp_path: Path, windowed_mtp_masks: None
+) -> None:
+    from transformers.cache_utils import MtpCache
+
+    model, mtp_ref = save_multimodal_model_with_mtp(tmp_path)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        hidden, sampled = out.hidden_states[-1], out.logits[0, -1].argmax()
+        mtp_ids, positions = torch.cat([ids[:, 1:], sampled.view(1, 1)], dim=1), torch.arange(1, len(PROMPT) + 1)[None]
+        ref_tokens, ref_logits, _ = mtp_ref(
+            mtp_ids, hidden, None, positions, MtpCache(config=model.config.get_mtp_config())
+        )
+    tokens, logits = InklingMtp.load(tmp_path).draft(
+        0, 0, final_hidden(Shard.load(tmp_path), PROMPT), mtp_ids[0].tolist()
+    )
+    assert tokens == ref_tokens[0].tolist()
+    assert_close_to(logits, ref_logits[0])
