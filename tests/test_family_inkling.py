@@ -149,7 +149,7 @@ def test_each_feature_left_out_moves_the_logits_far_beyond_the_tolerance(tiny, m
     assert (ours - ref).abs().max() > 0.05 * ref.abs().max()
 
 
-# Windowed entries keep window + SLACK positions: the convolutions' 3 + 8 = 11 and the sliding
+# Windowed entries keep window + SLACK positions: the convolutions' 4 + 8 = 12 and the sliding
 # layers' 6 + 8 = 14, so streams of 30+ positions wrap every ring; a rewind of up to 9 is exact.
 SLACK = 8
 
@@ -178,7 +178,8 @@ def test_cache_layout_lists_attention_first_then_each_convolution_history() -> N
     assert list(sliding.entries) == ["k", "v", "k_conv", "v_conv", "attn_conv", "mlp_conv"]
     assert (sliding.entries["k"].shape, sliding.entries["k"].window) == ((2, 8), 6)
     assert (full.entries["k"].shape, full.entries["k"].window) == ((2, 16), None)
-    assert full.entries["v_conv"].window == 3 and full.entries["attn_conv"].shape == (64,)
+    # a convolution's window counts the newest position, as attention's does (inkling.conv_window)
+    assert full.entries["v_conv"].window == 4 and full.entries["attn_conv"].shape == (64,)
     half = full.for_rank(2)
     assert half.entries["k_conv"].shape == (1, 16) and half.entries["mlp_conv"].shape == (64,)
 
@@ -211,6 +212,18 @@ def test_rewind_by_one_to_eight_positions_then_new_tokens_matches_transformers(t
         ours = torch.cat([shard(Frame.of_streams([(0, len(history) + j, [t])])) for j, t in enumerate(alternative)])
         history += alternative
         assert_close_to(ours, reference_logits(model, history)[-2:])
+
+
+def test_rewind_by_the_deepest_rewind_the_slot_table_allows_is_exact_for_the_convolutions(tiny) -> None:
+    path, model = tiny
+    shard = ring_shard(path, slots=1)
+    assert shard.slots is not None and shard.slots.rewind_limit == SLACK + 1
+    history = tokens(40, seed=9)
+    shard(Frame.of_streams([(0, 0, history)]))
+    shard.rewind(0, 40 - (SLACK + 1))
+    alternative = tokens(3, seed=10)
+    ours = torch.cat([shard(Frame.of_streams([(0, 31 + j, [t])])) for j, t in enumerate(alternative)])
+    assert_close_to(ours, reference_logits(model, history[:31] + alternative)[31:])
 
 
 def test_a_released_slot_serves_its_next_stream_as_if_new(tiny) -> None:
