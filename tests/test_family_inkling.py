@@ -27,6 +27,7 @@ from tiny import assert_close_to
 from modelfleet import planner
 from modelfleet.agent.openai_schema import ChatCompletionRequest, describe
 from modelfleet.engine.checkpoint import Checkpoint
+from modelfleet.engine.errors import InputError
 from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame, segments_of
 from modelfleet.engine.generate import LocalModel, generate
@@ -37,8 +38,14 @@ from modelfleet.engine.models.inkling_mtp import InklingMtp
 from modelfleet.engine.quantized_checkpoint import save_quantized
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
-from modelfleet.engine.spec import load_spec
-from modelfleet.engine.tensor_parallel import TensorGroup, close_tensor_group, init_tensor_group, split_for_rank
+from modelfleet.engine.spec import load_spec, spec_from_config
+from modelfleet.engine.tensor_parallel import (
+    TensorGroup,
+    check_tensor_split,
+    close_tensor_group,
+    init_tensor_group,
+    split_for_rank,
+)
 from modelfleet.operator.summary import inspect_checkpoint
 from modelfleet.plan import Formats, ServingLimits
 
@@ -322,6 +329,15 @@ def test_int4_experts_and_int8_attention_split_after_quantizing_give_partial_sum
         partial = [s.layers[i].attention(x, ctx, s.kv[i]) for s in ranks]
         assert_close_to(sum(partial), layer.attention(x, ctx, whole.kv[i]), 1e-5)
         assert_close_to(sum(s.layers[i].mlp(x) for s in ranks), layer.mlp(x), 1e-5)
+
+
+@pytest.mark.parametrize("field", ["swa_num_attention_heads", "swa_num_key_value_heads"])
+def test_sliding_layers_head_counts_not_divisible_by_the_tensor_size_are_refused_before_loading(field) -> None:
+    from inkling_tiny import TEXT_CONFIG
+
+    spec = spec_from_config({"model_type": "inkling_text", **TEXT_CONFIG, field: 3})
+    with pytest.raises(InputError, match=f"{field}=3, which is not divisible by 2"):
+        check_tensor_split(spec, 2)
 
 
 # ---- weight formats ------------------------------------------------------------------------------
