@@ -351,9 +351,11 @@ def successor_chains(successor: torch.Tensor, rows: int, length: int, generator:
     return torch.stack(chain, dim=1)
 
 
-def test_int4_experts_and_int8_attention_keep_a_trained_models_logits_and_top1_choices(tmp_path: Path) -> None:
-    # trained a little on a successor task (each token has one next token) so that its predictions
-    # have margins, as a real model's do (a random one's nearly flat logits flip under any 4-bit error)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module, torch.Tensor]:
+    """A tiny model trained a little on a successor task (each token has one next token), so that
+    its predictions have margins, as a real model's do (a random one's nearly flat logits flip under
+    any 4-bit error). -> (directory, model, successor table)."""
     model = build_text_model(unpadded_vocab_size=None, **TP_WIDTHS)
     successor = torch.randperm(125, generator=torch.Generator().manual_seed(5)) + 3
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -366,14 +368,21 @@ def test_int4_experts_and_int8_attention_keep_a_trained_models_logits_and_top1_c
         loss.backward()
         optimizer.step()
     model.eval()
-    model.save_pretrained(tmp_path)
+    path = tmp_path_factory.mktemp("inkling_trained")
+    model.save_pretrained(path)
+    return path, model, successor
+
+
+@pytest.mark.parametrize("experts", ["int4", "mxfp4"])
+def test_4bit_experts_and_int8_attention_keep_a_trained_models_logits_and_top1_choices(trained, experts: str) -> None:
+    path, model, successor = trained
     ids = successor_chains(successor, 1, 64, torch.Generator().manual_seed(9))[0].tolist()
     reference = reference_logits(model, ids)
-    shard = Shard.load(tmp_path, formats=INT4_INT8)
+    shard = Shard.load(path, formats=FormatPlan(experts=experts, attention="int8"))
     # every matrix in its format; what stays float32 is the dense MLPs' scalar scales (experts) and
     # the relative banks and k/v convolution taps (attention), never quantized
-    experts, attention = shard.bytes_by_role["experts"], shard.bytes_by_role["attention"]
-    assert set(experts) == {"int4", "fp32"} and experts["fp32"] < 0.01 * experts["int4"]
+    held_experts, attention = shard.bytes_by_role["experts"], shard.bytes_by_role["attention"]
+    assert set(held_experts) == {experts, "fp32"} and held_experts["fp32"] < 0.01 * held_experts[experts]
     assert set(attention) == {"int8", "fp32"} and attention["fp32"] < 0.1 * attention["int8"]
     logits = shard(Frame.of_streams([(0, 0, ids)]))
     cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
