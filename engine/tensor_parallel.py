@@ -124,6 +124,9 @@ def check_tensor_split(spec: ModelSpec, size: int) -> None:
     pairs = [("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads)]
     for field, value in pairs if fields is None else fields(spec):
         per_rank(value, field, size, "config.json")
+    for field in ("swa_num_attention_heads", "swa_num_key_value_heads"):  # Inkling's sliding layers
+        if spec.get(field) is not None:
+            per_rank(int(spec.raw[field]), field, size, "config.json")
 
 
 def per_rank(value: int, field: str, size: int, where: str) -> int:

@@ -222,8 +222,8 @@ def _layer_role(rest: str) -> str | None:
     """Which format role a layer tensor (its name after ``layers.N.``) belongs to, as the engine
     assigns them (engine.formats.plan.role_of): attention projections but DeepSeek's kv_b_proj,
     which stays plain; feed-forward and expert matrices but the routers; None for the rest."""
-    if "norm" in rest or rest.endswith(("sinks", "bias")):
-        return None
+    if "norm" in rest or rest.endswith(("sinks", "bias")) or "sconv" in rest or "rel_logits_proj" in rest:
+        return None  # Inkling's convolution taps and relative banks stay plain too
     if rest.startswith(("self_attn.", "attn.")):  # attn., ffn.: DeepSeek-V4's names
         return None if "kv_b_proj" in rest else "attention"
     if rest.startswith(("mlp.", "block_sparse_moe.", "ffn.")) and not _ROUTERS.match(rest):

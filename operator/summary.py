@@ -9,7 +9,6 @@ operator sizes KV with the same arithmetic as the shard that allocates it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -97,7 +96,6 @@ def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSumma
     directory, or ``hf://ORG/NAME[@REV]`` read over HTTP Range requests (no tensor bytes). A
     directory holding only config.json is counted from the shapes its family lists, where the
     family lists them."""
-    from modelfleet.engine.checkpoint import Checkpoint
     from modelfleet.engine.hub import RemoteCheckpoint, is_hub_uri
     from modelfleet.engine.spec import load_spec, spec_from_config
 
@@ -105,21 +103,21 @@ def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSumma
         remote = RemoteCheckpoint(str(model))
         return _summarise(spec_from_config(remote.config), remote, dtype)
     spec = load_spec(model)
-    return _summarise(spec, _tensor_index(spec, Path(model), Checkpoint), dtype)
+    return _summarise(spec, _tensor_index(spec, Path(model)), dtype)
 
 
-def _tensor_index(spec: ModelSpec, directory: Path, checkpoint: Callable[[Path], TensorIndex]) -> TensorIndex:
+def _tensor_index(spec: ModelSpec, directory: Path) -> TensorIndex:
     """The directory's safetensors headers; a directory holding only config.json stands for the
     checkpoint its family publishes, where the family lists that checkpoint's tensors
     (``published_tensors``: names, dtypes and shapes), so the real model is planned from its
     config alone."""
-    from modelfleet.engine.checkpoint import ListedTensors
+    from modelfleet.engine.checkpoint import Checkpoint, ListedTensors
     from modelfleet.engine.models import family
 
     has_weights = any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").is_file()
     published = getattr(family(spec.family), "published_tensors", None)
     if has_weights or published is None:
-        return checkpoint(directory)
+        return Checkpoint(directory)
     return ListedTensors(published(spec), directory / "config.json")
 
 

@@ -81,12 +81,12 @@ def save_text_model(path: Path, seed: int = 0, **overrides: Any):  # type: ignor
     return model
 
 
-def save_multimodal_model(path: Path, seed: int = 0):  # type: ignore[no-untyped-def]
+def save_multimodal_model(path: Path, seed: int = 0, **text_overrides: Any):  # type: ignore[no-untyped-def]
     from transformers import InklingConfig, InklingForConditionalGeneration
 
     torch.manual_seed(seed)
     config = InklingConfig(
-        text_config=dict(TEXT_CONFIG),
+        text_config={**TEXT_CONFIG, **text_overrides},
         vision_config=dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, patch_size=4),  # no scipy
         audio_config=dict(n_mel_bins=4, mel_vocab_size=8),
     )
@@ -96,6 +96,19 @@ def save_multimodal_model(path: Path, seed: int = 0):  # type: ignore[no-untyped
     randomise(model)
     model.save_pretrained(path)
     return model
+
+
+def randomise_mtp(mtp: torch.nn.Module) -> None:
+    """The MTP layers' own parameters (not the embedding and head they share with the model)."""
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if name.startswith(("layers.", "shared_post_norm")):
+                if "norm" in name or "scale" in name:
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                elif "sconv" in name or "rel_logits_proj" in name:
+                    p.copy_(torch.randn_like(p) * 0.3)
+                else:
+                    p.copy_(torch.randn_like(p) * 0.08)
 
 
 def save_text_model_with_mtp(path: Path, seed: int = 0, **overrides: Any):  # type: ignore[no-untyped-def]
@@ -108,15 +121,7 @@ def save_text_model_with_mtp(path: Path, seed: int = 0, **overrides: Any):  # ty
 
     model = save_text_model(path, seed, num_mtp_layers=2, mtp_local_layer_ids=[0], **overrides)
     mtp = MtpModel(model, 2).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in mtp.named_parameters():
-            if name.startswith(("layers.", "shared_post_norm")):
-                if "norm" in name or "scale" in name:
-                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
-                elif "sconv" in name or "rel_logits_proj" in name:
-                    p.copy_(torch.randn_like(p) * 0.3)
-                else:
-                    p.copy_(torch.randn_like(p) * 0.08)
+    randomise_mtp(mtp)
     renames = {
         ".enorm.": ".embed_norm.",
         ".hnorm.": ".hidden_norm.",
@@ -132,4 +137,53 @@ def save_text_model_with_mtp(path: Path, seed: int = 0, **overrides: Any):  # ty
         elif name.startswith("shared_post_norm."):
             tensors[name.replace("shared_post_norm.", "model.mtp.chain_norm.")] = tensor.clone()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return model, mtp
+
+
+def released_mtp_tensors(mtp: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An ``MtpModel``'s tensors under the released checkpoints' names: the wrapper as
+    ``model.mtp.layers.K.{embed_norm,hidden_norm,input_proj}``, each block's tensors by the
+    original layer names (``attn.wq_du``, gate and up rows interleaved in ``mlp.w13_dn``)."""
+    from modelfleet.engine.models.inkling_layout import LAYERS, ORIGINAL, original_source
+
+    wrapper = {".enorm.": ".embed_norm.", ".hnorm.": ".hidden_norm.", ".eh_proj.": ".input_proj."}
+    tensors: dict[str, torch.Tensor] = {}
+    halves: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in mtp.state_dict().items():
+        if name.startswith("shared_post_norm."):
+            tensors[name.replace("shared_post_norm.", "model.mtp.chain_norm.")] = tensor.clone()
+        if not name.startswith("layers."):
+            continue
+        depth, _, rest = name[len("layers.") :].partition(".")
+        if not rest.startswith("mtp_block."):
+            for old, new in wrapper.items():
+                name = name.replace(old, new)
+            tensors[f"model.mtp.{name}"] = tensor.clone()
+            continue
+        where = original_source(f"{LAYERS}0.{rest[len('mtp_block.') :]}")
+        assert where is not None
+        source, dim, half = where
+        target = f"model.mtp.layers.{depth}.transformer_block." + source[len(f"{ORIGINAL}layers.0.") :]
+        if half is None:
+            tensors[target] = tensor.clone()
+        else:  # rows of gate and up alternate along dim
+            halves.setdefault(target, {})[half] = tensor
+            if len(halves[target]) == 2:
+                tensors[target] = torch.stack([halves[target][0], halves[target][1]], dim=dim + 1).flatten(dim, dim + 1)
+    return tensors
+
+
+def save_multimodal_model_with_mtp(path: Path, seed: int = 0):  # type: ignore[no-untyped-def]
+    """:func:`save_multimodal_model` with two MTP layers (depth 0 sliding) added in the released
+    layout. -> (model, MtpModel)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    model = save_multimodal_model(path, seed, num_mtp_layers=2, mtp_local_layer_ids=[0])
+    mtp = MtpModel(model, 2).to(torch.float32).eval()
+    randomise_mtp(mtp)
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors.update(released_mtp_tensors(mtp))
+    save_file(tensors, file, metadata={"format": "pt"})
     return model, mtp

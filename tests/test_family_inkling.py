@@ -14,24 +14,38 @@ from pathlib import Path
 
 import pytest
 import torch
-from inkling_tiny import build_text_model, save_multimodal_model, save_text_model, save_text_model_with_mtp
+from inkling_tiny import (
+    build_text_model,
+    save_multimodal_model,
+    save_multimodal_model_with_mtp,
+    save_text_model,
+    save_text_model_with_mtp,
+)
 from pydantic import ValidationError
 from tiny import assert_close_to
 
 from modelfleet import planner
 from modelfleet.agent.openai_schema import ChatCompletionRequest, describe
 from modelfleet.engine.checkpoint import Checkpoint
+from modelfleet.engine.errors import InputError
 from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame, segments_of
 from modelfleet.engine.generate import LocalModel, generate
 from modelfleet.engine.layers import FrameContext
+from modelfleet.engine.models import inkling
 from modelfleet.engine.models.inkling import tensor_shapes
 from modelfleet.engine.models.inkling_mtp import InklingMtp
 from modelfleet.engine.quantized_checkpoint import save_quantized
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
-from modelfleet.engine.spec import load_spec
-from modelfleet.engine.tensor_parallel import TensorGroup, close_tensor_group, init_tensor_group, split_for_rank
+from modelfleet.engine.spec import load_spec, spec_from_config
+from modelfleet.engine.tensor_parallel import (
+    TensorGroup,
+    check_tensor_split,
+    close_tensor_group,
+    init_tensor_group,
+    split_for_rank,
+)
 from modelfleet.operator.summary import inspect_checkpoint
 from modelfleet.plan import Formats, ServingLimits
 
@@ -112,7 +126,37 @@ def test_multimodal_checkpoint_serves_its_text_decoder_without_reading_the_tower
     assert read and all(name.startswith("model.llm.") for name in read)  # no tower, no MTP
 
 
-# Windowed entries keep window + SLACK positions: the convolutions' 3 + 8 = 11 and the sliding
+def _without_correction_bias(route):  # type: ignore[no-untyped-def]
+    return lambda logits, bias, top_k, shared, scale: route(logits, bias * 0, top_k, shared, scale)
+
+
+def _without_shared_experts(route):  # type: ignore[no-untyped-def]
+    def routed_only(*args):  # type: ignore[no-untyped-def]
+        index, weight, gammas = route(*args)
+        return index, weight, gammas * 0
+
+    return routed_only
+
+
+CONTROLS = {
+    "relative_bias": lambda states, bank, distance: torch.zeros(states.shape[1], *distance.shape),
+    "log_scale": lambda positions, n_floor, alpha: torch.ones(positions.shape[0]),
+    "causal_conv": lambda history, x, weight: torch.zeros_like(x),
+    "sink_routing": _without_correction_bias(inkling.sink_routing),
+    "sink_routing ": _without_shared_experts(inkling.sink_routing),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_each_feature_left_out_moves_the_logits_far_beyond_the_tolerance(tiny, monkeypatch, name: str) -> None:
+    # the tiny model's random parameters make every path count, so the comparisons above can fail
+    path, model = tiny
+    monkeypatch.setattr(inkling, name.strip(), CONTROLS[name])
+    ours, ref = Shard.load(path)(Frame.of_streams([(0, 0, PROMPT)])), reference_logits(model, PROMPT)
+    assert (ours - ref).abs().max() > 0.05 * ref.abs().max()
+
+
+# Windowed entries keep window + SLACK positions: the convolutions' 4 + 8 = 12 and the sliding
 # layers' 6 + 8 = 14, so streams of 30+ positions wrap every ring; a rewind of up to 9 is exact.
 SLACK = 8
 
@@ -141,7 +185,8 @@ def test_cache_layout_lists_attention_first_then_each_convolution_history() -> N
     assert list(sliding.entries) == ["k", "v", "k_conv", "v_conv", "attn_conv", "mlp_conv"]
     assert (sliding.entries["k"].shape, sliding.entries["k"].window) == ((2, 8), 6)
     assert (full.entries["k"].shape, full.entries["k"].window) == ((2, 16), None)
-    assert full.entries["v_conv"].window == 3 and full.entries["attn_conv"].shape == (64,)
+    # a convolution's window counts the newest position, as attention's does (inkling.conv_window)
+    assert full.entries["v_conv"].window == 4 and full.entries["attn_conv"].shape == (64,)
     half = full.for_rank(2)
     assert half.entries["k_conv"].shape == (1, 16) and half.entries["mlp_conv"].shape == (64,)
 
@@ -174,6 +219,18 @@ def test_rewind_by_one_to_eight_positions_then_new_tokens_matches_transformers(t
         ours = torch.cat([shard(Frame.of_streams([(0, len(history) + j, [t])])) for j, t in enumerate(alternative)])
         history += alternative
         assert_close_to(ours, reference_logits(model, history)[-2:])
+
+
+def test_rewind_by_the_deepest_rewind_the_slot_table_allows_is_exact_for_the_convolutions(tiny) -> None:
+    path, model = tiny
+    shard = ring_shard(path, slots=1)
+    assert shard.slots is not None and shard.slots.rewind_limit == SLACK + 1
+    history = tokens(40, seed=9)
+    shard(Frame.of_streams([(0, 0, history)]))
+    shard.rewind(0, 40 - (SLACK + 1))
+    alternative = tokens(3, seed=10)
+    ours = torch.cat([shard(Frame.of_streams([(0, 31 + j, [t])])) for j, t in enumerate(alternative)])
+    assert_close_to(ours, reference_logits(model, history[:31] + alternative)[31:])
 
 
 def test_a_released_slot_serves_its_next_stream_as_if_new(tiny) -> None:
@@ -274,6 +331,15 @@ def test_int4_experts_and_int8_attention_split_after_quantizing_give_partial_sum
         assert_close_to(sum(s.layers[i].mlp(x) for s in ranks), layer.mlp(x), 1e-5)
 
 
+@pytest.mark.parametrize("field", ["swa_num_attention_heads", "swa_num_key_value_heads"])
+def test_sliding_layers_head_counts_not_divisible_by_the_tensor_size_are_refused_before_loading(field) -> None:
+    from inkling_tiny import TEXT_CONFIG
+
+    spec = spec_from_config({"model_type": "inkling_text", **TEXT_CONFIG, field: 3})
+    with pytest.raises(InputError, match=f"{field}=3, which is not divisible by 2"):
+        check_tensor_split(spec, 2)
+
+
 # ---- weight formats ------------------------------------------------------------------------------
 
 
@@ -285,9 +351,11 @@ def successor_chains(successor: torch.Tensor, rows: int, length: int, generator:
     return torch.stack(chain, dim=1)
 
 
-def test_int4_experts_and_int8_attention_keep_a_trained_models_logits_and_top1_choices(tmp_path: Path) -> None:
-    # trained a little on a successor task (each token has one next token) so that its predictions
-    # have margins, as a real model's do (a random one's nearly flat logits flip under any 4-bit error)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module, torch.Tensor]:
+    """A tiny model trained a little on a successor task (each token has one next token), so that
+    its predictions have margins, as a real model's do (a random one's nearly flat logits flip under
+    any 4-bit error). -> (directory, model, successor table)."""
     model = build_text_model(unpadded_vocab_size=None, **TP_WIDTHS)
     successor = torch.randperm(125, generator=torch.Generator().manual_seed(5)) + 3
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -300,14 +368,21 @@ def test_int4_experts_and_int8_attention_keep_a_trained_models_logits_and_top1_c
         loss.backward()
         optimizer.step()
     model.eval()
-    model.save_pretrained(tmp_path)
+    path = tmp_path_factory.mktemp("inkling_trained")
+    model.save_pretrained(path)
+    return path, model, successor
+
+
+@pytest.mark.parametrize("experts", ["int4", "mxfp4"])
+def test_4bit_experts_and_int8_attention_keep_a_trained_models_logits_and_top1_choices(trained, experts: str) -> None:
+    path, model, successor = trained
     ids = successor_chains(successor, 1, 64, torch.Generator().manual_seed(9))[0].tolist()
     reference = reference_logits(model, ids)
-    shard = Shard.load(tmp_path, formats=INT4_INT8)
+    shard = Shard.load(path, formats=FormatPlan(experts=experts, attention="int8"))
     # every matrix in its format; what stays float32 is the dense MLPs' scalar scales (experts) and
     # the relative banks and k/v convolution taps (attention), never quantized
-    experts, attention = shard.bytes_by_role["experts"], shard.bytes_by_role["attention"]
-    assert set(experts) == {"int4", "fp32"} and experts["fp32"] < 0.01 * experts["int4"]
+    held_experts, attention = shard.bytes_by_role["experts"], shard.bytes_by_role["attention"]
+    assert set(held_experts) == {experts, "fp32"} and held_experts["fp32"] < 0.01 * held_experts[experts]
     assert set(attention) == {"int8", "fp32"} and attention["fp32"] < 0.1 * attention["int8"]
     logits = shard(Frame.of_streams([(0, 0, ids)]))
     cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
@@ -375,6 +450,10 @@ def test_mtp_chain_drafts_the_tokens_and_logits_of_transformers_mtp_model(
         fresh.step(0, 0, start, ours_hidden[start:end], mtp_ids[0, start:end]) for start, end in ((0, 10), (10, 24))
     ]
     assert_close_to(fresh.logits(torch.cat(chunks)), rows[0])
+    # a rejected draft: every depth back by 5 rows, then those rows again give the same outputs
+    fresh.rewind(0, 19)
+    again = fresh.step(0, 0, 19, ours_hidden[19:], mtp_ids[0, 19:])
+    assert_close_to(fresh.logits(again), rows[0, 19:])
 
 
 # ---- sizes: plan, inspect, a config-only directory -------------------------------------------------
@@ -473,3 +552,24 @@ def test_a_two_stage_local_fleet_gives_the_greedy_tokens_of_the_single_process_e
         wait_until(lambda: [fleet.status(s)["slots_in_use"] for s in range(2)] == [0, 0], 5, "slots freed")
     finally:
         fleet.stop()
+
+
+def test_mtp_layers_of_a_multimodal_checkpoint_in_the_released_layout_draft_as_transformers(
+    tmp_path: Path, windowed_mtp_masks: None
+) -> None:
+    from transformers.cache_utils import MtpCache
+
+    model, mtp_ref = save_multimodal_model_with_mtp(tmp_path)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        hidden, sampled = out.hidden_states[-1], out.logits[0, -1].argmax()
+        mtp_ids, positions = torch.cat([ids[:, 1:], sampled.view(1, 1)], dim=1), torch.arange(1, len(PROMPT) + 1)[None]
+        ref_tokens, ref_logits, _ = mtp_ref(
+            mtp_ids, hidden, None, positions, MtpCache(config=model.config.get_mtp_config())
+        )
+    tokens, logits = InklingMtp.load(tmp_path).draft(
+        0, 0, final_hidden(Shard.load(tmp_path), PROMPT), mtp_ids[0].tolist()
+    )
+    assert tokens == ref_tokens[0].tolist()
+    assert_close_to(logits, ref_logits[0])

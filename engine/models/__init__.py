@@ -7,9 +7,12 @@ fields), ``build_layer(spec, layer_index, weights)`` returning a DecoderLayer, a
 :class:`~modelfleet.engine.cache_layout.LayerCache` (asked through
 :func:`modelfleet.engine.cache_layout.cache_layout`). Optionally: ``decoder_config(raw)`` (the
 decoder's fields of a config that nests them), ``tensor_source(spec, source)`` (a view of a
-checkpoint in the family's own layout under the names ``build_layer`` reads) and ``adapt_shard(spec, shard, weights)`` (parts around the
-layers the family changes: an embedding norm, a scaled final norm, a cut head). Modules are imported on first use; this
-module imports neither torch nor a family.
+checkpoint in the family's own layout under the names ``build_layer`` reads),
+``adapt_shard(spec, shard, weights)`` (the parts around the layers the family changes: an
+embedding norm, a scaled or cut head) and ``published_tensors(spec)`` (every tensor of the
+checkpoint the family publishes, with its dtype and shape, for a summary of a config-only
+directory). Modules are imported on first use; this module imports
+neither torch nor a family.
 """
 
 from __future__ import annotations

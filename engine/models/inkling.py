@@ -29,11 +29,13 @@ hidden state is divided by ``logits_mup_width_multiplier`` before the head (fold
 weight at load); logits past ``unpadded_vocab_size`` are dropped (head rows cut at load).
 
 Per-stream state (:func:`cache_layout`): attention's k and v (a ring over the window on sliding
-layers) and each convolution's input history over ``kernel - 1`` positions, a ring whose rewind
+layers) and each convolution's input history over its ``kernel`` positions, a ring whose rewind
 slack is the carry journal. Under tensor parallelism k/v and their convolutions' channels follow
 the kv heads; attn_conv and mlp_conv run after the all-reduce on the whole hidden state.
 
-The multi-token-prediction layers (``num_mtp_layers``) are served by :mod:`.inkling_mtp`.
+The multi-token-prediction layers (``num_mtp_layers``) are served by :mod:`.inkling_mtp`;
+docs/inkling.md lists each feature with its test. One module of about 600 lines: the family's
+config reading, cache layout, layers and builders, each small, read together.
 """
 
 from __future__ import annotations
@@ -164,17 +166,21 @@ def attention_shape(spec: ModelSpec, i: int) -> tuple[int, int, int, int | None]
     return spec.num_heads, spec.num_kv_heads, spec.head_dim, None
 
 
-def conv_history(spec: ModelSpec) -> int:
-    """Positions before the newest a convolution reads: kernel - 1."""
-    return int(spec.raw["conv_kernel_size"]) - 1
+def conv_window(spec: ModelSpec) -> int:
+    """A convolution's window: the ``kernel`` positions it spans, the newest included, as an
+    attention window counts them. The convolution reads kernel - 1 stored inputs, but the cache's
+    rewind limit (rows - window + 1, engine.cache_layout) holds for a window that counts the newest
+    position: over kernel - 1 it would allow one position more than the ring keeps (a rewind of
+    the slack + 1 would read an overwritten input)."""
+    return int(spec.raw["conv_kernel_size"])
 
 
 def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
     """k and v ([kv_heads, head_dim] a position, over the window on sliding layers), then each
-    convolution's input over kernel - 1 positions: k's and v's (split with their heads) and the
+    convolution's input over its window (:func:`conv_window`): k's and v's (split with their heads) and the
     two on the residual branch ([hidden], whole on every tensor rank)."""
     _, kv_heads, head_dim, window = attention_shape(spec, i)
-    history = conv_history(spec)
+    history = conv_window(spec)
     heads_shape, hidden_shape = (kv_heads, head_dim), (spec.hidden_size,)
     return LayerCache(
         {
