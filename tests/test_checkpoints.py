@@ -98,7 +98,7 @@ def test_a_config_lacking_moe_fields_names_the_missing_field(tmp_path: Path) -> 
 
 def test_an_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    with pytest.raises(ConfigError, match="deepseek_v3, gpt_oss, mixtral, qwen3_moe"):
+    with pytest.raises(ConfigError, match="deepseek_v3, deepseek_v4, gpt_oss, mixtral, qwen3_moe"):
         Shard.load(tmp_path)
 
 
