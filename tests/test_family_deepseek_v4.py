@@ -145,7 +145,7 @@ def test_a_frame_of_three_streams_one_in_prefill_gives_each_the_logits_it_gets_a
     assert_close_to(out[10], expected[2][-1], 1e-5)
 
 
-@pytest.mark.parametrize("back", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("back", range(1, 9))
 def test_rewind_then_re_decode_reproduces_every_state_kind_across_block_boundaries(tiny, back):
     """Decode to 40 (a boundary of HCA and CSA blocks), rewind ``back`` positions (into pooled
     blocks: back >= 1 reopens CSA's block 9, >= 8 HCA's block 4), decode other tokens, and match a
@@ -160,6 +160,20 @@ def test_rewind_then_re_decode_reproduces_every_state_kind_across_block_boundari
     shard.rewind(0, 40 - back)
     ours = torch.cat([shard(Frame.of_streams([(0, 40 - back + j, [t])])) for j, t in enumerate(other)])
     assert_close_to(ours, reference_logits(model, ids[: 40 - back] + other)[40 - back :])
+
+
+def test_a_rejected_draft_frame_rewinds_and_a_verify_frame_of_several_rows_resumes(tiny):
+    """Speculative decoding's pattern: 7 draft rows in one frame across CSA block 9's and HCA block
+    4's ends, all rejected after the first, then 4 rows verified in one frame."""
+    path, model = tiny
+    shard = Shard.load(path)
+    small_cache(shard)
+    ids, draft, accepted = tokens(37, seed=21), tokens(7, seed=22), tokens(4, seed=23)
+    shard(Frame.of_streams([(0, 0, ids)]))
+    shard(Frame.of_streams([(0, 37, draft)]))
+    shard.rewind(0, 38)
+    ours = shard(Frame.of_streams([(0, 38, accepted)]))
+    assert_close_to(ours, reference_logits(model, ids + draft[:1] + accepted)[38:])
 
 
 def test_a_released_slot_serves_a_new_stream_as_if_fresh(tiny):
