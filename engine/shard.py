@@ -1,7 +1,8 @@
 """A shard: the layers [layer_start, layer_end) of a model, plus the embedding when it is first
 and the final norm and head when it is last, with its own per-slot KV state.
 
-``forward(frame)`` returns float32 hidden states [R, hidden] to pass to the next shard, or,
+``forward(frame)`` returns float32 hidden states [R, *residual_shape] ([R, hidden] for most
+families, engine.residual) to pass to the next shard, or,
 for the last shard, float32 logits [N, vocab] of the frame's output rows (all R rows when the
 frame names none). Loading reads only the tensors this shard owns. A Shard is the torch
 :class:`~modelfleet.engine.backend.StageBackend`.
@@ -402,7 +403,11 @@ class Shard(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
             bad = next(t for t in ids.tolist() if not 0 <= t < self.spec.vocab_size)
             raise InputError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
-        x = self.embed_tokens(ids.to(self.device))
+        return self.residual_of(ids.to(self.device))
+
+    def residual_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """[R] token ids on the device -> the first layer's residual [R, *residual_shape]."""
+        x = self.embed_tokens(ids)
         return x if self.entry is None else self.entry(x)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

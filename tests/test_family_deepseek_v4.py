@@ -41,6 +41,7 @@ from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import load_spec
 from modelfleet.engine.tensor_parallel import check_tensor_split, close_tensor_group, init_tensor_group
 from modelfleet.operator.summary import ModelSummary
+from modelfleet.planner import kv_bytes_per_layer
 
 SLACK = 8  # rewind slack of the rings in these tests
 STEPS = 30  # teacher-forced training steps before the int4 comparison
@@ -128,6 +129,17 @@ def test_cache_layout_lists_window_block_and_journal_entries_per_attention_kind(
     assert list(csa) == ["kv", "compressed", "indexer_keys", "compressor_inputs"]
     assert csa["compressed"].stride == 4 and csa["indexer_keys"].shape == (16,)
     assert csa["compressor_inputs"].window == 8 and csa["compressor_inputs"].shape == (4 * 32 + 4 * 16,)
+
+
+def test_the_shard_allocates_the_state_the_planner_and_the_summary_reserve(tiny):
+    path, _ = tiny
+    shard = Shard.load(path)
+    shard.allocate_cache(max_slots=3, max_context=100)
+    spec = load_spec(path)
+    planned = kv_bytes_per_layer(spec, 3, 100, "float32")
+    assert [kv.nbytes for kv in shard.kv] == planned
+    result = CliRunner().invoke(app, ["inspect", "--model", str(path), "--dtype", "float32"])
+    assert ModelSummary.from_json(result.stdout).kv_bytes(3, 100) == planned
 
 
 def test_a_frame_of_three_streams_one_in_prefill_gives_each_the_logits_it_gets_alone(tiny):
