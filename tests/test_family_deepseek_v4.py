@@ -270,11 +270,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Mo
     return path, model, successor
 
 
-def test_int4_experts_keep_a_teacher_forced_models_logits_and_top1_choices(trained):
+@pytest.mark.parametrize(
+    "formats", [FormatPlan(experts="int4"), FormatPlan(experts="int4", attention="int8")], ids=["int4", "int4+int8"]
+)
+def test_int4_experts_keep_a_teacher_forced_models_logits_and_top1_choices(trained, formats):
     path, model, successor = trained
     ids = successor_chains(successor, 1, 48, torch.Generator().manual_seed(9))[0].tolist()
     reference = reference_logits(model, ids)
-    shard = Shard.load(path, formats=FormatPlan(experts="int4"))
+    shard = Shard.load(path, formats=formats)
     assert set(shard.bytes_by_role["experts"]) == {"int4"}
     logits = shard(Frame.of_streams([(0, 0, ids)]))
     cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
