@@ -37,6 +37,7 @@ from modelfleet.engine.models.deepseek_v4_mtp import load_mtp
 from modelfleet.engine.quantize import QuantizedExperts
 from modelfleet.engine.quantized_checkpoint import save_quantized
 from modelfleet.engine.residual import residual_shape
+from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import load_spec
 from modelfleet.engine.tensor_parallel import check_tensor_split, close_tensor_group, init_tensor_group
@@ -494,15 +495,31 @@ def test_inspect_and_plan_of_the_tiny_checkpoint_split_its_layers_and_count_its_
     assert [(s["layer_start"], s["layer_end"]) for s in plan["groups"][0]["stages"]] == [(0, 2), (2, 4)]
 
 
-def test_a_two_stage_local_fleet_passes_streams_and_token_ids_and_gives_the_engines_tokens(tiny, tmp_path):
+def test_a_two_stage_local_fleet_gives_the_engines_tokens_to_its_client_and_the_openai_client(tiny, tmp_path):
+    """Stage 1 holds a hash-routed layer, so the frames it gets carry the hyper-connection streams
+    and the rows' token ids; the gateway in front serves the OpenAI API."""
+    from test_gateway import Served, build_tokenizer, extra, wait_until
     from test_pipeline import Fleet, prompts_and_params, reference, run_concurrently
 
-    path, _ = tiny
-    fleet = Fleet(path, tmp_path, stages=2)  # stage 1 holds a hash-routed layer: it needs the ids
+    from modelfleet.agent.gateway import GatewayConfig
+
+    path = tmp_path / "deepseek-v4-chat"
+    shutil.copytree(tiny[0], path)
+    build_tokenizer([100, 101]).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    fleet = Fleet(path, tmp_path, stages=2)
     fleet.start()
     try:
         prompts, params = prompts_and_params(6)
         assert run_concurrently(fleet, prompts, params) == reference(path, prompts, params)
+        with Served(GatewayConfig.of(fleet.plan)) as served:
+            wait_until(lambda: served.gateway.ready, 10, "the gateway sees the head ready")
+            result = served.openai().completions.create(
+                model=served.gateway.model_name, prompt=prompts[3], max_tokens=8, temperature=0,
+                extra_body={"return_token_ids": True},
+            )  # fmt: skip
+        expected = reference(path, [prompts[3]], [SamplingParams(max_tokens=8)])[0]
+        assert extra(result.choices[0], "token_ids") == expected
     finally:
         fleet.stop()
 
