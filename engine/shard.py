@@ -388,22 +388,25 @@ class Shard(nn.Module):
         return logits.to(torch.float32)
 
     def _input(self, frame: Frame) -> torch.Tensor:
+        if frame.token_ids is not None:  # embedded here, or read by a layer that routes by token
+            self._check_vocabulary(frame.token_ids)
         if self.embed is None:
             if frame.hidden is None:
                 raise InputError(f"shard [{self.layer_start}, {self.layer_end}) takes hidden states, got none")
             if tuple(frame.hidden.shape[1:]) != self.residual_shape:
                 raise InputError(
                     f"frame.hidden has rows of shape {list(frame.hidden.shape[1:])}; this model's residual rows "
-                    f"are {list(self.residual_shape)} (engine.models.residual_shape)"
+                    f"are {list(self.residual_shape)} (engine.residual.residual_shape)"
                 )
             return frame.hidden.to(self.device, self.dtype)
         if frame.token_ids is None:
             raise InputError("the first shard takes token ids, got none")
-        ids = frame.token_ids
+        return self.residual_of(frame.token_ids.to(self.device))
+
+    def _check_vocabulary(self, ids: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
             bad = next(t for t in ids.tolist() if not 0 <= t < self.spec.vocab_size)
             raise InputError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
-        return self.residual_of(ids.to(self.device))
 
     def residual_of(self, ids: torch.Tensor) -> torch.Tensor:
         """[R] token ids on the device -> the first layer's residual [R, *residual_shape]."""

@@ -99,7 +99,7 @@ def test_one_two_and_three_shards_passing_hyper_connection_streams_give_the_logi
         assert first.dtype == torch.float32 and tuple(first.shape) == (3, CONFIG["hc_mult"], CONFIG["hidden_size"])
 
 
-def test_the_residual_shape_is_the_familys_and_a_stage_refuses_rows_of_another(tiny):
+def test_the_residual_shape_is_the_familys_and_a_stage_refuses_rows_of_another_or_unknown_tokens(tiny):
     path, _ = tiny
     spec = load_spec(path)
     assert residual_shape(spec) == (CONFIG["hc_mult"], CONFIG["hidden_size"])
@@ -107,6 +107,9 @@ def test_the_residual_shape_is_the_familys_and_a_stage_refuses_rows_of_another(t
     flat = torch.zeros(2, CONFIG["hidden_size"])
     with pytest.raises(InputError, match=r"residual rows are \[3, 64\]"):
         second(Frame(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([5, 6]), hidden=flat))
+    streams = torch.zeros(2, 3, 64)
+    with pytest.raises(InputError, match=r"token id 128 is outside the vocabulary \[0, 128\)"):
+        second(Frame(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([5, 128]), hidden=streams))
 
 
 def test_a_hash_routed_layer_past_the_first_stage_reads_the_token_ids_the_frame_carries(tiny):
