@@ -584,3 +584,21 @@ def test_tensor_parallelism_refuses_heads_or_output_groups_that_do_not_divide(ti
     with pytest.raises(InputError, match="o_groups=2, which is not divisible by 4"):
         check_tensor_split(load_spec(path), 4)
     check_tensor_split(load_spec(path), 2)  # one shared K=V head is no obstacle
+
+
+def test_two_stages_of_two_tensor_ranks_broadcast_streams_and_token_ids_and_give_the_engines_tokens(tiny, tmp_path):
+    """Stage 1's leader broadcasts each frame's hyper-connection streams and token ids (its hash
+    layer needs them) to its follower rank."""
+    from test_pipeline import prompts_and_params, reference
+    from test_tensor_fleet import TensorFleet
+
+    path, _ = tiny
+    fleet = TensorFleet(path, tmp_path)
+    fleet.start()
+    try:
+        prompts, params = prompts_and_params(4)
+        with fleet.client() as client:
+            results = client.wait([client.submit(p, s) for p, s in zip(prompts, params, strict=True)])
+        assert [r.token_ids for r in results] == reference(path, prompts, params)
+    finally:
+        fleet.stop()
