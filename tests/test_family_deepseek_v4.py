@@ -1,10 +1,13 @@
 """DeepSeek-V4 against transformers on a tiny random checkpoint (tests/dsv4_tiny.py): three
 hyper-connection streams, an HCA layer (blocks of 8), two CSA layers (blocks of 4, an indexer
-keeping 3 blocks) and a sliding layer (window 8), a hash-routed first MoE layer, sqrt-softplus
-routing with a correction bias, clamped experts and a shared expert.
+keeping 3 blocks) and a sliding layer (window 8), hash-routed MoE layers 0 and 2 (so a stage past
+the first needs the rows' token ids), sqrt-softplus routing with a correction bias, clamped experts
+and a shared expert.
 
 Prompts of 40 positions cross five HCA blocks, ten CSA blocks (so the indexer chooses) and the
-sliding window five times over.
+sliding window five times over. Sections: transformers' logits and tokens, cuts and the residual,
+per-stream state, tensor parallelism, formats, the published checkpoint layout, MTP, planning and
+fleets. docs/deepseek_v4.md maps each architecture feature to its test.
 """
 
 from __future__ import annotations
