@@ -94,7 +94,6 @@ class ModelSummary(BaseModel):
 def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSummary:
     """The summary of a checkpoint, from config.json and safetensors headers only: a local
     directory, or ``hf://ORG/NAME[@REV]`` read over HTTP Range requests (no tensor bytes)."""
-    from modelfleet.engine.checkpoint import Checkpoint
     from modelfleet.engine.hub import RemoteCheckpoint, is_hub_uri
     from modelfleet.engine.spec import load_spec, spec_from_config
 
@@ -102,20 +101,21 @@ def inspect_checkpoint(model: str | Path, dtype: str = "bfloat16") -> ModelSumma
         remote = RemoteCheckpoint(str(model))
         return _summarise(spec_from_config(remote.config), remote, dtype)
     spec = load_spec(model)
-    return _summarise(spec, _local_index(Path(model), spec, Checkpoint), dtype)
+    return _summarise(spec, _local_index(Path(model), spec), dtype)
 
 
-def _local_index(model: Path, spec: ModelSpec, checkpoint: type[TensorIndex]) -> TensorIndex:
+def _local_index(model: Path, spec: ModelSpec) -> TensorIndex:
     """The directory's safetensors headers; a directory holding only config.json stands for the
     checkpoint its family publishes, where the family lists that checkpoint's tensors
     (``published_index``: DeepSeek-V4), so the real model is planned from its config alone."""
+    from modelfleet.engine.checkpoint import Checkpoint
     from modelfleet.engine.models import family
 
     published = getattr(family(spec.family), "published_index", None)
     if published is not None and not any(model.glob("*.safetensors")):
         index: TensorIndex = published(spec, model / "config.json")
         return index
-    return checkpoint(model)  # type: ignore[call-arg]
+    return Checkpoint(model)
 
 
 def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSummary:
