@@ -9,7 +9,8 @@ call the leader runs, in the same order, because each layer's all-reduce is a co
 Before each engine call that computes or changes state (forward a frame, release or rewind a
 slot, allocate the KV cache) the leader broadcasts a :class:`Command` over torch.distributed,
 as int64 tensors only (no pickle): a header of HEADER_WORDS words, then, for a frame, its slots,
-positions and token ids or hidden states, whose sizes and dtype the header gave. Every rank's
+positions and token ids or hidden states (and the rows' token ids with them, for a family that
+routes by token), whose sizes, residual streams and dtype the header gave. Every rank's
 output is identical after the reduces, so the leader uses its own. An idle leader broadcasts a
 heartbeat every ``heartbeat_seconds`` so that a follower's wait never reaches the collective
 timeout while its leader lives.

@@ -4,7 +4,7 @@ A stage agent, a tensor-parallel follower and ``modelfleet generate`` hold their
 this protocol only, so a backend (torch today, OpenVINO next) plugs in without touching the
 request path. A backend owns layers ``[layer_start, layer_end)`` of one model and their per-slot
 state; the head decides which slot holds which stream (:mod:`.scheduler`), a backend only keeps
-the state. ``forward`` returns float32 hidden states [R, hidden] from a stage before the last,
+the state. ``forward`` returns float32 hidden states [R, *residual_shape] from a stage before the last,
 and float32 logits [N, vocab] of the frame's ``output_rows`` from the last.
 
 A tensor-parallel group wraps a backend (:class:`modelfleet.agent.tensor_group.TensorStage`); a

@@ -4,7 +4,7 @@ A frame holds R rows. Row r belongs to the stream in KV slot ``slots[r]`` at abs
 ``positions[r]``. Rows of one stream are consecutive in the frame and in position (a prefill
 window, or a single decode row); rows of different streams are independent. The first shard
 takes ``token_ids`` [R]; every later shard takes ``hidden`` [R, *residual_shape] in float32
-(``engine.models.residual_shape``: [R, hidden_size] for most families), and may also be given the
+(``engine.residual.residual_shape``: [R, hidden_size] for most families), and may also be given the
 rows' ``token_ids`` (a family routing by token, DeepSeek-V4's hash layers, reads them).
 ``output_rows`` names the rows whose output is wanted at the end of the model (the rows a token is
 sampled from): the last shard computes the head for those rows only. None: every row.

@@ -2,13 +2,12 @@
 
 Most families pass ``[rows, hidden_size]``; DeepSeek-V4 passes its ``hc_mult`` hyper-connection
 streams, ``[rows, hc_mult, hidden_size]``. Always float32 between stages. The shard (what it takes
-and gives), the stage's check of an arriving frame and the planner's bytes per row all ask
+and gives, so a stage refuses rows of another shape) and the tests of the wire ask
 :func:`residual_shape`. Torch-free: the family is imported only when asked.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from .models import family
@@ -16,15 +15,8 @@ from .models import family
 if TYPE_CHECKING:
     from .spec import ModelSpec
 
-RESIDUAL_ITEMSIZE = 4  # float32 between stages
-
 
 def residual_shape(spec: ModelSpec) -> tuple[int, ...]:
     """One row of the residual: ``(hidden_size,)``, or the family's own ``residual_shape(spec)``."""
     answer = getattr(family(spec.family), "residual_shape", None)
     return (spec.hidden_size,) if answer is None else tuple(int(n) for n in answer(spec))
-
-
-def residual_bytes_per_row(spec: ModelSpec) -> int:
-    """Bytes one row of the residual takes between stages (float32)."""
-    return RESIDUAL_ITEMSIZE * math.prod(residual_shape(spec))

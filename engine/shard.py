@@ -1,7 +1,8 @@
 """A shard: the layers [layer_start, layer_end) of a model, plus the embedding when it is first
 and the final norm and head when it is last, with its own per-slot KV state.
 
-``forward(frame)`` returns float32 hidden states [R, hidden] to pass to the next shard, or,
+``forward(frame)`` returns float32 hidden states [R, *residual_shape] ([R, hidden] for most
+families, engine.residual) to pass to the next shard, or,
 for the last shard, float32 logits [N, vocab] of the frame's output rows (all R rows when the
 frame names none). Loading reads only the tensors this shard owns. A Shard is the torch
 :class:`~modelfleet.engine.backend.StageBackend`.
@@ -390,22 +391,29 @@ class Shard(nn.Module):
         return logits.to(torch.float32)
 
     def _input(self, frame: Frame) -> torch.Tensor:
+        if frame.token_ids is not None:  # embedded here, or read by a layer that routes by token
+            self._check_vocabulary(frame.token_ids)
         if self.embed is None:
             if frame.hidden is None:
                 raise InputError(f"shard [{self.layer_start}, {self.layer_end}) takes hidden states, got none")
             if tuple(frame.hidden.shape[1:]) != self.residual_shape:
                 raise InputError(
                     f"frame.hidden has rows of shape {list(frame.hidden.shape[1:])}; this model's residual rows "
-                    f"are {list(self.residual_shape)} (engine.models.residual_shape)"
+                    f"are {list(self.residual_shape)} (engine.residual.residual_shape)"
                 )
             return frame.hidden.to(self.device, self.dtype)
         if frame.token_ids is None:
             raise InputError("the first shard takes token ids, got none")
-        ids = frame.token_ids
+        return self.residual_of(frame.token_ids.to(self.device))
+
+    def _check_vocabulary(self, ids: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
             bad = next(t for t in ids.tolist() if not 0 <= t < self.spec.vocab_size)
             raise InputError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
-        x = self.embed_tokens(ids.to(self.device))
+
+    def residual_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """[R] token ids on the device -> the first layer's residual [R, *residual_shape]."""
+        x = self.embed_tokens(ids)
         return x if self.entry is None else self.entry(x)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,8 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def _compute(self) -> torch.Tensor:
-        ctx = FrameContext(None, self.positions, self.slots)
-        x = self.shards[0].embed_tokens(self.tokens)
+        ctx = FrameContext(None, self.positions, self.slots, token_ids=self.tokens)
+        x = self.shards[0].residual_of(self.tokens)
         for i, shard in enumerate(self.shards):
             if i > 0:  # the residual crosses a shard boundary in float32, as between machines
                 x = x.to(torch.float32).to(shard.dtype)

@@ -1,10 +1,13 @@
 """DeepSeek-V4 against transformers on a tiny random checkpoint (tests/dsv4_tiny.py): three
 hyper-connection streams, an HCA layer (blocks of 8), two CSA layers (blocks of 4, an indexer
-keeping 3 blocks) and a sliding layer (window 8), a hash-routed first MoE layer, sqrt-softplus
-routing with a correction bias, clamped experts and a shared expert.
+keeping 3 blocks) and a sliding layer (window 8), hash-routed MoE layers 0 and 2 (so a stage past
+the first needs the rows' token ids), sqrt-softplus routing with a correction bias, clamped experts
+and a shared expert.
 
 Prompts of 40 positions cross five HCA blocks, ten CSA blocks (so the indexer chooses) and the
-sliding window five times over.
+sliding window five times over. Sections: transformers' logits and tokens, cuts and the residual,
+per-stream state, tensor parallelism, formats, the published checkpoint layout, MTP, planning and
+fleets. docs/deepseek_v4.md maps each architecture feature to its test.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ from modelfleet.engine.models.deepseek_v4_mtp import load_mtp
 from modelfleet.engine.quantize import QuantizedExperts
 from modelfleet.engine.quantized_checkpoint import save_quantized
 from modelfleet.engine.residual import residual_shape
+from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import load_spec
 from modelfleet.engine.tensor_parallel import check_tensor_split, close_tensor_group, init_tensor_group
 from modelfleet.operator.summary import ModelSummary
+from modelfleet.planner import kv_bytes_per_layer
 
 SLACK = 8  # rewind slack of the rings in these tests
 STEPS = 30  # teacher-forced training steps before the int4 comparison
@@ -97,7 +102,7 @@ def test_one_two_and_three_shards_passing_hyper_connection_streams_give_the_logi
         assert first.dtype == torch.float32 and tuple(first.shape) == (3, CONFIG["hc_mult"], CONFIG["hidden_size"])
 
 
-def test_the_residual_shape_is_the_familys_and_a_stage_refuses_rows_of_another(tiny):
+def test_the_residual_shape_is_the_familys_and_a_stage_refuses_rows_of_another_or_unknown_tokens(tiny):
     path, _ = tiny
     spec = load_spec(path)
     assert residual_shape(spec) == (CONFIG["hc_mult"], CONFIG["hidden_size"])
@@ -105,6 +110,9 @@ def test_the_residual_shape_is_the_familys_and_a_stage_refuses_rows_of_another(t
     flat = torch.zeros(2, CONFIG["hidden_size"])
     with pytest.raises(InputError, match=r"residual rows are \[3, 64\]"):
         second(Frame(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([5, 6]), hidden=flat))
+    streams = torch.zeros(2, 3, 64)
+    with pytest.raises(InputError, match=r"token id 128 is outside the vocabulary \[0, 128\)"):
+        second(Frame(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([5, 128]), hidden=streams))
 
 
 def test_a_hash_routed_layer_past_the_first_stage_reads_the_token_ids_the_frame_carries(tiny):
@@ -130,6 +138,17 @@ def test_cache_layout_lists_window_block_and_journal_entries_per_attention_kind(
     assert csa["compressor_inputs"].window == 8 and csa["compressor_inputs"].shape == (4 * 32 + 4 * 16,)
 
 
+def test_the_shard_allocates_the_state_the_planner_and_the_summary_reserve(tiny):
+    path, _ = tiny
+    shard = Shard.load(path)
+    shard.allocate_cache(max_slots=3, max_context=100)
+    spec = load_spec(path)
+    planned = kv_bytes_per_layer(spec, 3, 100, "float32")
+    assert [kv.nbytes for kv in shard.kv] == planned
+    result = CliRunner().invoke(app, ["inspect", "--model", str(path), "--dtype", "float32"])
+    assert ModelSummary.from_json(result.stdout).kv_bytes(3, 100) == planned
+
+
 def test_a_frame_of_three_streams_one_in_prefill_gives_each_the_logits_it_gets_alone(tiny):
     path, _ = tiny
     alone, mixed = Shard.load(path), Shard.load(path)
@@ -145,7 +164,7 @@ def test_a_frame_of_three_streams_one_in_prefill_gives_each_the_logits_it_gets_a
     assert_close_to(out[10], expected[2][-1], 1e-5)
 
 
-@pytest.mark.parametrize("back", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("back", range(1, 9))
 def test_rewind_then_re_decode_reproduces_every_state_kind_across_block_boundaries(tiny, back):
     """Decode to 40 (a boundary of HCA and CSA blocks), rewind ``back`` positions (into pooled
     blocks: back >= 1 reopens CSA's block 9, >= 8 HCA's block 4), decode other tokens, and match a
@@ -160,6 +179,20 @@ def test_rewind_then_re_decode_reproduces_every_state_kind_across_block_boundari
     shard.rewind(0, 40 - back)
     ours = torch.cat([shard(Frame.of_streams([(0, 40 - back + j, [t])])) for j, t in enumerate(other)])
     assert_close_to(ours, reference_logits(model, ids[: 40 - back] + other)[40 - back :])
+
+
+def test_a_rejected_draft_frame_rewinds_and_a_verify_frame_of_several_rows_resumes(tiny):
+    """Speculative decoding's pattern: 7 draft rows in one frame across CSA block 9's and HCA block
+    4's ends, all rejected after the first, then 4 rows verified in one frame."""
+    path, model = tiny
+    shard = Shard.load(path)
+    small_cache(shard)
+    ids, draft, accepted = tokens(37, seed=21), tokens(7, seed=22), tokens(4, seed=23)
+    shard(Frame.of_streams([(0, 0, ids)]))
+    shard(Frame.of_streams([(0, 37, draft)]))
+    shard.rewind(0, 38)
+    ours = shard(Frame.of_streams([(0, 38, accepted)]))
+    assert_close_to(ours, reference_logits(model, ids + draft[:1] + accepted)[38:])
 
 
 def test_a_released_slot_serves_a_new_stream_as_if_fresh(tiny):
@@ -244,11 +277,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Mo
     return path, model, successor
 
 
-def test_int4_experts_keep_a_teacher_forced_models_logits_and_top1_choices(trained):
+@pytest.mark.parametrize(
+    "formats", [FormatPlan(experts="int4"), FormatPlan(experts="int4", attention="int8")], ids=["int4", "int4+int8"]
+)
+def test_int4_experts_keep_a_teacher_forced_models_logits_and_top1_choices(trained, formats):
     path, model, successor = trained
     ids = successor_chains(successor, 1, 48, torch.Generator().manual_seed(9))[0].tolist()
     reference = reference_logits(model, ids)
-    shard = Shard.load(path, formats=FormatPlan(experts="int4"))
+    shard = Shard.load(path, formats=formats)
     assert set(shard.bytes_by_role["experts"]) == {"int4"}
     logits = shard(Frame.of_streams([(0, 0, ids)]))
     cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
@@ -465,15 +501,31 @@ def test_inspect_and_plan_of_the_tiny_checkpoint_split_its_layers_and_count_its_
     assert [(s["layer_start"], s["layer_end"]) for s in plan["groups"][0]["stages"]] == [(0, 2), (2, 4)]
 
 
-def test_a_two_stage_local_fleet_passes_streams_and_token_ids_and_gives_the_engines_tokens(tiny, tmp_path):
+def test_a_two_stage_local_fleet_gives_the_engines_tokens_to_its_client_and_the_openai_client(tiny, tmp_path):
+    """Stage 1 holds a hash-routed layer, so the frames it gets carry the hyper-connection streams
+    and the rows' token ids; the gateway in front serves the OpenAI API."""
+    from test_gateway import Served, build_tokenizer, extra, wait_until
     from test_pipeline import Fleet, prompts_and_params, reference, run_concurrently
 
-    path, _ = tiny
-    fleet = Fleet(path, tmp_path, stages=2)  # stage 1 holds a hash-routed layer: it needs the ids
+    from modelfleet.agent.gateway import GatewayConfig
+
+    path = tmp_path / "deepseek-v4-chat"
+    shutil.copytree(tiny[0], path)
+    build_tokenizer([100, 101]).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    fleet = Fleet(path, tmp_path, stages=2)
     fleet.start()
     try:
         prompts, params = prompts_and_params(6)
         assert run_concurrently(fleet, prompts, params) == reference(path, prompts, params)
+        with Served(GatewayConfig.of(fleet.plan)) as served:
+            wait_until(lambda: served.gateway.ready, 10, "the gateway sees the head ready")
+            result = served.openai().completions.create(
+                model=served.gateway.model_name, prompt=prompts[3], max_tokens=8, temperature=0,
+                extra_body={"return_token_ids": True},
+            )  # fmt: skip
+        expected = reference(path, [prompts[3]], [SamplingParams(max_tokens=8)])[0]
+        assert extra(result.choices[0], "token_ids") == expected
     finally:
         fleet.stop()
 
@@ -535,3 +587,21 @@ def test_tensor_parallelism_refuses_heads_or_output_groups_that_do_not_divide(ti
     with pytest.raises(InputError, match="o_groups=2, which is not divisible by 4"):
         check_tensor_split(load_spec(path), 4)
     check_tensor_split(load_spec(path), 2)  # one shared K=V head is no obstacle
+
+
+def test_two_stages_of_two_tensor_ranks_broadcast_streams_and_token_ids_and_give_the_engines_tokens(tiny, tmp_path):
+    """Stage 1's leader broadcasts each frame's hyper-connection streams and token ids (its hash
+    layer needs them) to its follower rank."""
+    from test_pipeline import prompts_and_params, reference
+    from test_tensor_fleet import TensorFleet
+
+    path, _ = tiny
+    fleet = TensorFleet(path, tmp_path)
+    fleet.start()
+    try:
+        prompts, params = prompts_and_params(4)
+        with fleet.client() as client:
+            results = client.wait([client.submit(p, s) for p, s in zip(prompts, params, strict=True)])
+        assert [r.token_ids for r in results] == reference(path, prompts, params)
+    finally:
+        fleet.stop()

@@ -5,14 +5,19 @@ A family module exposes ``validate(spec)`` (raise ConfigError for missing or uns
 fields), ``build_layer(spec, layer_index, weights)`` returning a DecoderLayer, and
 ``cache_layout(spec, layer_index)`` returning the layer's
 :class:`~modelfleet.engine.cache_layout.LayerCache` (asked through
-:func:`modelfleet.engine.cache_layout.cache_layout`). Optionally: ``decoder_config(raw)`` (the
-decoder's fields of a config that nests them), ``tensor_source(spec, source)`` (a view of a
-checkpoint in the family's own layout under the names ``build_layer`` reads),
-``adapt_shard(spec, shard, weights)`` (the parts around the layers the family changes: an
-embedding norm, a scaled or cut head) and ``published_tensors(spec)`` (every tensor of the
-checkpoint the family publishes, with its dtype and shape, for a summary of a config-only
-directory). Modules are imported on first use; this module imports
-neither torch nor a family.
+:func:`modelfleet.engine.cache_layout.cache_layout`). Modules are imported on first use; this
+module imports neither torch nor a family.
+
+A family may also answer, where it differs from the rest: ``decoder_config(raw)`` (the decoder's
+fields of a config that nests them: Inkling's multimodal one), ``residual_shape(spec)`` (one row of
+the residual between stages, asked through :func:`modelfleet.engine.residual.residual_shape`),
+``residual_entry(spec)`` and ``residual_exit(spec, weights)`` (modules the first shard applies
+after the embedding and the last before the final norm: DeepSeek-V4's hyper-connections),
+``adapt_shard(spec, shard, weights)`` (the parts around the layers it changes: Inkling's embedding
+norm, its scaled and cut head), ``tensor_source(spec, source)`` (the checkpoint read under the
+names the family's builders use), ``tensor_split_fields(spec)`` (what tensor parallelism must
+divide) and ``published_tensors(spec)`` (every tensor of the checkpoint the family publishes, with
+its dtype and shape: what a config-only directory stands for when it is inspected).
 """
 
 from __future__ import annotations
