@@ -5,15 +5,22 @@ a gateway) are in test_pipeline.py and test_gateway.py."""
 
 from __future__ import annotations
 
+import json
 import math
+import multiprocessing
+import socket
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from modelfleet.agent import transport as wire
 from modelfleet.agent.gateway import ApiKeysError, load_api_keys
 from modelfleet.agent.liveness import LivenessPolicy, chain_ready, lost_stages, step_deadline_seconds
+from modelfleet.agent.tensor_group import rendezvous_namespace
+from modelfleet.engine.errors import InputError
 from modelfleet.engine.sampling import SamplingParams, TailSampler
 
 # ---- sampling ---------------------------------------------------------------------------------
@@ -152,3 +159,67 @@ def test_the_chain_is_ready_while_stages_beat_and_probes_return_within_a_steps_d
                                                                                        outstanding_since, deadline,
                                                                                        ready) -> None:  # fmt: skip
     assert chain_ready(POLICY, 100.0, lost, answered, outstanding_since, deadline) is ready
+
+
+# ---- the tensor group's rendezvous -----------------------------------------------------------
+
+
+def listening_hosts(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of sockets listening on ``port``."""
+    hosts = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                host, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    hosts.add(host)
+    return hosts
+
+
+def rendezvous_rank(rank: int, port: int, namespace: str, out: Path) -> None:
+    from modelfleet.engine.tensor_parallel import close_tensor_group, init_tensor_group
+
+    try:
+        group = init_tensor_group(rank, 2, "127.0.0.1", port, "cpu", timeout_seconds=8, namespace=namespace)
+    except InputError as exc:
+        out.write_text(json.dumps({"joined": False, "error": str(exc)}))
+        return
+    total = group.all_reduce(torch.tensor([rank + 1.0]))
+    hosts = sorted(listening_hosts(port)) if rank == 0 else []
+    torch.distributed.barrier()
+    close_tensor_group()
+    out.write_text(json.dumps({"joined": True, "sum": float(total), "hosts": hosts}))
+
+
+def test_the_tensor_rendezvous_listens_on_the_stages_address_and_admits_only_ranks_with_the_fleets_secret(
+    tmp_path,
+) -> None:
+    """Issue 30, item 7: the rendezvous listened on every interface (*:port+3) outside CURVE.
+    Now rank 0's store is bound to the stage's address, and every key of the group lives under a
+    namespace derived from the fleet's secret key: a rank without it never meets the group."""
+    keys, other = wire.generate_keypair(), wire.generate_keypair()
+    ours = rendezvous_namespace(keys.secret, "ab" * 32, 0, 1)
+    assert (
+        ours == rendezvous_namespace(keys.secret, "ab" * 32, 0, 1) != rendezvous_namespace(keys.secret, "ab" * 32, 0, 2)
+    )
+    theirs = rendezvous_namespace(other.secret, "ab" * 32, 0, 1)
+    assert theirs != ours and rendezvous_namespace(None, "ab" * 32, 0, 1) == ""
+    context = multiprocessing.get_context("spawn")
+    good, bad = free_port(), free_port()
+    runs = {"rank0": (0, good, ours), "rank1": (1, good, ours), "alone0": (0, bad, ours), "stranger": (1, bad, theirs)}
+    processes = [context.Process(target=rendezvous_rank, args=(*args, tmp_path / name)) for name, args in runs.items()]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(60)
+    results = {name: json.loads((tmp_path / name).read_text()) for name in runs}
+    assert results["rank0"] == {"joined": True, "sum": 3.0, "hosts": ["0100007F"]}  # 127.0.0.1, not 0.0.0.0
+    assert results["rank1"]["joined"] and results["rank1"]["sum"] == 3.0
+    assert not results["stranger"]["joined"] and not results["alone0"]["joined"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
