@@ -127,24 +127,25 @@ class Head:
     def tick(self) -> None:
         now = time.monotonic()
         if self.send_next is not None:
-            self._probe(now)
+            self._probe(now, self.send_next)
             self._check_liveness(now)
         self.deliver(self.scheduler.expire(now))
         self.pump()
         self._publish()
 
-    def _probe(self, now: float) -> None:
+    def _probe(self, now: float, send: Send) -> None:
         if now - self.last_probe < self.config.probe_interval_seconds or len(self.probes) >= 1024:
-            return
+            return  # (a thousand unanswered probes: the chain is long broken, and the oldest still counts)
         self.last_probe, self.nonce = now, self.nonce + 1
         self.probes[self.nonce] = now
-        self.send_next(wire.ProbeMsg(nonce=self.nonce, sent_ns=time.monotonic_ns(), plan_hash=self.plan_hash))  # type: ignore[misc]
+        send(wire.ProbeMsg(nonce=self.nonce, sent_ns=time.monotonic_ns(), plan_hash=self.plan_hash))
 
     def _check_liveness(self, now: float) -> None:
         """A stage whose heartbeats stopped fails every step in flight; a step over its deadline fails alone."""
         lost = self._lost(now)
         if lost and lost != self.lost:
-            log.warning("stage(s) %s sent no heartbeat for over %g s", lost, self.liveness.heartbeat_seconds)
+            log.warning("stage(s) %s: no heartbeat for over %g s (not started yet, stopped or gone)", lost,
+                        self.liveness.heartbeat_seconds)  # fmt: skip
         self.lost = lost
         silent = self.liveness.heartbeat_seconds
         if lost:

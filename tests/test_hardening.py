@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_pipeline import free_base_port
 
 from modelfleet.agent import transport as wire
 from modelfleet.agent.gateway import ApiKeysError, load_api_keys
@@ -223,3 +224,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_up_refuses_wire_keys_it_cannot_use_before_starting_anything(tmp_path) -> None:
+    """Issue 30, item 6: ``up`` makes a CURVE pair per run; --keys-dir must hold a usable pair,
+    and --insecure-wire (plain TCP, said loudly) cannot be combined with it."""
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    ports = ["--base-port", str(free_base_port(2)), "--port", str(free_port())]
+    missing = CliRunner().invoke(app, ["up", "--keys-dir", str(tmp_path), *ports])
+    assert missing.exit_code == 2 and f"modelfleet keys --out {tmp_path}" in missing.output
+    wire.save_keypair(wire.generate_keypair(), tmp_path, "fleet")
+    both = CliRunner().invoke(app, ["up", "--keys-dir", str(tmp_path), "--insecure-wire", *ports])
+    assert both.exit_code == 2 and "--keys-dir and --insecure-wire disagree" in both.output
