@@ -91,6 +91,7 @@ class Head:
         self.liveness = LivenessPolicy(heartbeat_seconds=config.unready_after_seconds)
         self.started_at = time.monotonic()
         self.heartbeats: dict[int, float] = {}  # stage index -> when its last ready heartbeat arrived
+        self.heartbeat_gaps: dict[int, deque[float]] = {}  # stage index -> recent gaps between its heartbeats
         self.probes: dict[int, float] = {}  # nonce -> sent (monotonic), of probes not answered yet
         self.last_answered: float | None = None  # when a chain probe last came back
         self.round_trips: deque[float] = deque(maxlen=config.round_trips_kept)
@@ -117,7 +118,8 @@ class Head:
         return step_deadline_seconds(self.liveness, self.round_trips, len(self.scheduler.in_flight))
 
     def _lost(self, now: float) -> list[int]:
-        return lost_stages(self.liveness, now, self.heartbeats, range(1, self.config.stages), self.started_at)
+        stages = range(1, self.config.stages)
+        return lost_stages(self.liveness, now, self.heartbeats, stages, self.started_at, self.heartbeat_gaps)
 
     def poll_timeout_ms(self) -> int:
         """A head that is also the tail computes its next step on the loop's next turn; a
@@ -275,7 +277,7 @@ class Head:
             self.pump()
         elif isinstance(msg, wire.HeartbeatMsg):
             if msg.plan_hash == self.plan_hash and msg.ready:
-                self.heartbeats[msg.stage_index] = time.monotonic()
+                self._heard(msg.stage_index, time.monotonic())
         elif isinstance(msg, wire.ProbeAckMsg):
             if msg.plan_hash == self.plan_hash and msg.ready and msg.nonce in self.probes:
                 now = time.monotonic()
@@ -288,6 +290,15 @@ class Head:
             self.on_error(msg.step, msg.slot, ErrorCode(msg.code), msg.message)
         else:
             self.metrics.malformed.inc()
+
+    def _heard(self, stage: int, now: float) -> None:
+        """A heartbeat; the gap since the last one counts toward the stage's deadline unless the
+        stage was lost meanwhile (a stop is not a measure of how late a living stage beats)."""
+        last = self.heartbeats.get(stage)
+        gaps = self.heartbeat_gaps.setdefault(stage, deque(maxlen=self.config.round_trips_kept))
+        if last is not None and stage not in self.lost:
+            gaps.append(now - last)
+        self.heartbeats[stage] = now
 
     def release_strays(self, slots: Iterable[int]) -> None:
         """Slots a stage reports on (a token, an error) that no stream of the scheduler holds: a

@@ -19,7 +19,13 @@ from test_pipeline import free_base_port
 
 from modelfleet.agent import transport as wire
 from modelfleet.agent.gateway import ApiKeysError, load_api_keys
-from modelfleet.agent.liveness import LivenessPolicy, chain_ready, lost_stages, step_deadline_seconds
+from modelfleet.agent.liveness import (
+    LivenessPolicy,
+    chain_ready,
+    heartbeat_deadline_seconds,
+    lost_stages,
+    step_deadline_seconds,
+)
 from modelfleet.agent.tensor_group import rendezvous_namespace
 from modelfleet.engine.errors import InputError
 from modelfleet.engine.sampling import SamplingParams, TailSampler
@@ -114,8 +120,8 @@ def test_the_gateway_command_refuses_an_empty_keys_file_at_startup(tmp_path) -> 
 
 # ---- liveness ---------------------------------------------------------------------------------
 
-POLICY = LivenessPolicy(heartbeat_seconds=3.0, step_floor_seconds=3.0, step_factor=4.0, step_cap_seconds=300.0,
-                        unmeasured_seconds=15.0)  # fmt: skip
+POLICY = LivenessPolicy(heartbeat_seconds=3.0, heartbeat_factor=3.0, heartbeat_cap_seconds=10.0, step_floor_seconds=3.0,
+                        step_factor=4.0, step_cap_seconds=300.0, unmeasured_seconds=15.0)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -144,6 +150,24 @@ def test_a_steps_deadline_grows_with_measured_round_trips_and_the_steps_in_fligh
 )
 def test_a_stage_is_lost_when_its_heartbeats_stop_whatever_its_frames_do(now, heartbeats, lost) -> None:
     assert lost_stages(POLICY, now, heartbeats, [1, 2], since=90.0) == lost
+
+
+@pytest.mark.parametrize(
+    "gaps, deadline",
+    [
+        ([], 3.0),  # nothing measured: the floor
+        ([0.5, 0.51, 0.6], 3.0),  # a healthy stage beats every half second: stopped, it is lost in 3 s
+        ([0.5, 2.3, 0.5], 6.9),  # one starved of CPU beats late but beats: 3 x its longest gap
+        ([4.0, 9.0], 10.0),  # never past the cap
+    ],
+)
+def test_a_stages_heartbeat_deadline_grows_with_the_gaps_it_was_measured_to_beat_at(gaps, deadline) -> None:
+    assert heartbeat_deadline_seconds(POLICY, gaps) == pytest.approx(deadline)
+
+
+def test_a_starved_stage_that_beats_late_is_not_lost_but_a_healthy_one_as_late_is() -> None:
+    gaps = {1: [0.5, 0.5], 2: [2.3, 2.2]}
+    assert lost_stages(POLICY, 100.0, {1: 96.0, 2: 96.0}, [1, 2], since=0.0, gaps=gaps) == [1]
 
 
 @pytest.mark.parametrize(
