@@ -36,7 +36,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
@@ -173,6 +174,28 @@ class ApiError(Exception):
         if self.status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
             headers["WWW-Authenticate"] = 'Bearer realm="modelfleet"'
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+class BugsAnswered(APIRoute):
+    """A route whose handler's bug (any exception but an HTTP error) becomes a 500 ApiError
+    inside the app, like any other error: Starlette's last-resort handler for ``Exception``
+    re-raises after answering, and the server then closes the keep-alive connection, so the
+    client's next request on it would be reset. (A bug inside a streamed body, once the response
+    started, still ends that response.)"""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def answered(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (ApiError, StarletteHTTPException):
+                raise
+            except Exception as exc:
+                log.exception("unexpected error serving %s", request.url.path)
+                raise ApiError(500, f"internal error: {type(exc).__name__}") from None
+
+        return answered
 
 
 @dataclass(frozen=True)
@@ -371,6 +394,7 @@ class Gateway:
                 self.text_pool.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="modelfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app.router.route_class = BugsAnswered
 
         @app.exception_handler(ApiError)
         async def on_api_error(request: Request, exc: ApiError) -> Response:
