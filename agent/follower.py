@@ -19,7 +19,7 @@ from ..engine.backend import StageBackend
 from ..engine.tensor_parallel import close_tensor_group, init_tensor_group
 from .health import AgentStatus, Phase, StageMetrics, serve_http
 from .stage import AgentConfig, stage_backend
-from .tensor_group import Command, DistChannel, RankFollower
+from .tensor_group import Command, DistChannel, RankFollower, rendezvous_namespace
 
 log = logging.getLogger("modelfleet.agent")
 
@@ -55,8 +55,17 @@ class FollowerAgent:
         http_port = self.config.http_port or stage.http_port
         http = serve_http(self.config.http_host or stage.host, http_port, self.status, self.metrics)
         try:
+            keys, plan = self.config.keys, self.config.plan
+            namespace = rendezvous_namespace(None if keys is None else keys.secret, plan.plan_hash(), self.config.group_index,
+                                             stage.stage_index)  # fmt: skip
             group = init_tensor_group(
-                rank, stage.tp_size, stage.host, stage.rendezvous_port, stage.device, self.config.tensor_timeout_seconds
+                rank,
+                stage.tp_size,
+                stage.host,
+                stage.rendezvous_port,
+                stage.device,
+                self.config.tensor_timeout_seconds,
+                namespace,
             )
             self.backend = backend = stage_backend(self.config.plan, stage, group, self._loaded)
             channel = DistChannel(group, torch.device(stage.device))

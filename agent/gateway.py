@@ -13,8 +13,8 @@ Invariants:
 - a request waits for its first output before the response starts, so a refusal (busy, not
   ready, bad input) is an HTTP status with an OpenAI-shaped error body, not a broken stream;
 - a client that disconnects is noticed within ``DISCONNECT_CHECK_SECONDS``;
-- text work whose cost grows with the request (rendering, tokenizing a prompt; detokenizing a
-  burst of over ``DETOKENIZE_INLINE_TOKENS``) runs in a small thread pool, never in the event
+- text work whose cost grows with the request (parsing and validating the body, rendering,
+  tokenizing a prompt; detokenizing a burst of over ``DETOKENIZE_INLINE_TOKENS``) runs in a small thread pool, never in the event
   loop, so one huge prompt does not stall other streams or ``/healthz``; a token or a few are
   detokenized in the loop (a short window each: a thread hop would cost more than the decode);
 - a request its head fails (a broken chain, a head gone silent) is tried again on another ready
@@ -36,7 +36,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
@@ -173,6 +174,28 @@ class ApiError(Exception):
         if self.status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
             headers["WWW-Authenticate"] = 'Bearer realm="modelfleet"'
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+class BugsAnswered(APIRoute):
+    """A route whose handler's bug (any exception but an HTTP error) becomes a 500 ApiError
+    inside the app, like any other error: Starlette's last-resort handler for ``Exception``
+    re-raises after answering, and the server then closes the keep-alive connection, so the
+    client's next request on it would be reset. (A bug inside a streamed body, once the response
+    started, still ends that response.)"""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def answered(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (ApiError, StarletteHTTPException):
+                raise
+            except Exception as exc:
+                log.exception("unexpected error serving %s", request.url.path)
+                raise ApiError(500, f"internal error: {type(exc).__name__}") from None
+
+        return answered
 
 
 @dataclass(frozen=True)
@@ -371,6 +394,7 @@ class Gateway:
                 self.text_pool.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="modelfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app.router.route_class = BugsAnswered
 
         @app.exception_handler(ApiError)
         async def on_api_error(request: Request, exc: ApiError) -> Response:
@@ -421,7 +445,7 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         self._authorize(request)
-        body = self._validate(CompletionRequest, await self._json(request))
+        body = await self._body(CompletionRequest, request)
         assert isinstance(body, CompletionRequest)
         self._check_model(body.model)
         ids = await self._prompt_off_loop(lambda: self.prompts.completion(body.prompt_value))
@@ -430,7 +454,7 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         self._authorize(request)
-        body = self._validate(ChatCompletionRequest, await self._json(request))
+        body = await self._body(ChatCompletionRequest, request)
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
@@ -453,7 +477,20 @@ class Gateway:
                 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
 
-    async def _json(self, request: Request) -> Any:
+    async def _body(self, model: type[CompletionRequest | ChatCompletionRequest], request: Request) -> Any:
+        """The body, read here, parsed and validated in the text pool (a 4 MiB body costs tens of ms)."""
+        raw = await self._raw(request)
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, self._parse, model, raw)
+
+    @classmethod
+    def _parse(cls, model: type[CompletionRequest | ChatCompletionRequest], raw: bytes) -> Any:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+        return cls._validate(model, data)
+
+    async def _raw(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
         too_big = ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         declared = request.headers.get("content-length", "")
@@ -465,10 +502,7 @@ class Gateway:
             if size > limit:
                 raise too_big
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, RecursionError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+        return b"".join(chunks)
 
     @staticmethod
     def _validate(model: type[CompletionRequest | ChatCompletionRequest], data: Any) -> Any:

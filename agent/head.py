@@ -94,6 +94,7 @@ class Head:
         self.liveness = LivenessPolicy(heartbeat_seconds=config.unready_after_seconds)
         self.started_at = time.monotonic()
         self.heartbeats: dict[int, float] = {}  # stage index -> when its last ready heartbeat arrived
+        self.heartbeat_gaps: dict[int, deque[float]] = {}  # stage index -> recent gaps between its heartbeats
         self.probes: dict[int, float] = {}  # nonce -> sent (monotonic), of probes not answered yet
         self.last_answered: float | None = None  # when a chain probe last came back
         self.round_trips: deque[float] = deque(maxlen=config.round_trips_kept)
@@ -121,7 +122,8 @@ class Head:
         return step_deadline_seconds(self.liveness, self.round_trips, len(self.scheduler.in_flight))
 
     def _lost(self, now: float) -> list[int]:
-        return lost_stages(self.liveness, now, self.heartbeats, range(1, self.config.stages), self.started_at)
+        stages = range(1, self.config.stages)
+        return lost_stages(self.liveness, now, self.heartbeats, stages, self.started_at, self.heartbeat_gaps)
 
     def poll_timeout_ms(self) -> int:
         """A head that is also the tail computes its next step on the loop's next turn; a
@@ -131,24 +133,25 @@ class Head:
     def tick(self) -> None:
         now = time.monotonic()
         if self.send_next is not None:
-            self._probe(now)
+            self._probe(now, self.send_next)
             self._check_liveness(now)
         self.deliver(self.scheduler.expire(now))
         self.pump()
         self._publish()
 
-    def _probe(self, now: float) -> None:
+    def _probe(self, now: float, send: Send) -> None:
         if now - self.last_probe < self.config.probe_interval_seconds or len(self.probes) >= 1024:
-            return
+            return  # (a thousand unanswered probes: the chain is long broken, and the oldest still counts)
         self.last_probe, self.nonce = now, self.nonce + 1
         self.probes[self.nonce] = now
-        self.send_next(wire.ProbeMsg(nonce=self.nonce, sent_ns=time.monotonic_ns(), plan_hash=self.plan_hash))  # type: ignore[misc]
+        send(wire.ProbeMsg(nonce=self.nonce, sent_ns=time.monotonic_ns(), plan_hash=self.plan_hash))
 
     def _check_liveness(self, now: float) -> None:
         """A stage whose heartbeats stopped fails every step in flight; a step over its deadline fails alone."""
         lost = self._lost(now)
         if lost and lost != self.lost:
-            log.warning("stage(s) %s sent no heartbeat for over %g s", lost, self.liveness.heartbeat_seconds)
+            log.warning("stage(s) %s: no heartbeat for over %g s (not started yet, stopped or gone)", lost,
+                        self.liveness.heartbeat_seconds)  # fmt: skip
         self.lost = lost
         silent = self.liveness.heartbeat_seconds
         if lost:
@@ -296,7 +299,7 @@ class Head:
             self.pump()
         elif isinstance(msg, wire.HeartbeatMsg):
             if msg.plan_hash == self.plan_hash and msg.ready:
-                self.heartbeats[msg.stage_index] = time.monotonic()
+                self._heard(msg.stage_index, time.monotonic())
         elif isinstance(msg, wire.ProbeAckMsg):
             if msg.plan_hash == self.plan_hash and msg.ready and msg.nonce in self.probes:
                 now = time.monotonic()
@@ -309,6 +312,15 @@ class Head:
             self.on_error(msg.step, msg.slot, ErrorCode(msg.code), msg.message)
         else:
             self.metrics.malformed.inc()
+
+    def _heard(self, stage: int, now: float) -> None:
+        """A heartbeat; the gap since the last one counts toward the stage's deadline unless the
+        stage was lost meanwhile (a stop is not a measure of how late a living stage beats)."""
+        last = self.heartbeats.get(stage)
+        gaps = self.heartbeat_gaps.setdefault(stage, deque(maxlen=self.config.round_trips_kept))
+        if last is not None and stage not in self.lost:
+            gaps.append(now - last)
+        self.heartbeats[stage] = now
 
     def release_strays(self, slots: Iterable[int]) -> None:
         """Slots a stage reports on (a token, an error) that no stream of the scheduler holds: a

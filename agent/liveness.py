@@ -5,8 +5,11 @@ Two signals, each with its own deadline, so that a busy stage is not taken for a
 - **Heartbeats.** Every stage after the head sends one every ``HEARTBEAT_INTERVAL_SECONDS`` from a
   thread and a socket of its own, straight to the head, whatever its frames are doing: a stage
   deep in a long frame still beats; a process that is stopped (SIGSTOP), killed or gone does not.
-  A stage whose last heartbeat (ready, of the head's plan) is older than ``heartbeat_seconds`` is
-  lost: every step in flight fails at once, and the head is not ready until it beats again.
+  A stage whose last heartbeat (ready, of the head's plan) is older than its heartbeat deadline
+  is lost: every step in flight fails at once, and the head is not ready until it beats again.
+  The deadline is ``heartbeat_seconds``, or ``heartbeat_factor`` times the longest of the
+  stage's recent gaps between heartbeats when that is longer (a stage starved of CPU beats late,
+  but beats), never over ``heartbeat_cap_seconds``: a healthy stage that stops is lost in 3 s.
 - **Steps.** A step in flight (a frame on its way through the stages and back as tokens) may
   take ``step_factor`` times the slowest recent round trip for every step in flight (each waits
   behind the others at every stage), never less than ``step_floor_seconds`` and never more than
@@ -30,7 +33,9 @@ HEARTBEAT_INTERVAL_SECONDS = 0.5
 
 @dataclass(frozen=True)
 class LivenessPolicy:
-    heartbeat_seconds: float = 3.0  # a stage whose heartbeats stop this long is lost
+    heartbeat_seconds: float = 3.0  # a stage whose heartbeats stop this long is lost (a healthy one's deadline)
+    heartbeat_factor: float = 3.0  # x the longest recent gap between a stage's heartbeats
+    heartbeat_cap_seconds: float = 10.0
     step_floor_seconds: float = 3.0
     step_factor: float = 4.0
     step_cap_seconds: float = 300.0
@@ -46,12 +51,21 @@ def step_deadline_seconds(policy: LivenessPolicy, round_trips: Sequence[float], 
     return min(policy.step_cap_seconds, max(policy.step_floor_seconds, derived))
 
 
+def heartbeat_deadline_seconds(policy: LivenessPolicy, gaps: Sequence[float]) -> float:
+    """How long a stage may be silent, from its recent gaps between heartbeats (seconds)."""
+    longest = max(gaps, default=0.0)
+    return min(policy.heartbeat_cap_seconds, max(policy.heartbeat_seconds, policy.heartbeat_factor * longest))
+
+
 def lost_stages(
-    policy: LivenessPolicy, now: float, heartbeats: Mapping[int, float], stages: Sequence[int], since: float
-) -> list[int]:
+    policy: LivenessPolicy, now: float, heartbeats: Mapping[int, float], stages: Sequence[int], since: float,
+    gaps: Mapping[int, Sequence[float]] | None = None,
+) -> list[int]:  # fmt: skip
     """The stages (of ``stages``) whose last heartbeat, or ``since`` (when the head started
-    listening) for one never heard, is over ``heartbeat_seconds`` old."""
-    return [s for s in stages if now - heartbeats.get(s, since) > policy.heartbeat_seconds]
+    listening) for one never heard, is older than its deadline (``gaps``: each stage's recent
+    gaps between heartbeats)."""
+    gaps = gaps or {}
+    return [s for s in stages if now - heartbeats.get(s, since) > heartbeat_deadline_seconds(policy, gaps.get(s, ()))]
 
 
 def chain_ready(

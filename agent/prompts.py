@@ -131,8 +131,9 @@ class Prompts:
     def check(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise PromptError("the prompt is empty; give at least one token", param)
-        if bad := [t for t in ids if t >= self.vocab_size]:
-            raise PromptError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param)
+        if max(ids) >= self.vocab_size:  # one pass in C: a long prompt's ids are millions
+            bad = next(t for t in ids if t >= self.vocab_size)
+            raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
         if len(ids) >= self.context_length:
             raise PromptError(
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_length} "

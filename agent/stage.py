@@ -49,7 +49,7 @@ from . import transport as wire
 from .head import Head, HeadConfig, scheduler_config
 from .health import AgentStatus, Phase, StageMetrics, serve_http
 from .liveness import HEARTBEAT_INTERVAL_SECONDS
-from .tensor_group import DistChannel, TensorGroupLost, TensorStage
+from .tensor_group import DistChannel, TensorGroupLost, TensorStage, rendezvous_namespace
 
 log = logging.getLogger("modelfleet.agent")
 SEND_HWM = 10_000
@@ -177,7 +177,10 @@ class StageAgent:
         tensor = None
         if stage.tp_size > 1:  # rank 0 of the group: see tensor_group
             timeout = self.config.tensor_timeout_seconds
-            tensor = init_tensor_group(0, stage.tp_size, stage.host, stage.rendezvous_port, stage.device, timeout)
+            secret = None if self.config.keys is None else self.config.keys.secret
+            namespace = rendezvous_namespace(secret, self.plan.plan_hash(), self.config.group_index, stage.stage_index)
+            tensor = init_tensor_group(0, stage.tp_size, stage.host, stage.rendezvous_port, stage.device, timeout,
+                                       namespace)  # fmt: skip
         backend = stage_backend(self.plan, stage, tensor, self._loaded)
         if tensor is not None:
             channel = DistChannel(tensor, torch.device(stage.device))

@@ -25,6 +25,8 @@ streams), and a follower exits with the error, so that the ranks are replaced to
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -51,6 +53,16 @@ MAX_STREAMS = 64  # residual streams per row (DeepSeek-V4's hc_mult): hidden [R,
 # hidden states travel in their own dtype; token ids, slots and positions are int64
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def rendezvous_namespace(secret_key: bytes | None, plan_hash: str, group_index: int, stage_index: int) -> str:
+    """The prefix of every key a stage's tensor group writes to its rendezvous store (torch's
+    TCPStore, which has no authentication of its own): an HMAC of the fleet's CURVE secret key, so
+    only the ranks holding the fleet's keys know it; "" without keys (a fleet on plain TCP)."""
+    if secret_key is None:
+        return ""
+    message = f"modelfleet tensor rendezvous {plan_hash} {group_index} {stage_index}".encode()
+    return hmac.new(secret_key, message, hashlib.sha256).hexdigest() + "/"
 
 
 class TensorGroupLost(ModelfleetError):

@@ -34,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -83,10 +84,16 @@ class TensorGroup:
 
 
 def init_tensor_group(
-    rank: int, size: int, address: str, port: int, device: str | torch.device = "cpu", timeout_seconds: float = 120.0
-) -> TensorGroup:
+    rank: int, size: int, address: str, port: int, device: str | torch.device = "cpu", timeout_seconds: float = 120.0,
+    namespace: str = "",
+) -> TensorGroup:  # fmt: skip
     """Join the group of ``size`` ranks meeting at tcp://address:port (gloo on CPU, nccl on
-    CUDA); the group becomes this process's default torch.distributed group."""
+    CUDA); the group becomes this process's default torch.distributed group.
+
+    Rank 0 hosts the rendezvous (torch's TCPStore) on ``address`` only, not on every interface.
+    The store itself has no authentication: ``namespace`` (a secret every rank derives from the
+    fleet's keys) prefixes every key the group writes, so a peer that can reach the port but
+    lacks the secret can neither read the ranks' addresses nor plant its own."""
     group = TensorGroup(rank, size)
     if size == 1:
         return group
@@ -94,20 +101,28 @@ def init_tensor_group(
     if torch_device.type == "cuda" and torch_device.index is not None:
         torch.cuda.set_device(torch_device)
     host = f"[{address}]" if ":" in address else address
+    timeout = timedelta(seconds=timeout_seconds)
     try:
-        dist.init_process_group(
-            "nccl" if torch_device.type == "cuda" else "gloo",
-            init_method=f"tcp://{host}:{port}",
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=timeout_seconds),
-        )
+        store: Any = _rendezvous_store(rank, size, address, port, timeout)
+        if namespace:
+            store = dist.PrefixStore(namespace, store)
+        backend = "nccl" if torch_device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     except (RuntimeError, ValueError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
         raise InputError(
             f"tensor rank {rank} of {size} could not join the group at tcp://{host}:{port} within "
             f"{timeout_seconds:g}s: {exc}; check that every rank uses the same address, port and size"
         ) from exc
     return group
+
+
+def _rendezvous_store(rank: int, size: int, address: str, port: int, timeout: timedelta) -> Any:
+    """torch's TCPStore; rank 0's server listens on a socket bound to ``address`` (TCPStore alone binds all)."""
+    if rank != 0:
+        return dist.TCPStore(address, port, size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.create_server((address, port), family=family)
+    return dist.TCPStore(address, port, size, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
 
 
 def close_tensor_group() -> None:

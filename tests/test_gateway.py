@@ -444,6 +444,28 @@ def test_a_gateway_whose_fleet_is_not_ready_answers_503_but_stays_alive(fleet) -
         assert httpx.get(served.url + "/healthz", timeout=5).status_code == 200
 
 
+def test_a_bug_while_serving_a_request_is_a_500_and_the_keep_alive_connection_serves_the_next(fleet) -> None:
+    """A handler's bug once went to Starlette's last-resort handler, which answers and re-raises,
+    so the server closed the connection under the client (issue 30, item 2: the next request on
+    it was reset). Bugs are answered inside the app now."""
+    model = fleet.plan.model.served_name
+    with Served(GatewayConfig.of(plan_with_head_at(fleet.plan, free_base_port(1)))) as served:
+
+        def bug(prompt: object) -> list[int]:
+            raise TypeError("a bug")
+
+        served.gateway.prompts.completion = bug  # type: ignore[method-assign]
+        streams = set()
+        with httpx.Client(base_url=served.url, timeout=30) as client:
+            for _ in range(3):
+                failed = client.post("/v1/completions", json={"model": model, "prompt": "hi"})
+                assert failed.status_code == 500 and failed.json()["error"]["message"] == "internal error: TypeError"
+                after = client.get("/v1/models")
+                assert after.status_code == 200
+                streams |= {id(failed.extensions["network_stream"]), id(after.extensions["network_stream"])}
+        assert len(streams) == 1
+
+
 class BlockingTokenizer:
     """A tokenizer whose encode waits until the test lets it go: a prompt that takes long to tokenize."""
 

@@ -5,15 +5,29 @@ a gateway) are in test_pipeline.py and test_gateway.py."""
 
 from __future__ import annotations
 
+import json
 import math
+import multiprocessing
+import socket
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_pipeline import free_base_port
 
+from modelfleet.agent import transport as wire
 from modelfleet.agent.gateway import ApiKeysError, load_api_keys
-from modelfleet.agent.liveness import LivenessPolicy, chain_ready, lost_stages, step_deadline_seconds
+from modelfleet.agent.liveness import (
+    LivenessPolicy,
+    chain_ready,
+    heartbeat_deadline_seconds,
+    lost_stages,
+    step_deadline_seconds,
+)
+from modelfleet.agent.tensor_group import rendezvous_namespace
+from modelfleet.engine.errors import InputError
 from modelfleet.engine.sampling import SamplingParams, TailSampler
 
 # ---- sampling ---------------------------------------------------------------------------------
@@ -106,8 +120,8 @@ def test_the_gateway_command_refuses_an_empty_keys_file_at_startup(tmp_path) -> 
 
 # ---- liveness ---------------------------------------------------------------------------------
 
-POLICY = LivenessPolicy(heartbeat_seconds=3.0, step_floor_seconds=3.0, step_factor=4.0, step_cap_seconds=300.0,
-                        unmeasured_seconds=15.0)  # fmt: skip
+POLICY = LivenessPolicy(heartbeat_seconds=3.0, heartbeat_factor=3.0, heartbeat_cap_seconds=10.0, step_floor_seconds=3.0,
+                        step_factor=4.0, step_cap_seconds=300.0, unmeasured_seconds=15.0)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -139,6 +153,24 @@ def test_a_stage_is_lost_when_its_heartbeats_stop_whatever_its_frames_do(now, he
 
 
 @pytest.mark.parametrize(
+    "gaps, deadline",
+    [
+        ([], 3.0),  # nothing measured: the floor
+        ([0.5, 0.51, 0.6], 3.0),  # a healthy stage beats every half second: stopped, it is lost in 3 s
+        ([0.5, 2.3, 0.5], 6.9),  # one starved of CPU beats late but beats: 3 x its longest gap
+        ([4.0, 9.0], 10.0),  # never past the cap
+    ],
+)
+def test_a_stages_heartbeat_deadline_grows_with_the_gaps_it_was_measured_to_beat_at(gaps, deadline) -> None:
+    assert heartbeat_deadline_seconds(POLICY, gaps) == pytest.approx(deadline)
+
+
+def test_a_starved_stage_that_beats_late_is_not_lost_but_a_healthy_one_as_late_is() -> None:
+    gaps = {1: [0.5, 0.5], 2: [2.3, 2.2]}
+    assert lost_stages(POLICY, 100.0, {1: 96.0, 2: 96.0}, [1, 2], since=0.0, gaps=gaps) == [1]
+
+
+@pytest.mark.parametrize(
     "lost, answered, outstanding_since, deadline, ready",
     [
         ([], 99.0, None, 3.0, True),
@@ -152,3 +184,82 @@ def test_the_chain_is_ready_while_stages_beat_and_probes_return_within_a_steps_d
                                                                                        outstanding_since, deadline,
                                                                                        ready) -> None:  # fmt: skip
     assert chain_ready(POLICY, 100.0, lost, answered, outstanding_since, deadline) is ready
+
+
+# ---- the tensor group's rendezvous -----------------------------------------------------------
+
+
+def listening_hosts(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of sockets listening on ``port``."""
+    hosts = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                host, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    hosts.add(host)
+    return hosts
+
+
+def rendezvous_rank(rank: int, port: int, namespace: str, out: Path) -> None:
+    from modelfleet.engine.tensor_parallel import close_tensor_group, init_tensor_group
+
+    try:
+        group = init_tensor_group(rank, 2, "127.0.0.1", port, "cpu", timeout_seconds=8, namespace=namespace)
+    except InputError as exc:
+        out.write_text(json.dumps({"joined": False, "error": str(exc)}))
+        return
+    total = group.all_reduce(torch.tensor([rank + 1.0]))
+    hosts = sorted(listening_hosts(port)) if rank == 0 else []
+    torch.distributed.barrier()
+    close_tensor_group()
+    out.write_text(json.dumps({"joined": True, "sum": float(total), "hosts": hosts}))
+
+
+def test_the_tensor_rendezvous_listens_on_the_stages_address_and_admits_only_ranks_with_the_fleets_secret(
+    tmp_path,
+) -> None:
+    """Issue 30, item 7: the rendezvous listened on every interface (*:port+3) outside CURVE.
+    Now rank 0's store is bound to the stage's address, and every key of the group lives under a
+    namespace derived from the fleet's secret key: a rank without it never meets the group."""
+    keys, other = wire.generate_keypair(), wire.generate_keypair()
+    ours = rendezvous_namespace(keys.secret, "ab" * 32, 0, 1)
+    assert (
+        ours == rendezvous_namespace(keys.secret, "ab" * 32, 0, 1) != rendezvous_namespace(keys.secret, "ab" * 32, 0, 2)
+    )
+    theirs = rendezvous_namespace(other.secret, "ab" * 32, 0, 1)
+    assert theirs != ours and rendezvous_namespace(None, "ab" * 32, 0, 1) == ""
+    context = multiprocessing.get_context("spawn")
+    good, bad = free_port(), free_port()
+    runs = {"rank0": (0, good, ours), "rank1": (1, good, ours), "alone0": (0, bad, ours), "stranger": (1, bad, theirs)}
+    processes = [context.Process(target=rendezvous_rank, args=(*args, tmp_path / name)) for name, args in runs.items()]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(60)
+    results = {name: json.loads((tmp_path / name).read_text()) for name in runs}
+    assert results["rank0"] == {"joined": True, "sum": 3.0, "hosts": ["0100007F"]}  # 127.0.0.1, not 0.0.0.0
+    assert results["rank1"]["joined"] and results["rank1"]["sum"] == 3.0
+    assert not results["stranger"]["joined"] and not results["alone0"]["joined"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_up_refuses_wire_keys_it_cannot_use_before_starting_anything(tmp_path) -> None:
+    """Issue 30, item 6: ``up`` makes a CURVE pair per run; --keys-dir must hold a usable pair,
+    and --insecure-wire (plain TCP, said loudly) cannot be combined with it."""
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    ports = ["--base-port", str(free_base_port(2)), "--port", str(free_port())]
+    missing = CliRunner().invoke(app, ["up", "--keys-dir", str(tmp_path), *ports])
+    assert missing.exit_code == 2 and f"modelfleet keys --out {tmp_path}" in missing.output
+    wire.save_keypair(wire.generate_keypair(), tmp_path, "fleet")
+    both = CliRunner().invoke(app, ["up", "--keys-dir", str(tmp_path), "--insecure-wire", *ports])
+    assert both.exit_code == 2 and "--keys-dir and --insecure-wire disagree" in both.output
