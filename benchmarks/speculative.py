@@ -6,7 +6,7 @@ proposer and batch size, greedy decode tokens/s with and without speculation are
 alternating rounds (the median counts); beside them the acceptance, fallback trips, the widths
 chosen and the tokens/s the width model E(k) / (D + V(k)) forecast from its own measurements.
 The phrase table starts from what it learns on ``--phrase-files`` training files of the same
-corpus (never the held-out ones). Outputs must be identical to plain decoding (greedy): a row
+corpus (never the held-out ones); ``draft_model`` runs ``--draft`` (the demo model's draft). Outputs must be identical to plain decoding (greedy): a row
 whose tokens differ is flagged.
 
     python benchmarks/speculative.py --batch 1,8
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"
-METHODS = ("ngram", "phrase", "hybrid")
+METHODS = ("ngram", "phrase", "hybrid", "draft_model")
 
 
 def stdlib_files(names: list[str]) -> list[Path]:
@@ -82,11 +82,12 @@ def measure(lm, prompts, method: str, table, args) -> dict[str, object]:  # type
     from modelfleet.engine.speculative.proposers import HybridProposer
     from modelfleet.engine.speculative.speculator import Speculator
 
-    config = SpeculativeConfig(method, num_speculative_tokens=args.k)
+    draft = str(args.draft) if method == "draft_model" else None
+    config = SpeculativeConfig(method, num_speculative_tokens=args.k, model=draft)
 
     def fresh_proposer():  # type: ignore[no-untyped-def]
         """Each round starts from the trained table (it must not learn the earlier rounds' output)."""
-        proposer = build_proposer(config)
+        proposer = build_proposer(config, args.model, len(prompts), args.device)
         if method == "phrase":
             return copy.deepcopy(table)
         if isinstance(proposer, HybridProposer):
@@ -126,6 +127,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating timed rounds; the median counts")
     parser.add_argument("--phrase-files", type=int, default=40)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--draft", type=Path, default=DEMO / "draft", help="draft_model's checkpoint")
     parser.add_argument("--out", default="out/speculative.csv")
     args = parser.parse_args()
 
