@@ -111,7 +111,7 @@ def measure(lm, prompts, method: str, table, args) -> dict[str, object]:  # type
         "speedup": round(spec_rate / plain_rate, 3), "acceptance": round(stats.acceptance_rate, 3),
         "drafted": stats.drafted, "fallback_trips": stats.fallback_trips,
         "widths": " ".join(f"{k}:{v}" for k, v in sorted(stats.widths.items())),
-        "predicted_tok_s": round(stats.predicted_tokens_per_second * len(prompts), 1), "same_tokens": same,
+        "predicted_tok_s": round(stats.predicted_tokens_per_second, 1), "same_tokens": same,
     }  # fmt: skip
 
 

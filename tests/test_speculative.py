@@ -152,20 +152,24 @@ def test_the_best_width_maximises_expected_tokens_per_second(confidences, costs,
     assert best_width(confidences, 0.0, costs) == width
 
 
-def test_costs_are_forced_monotonic_and_unmeasured_widths_cost_as_the_nearest_measured_one() -> None:
+def test_costs_are_the_fastest_recent_steps_forced_monotonic_and_unmeasured_widths_cost_as_the_nearest() -> None:
     assert monotonic([1.0, 0.8, 1.2, 1.1]) == [1.0, 1.0, 1.2, 1.2]
-    costs = StepCosts(smoothing=1.0)
+    costs = StepCosts(window=2)
     assert costs.cost(5) == 1.0  # nothing measured: flat
     costs.record(2, 1.0)
+    costs.record(6, 9.0)  # a step slowed by contention...
     costs.record(6, 2.0)
-    assert (costs.cost(1), costs.cost(4), costs.cost(9)) == (1.0, 1.5, 2.0)
+    assert (costs.cost(1), costs.cost(4), costs.cost(9)) == (1.0, 1.5, 2.0)  # ...prices nothing
+    costs.record(6, 3.0)
+    costs.record(6, 3.0)  # out of the window of 2
+    assert costs.cost(6) == 3.0
 
 
 def test_joint_widths_give_rows_to_the_streams_likeliest_to_keep_them_within_the_budget() -> None:
     flat = StepCosts()
     assert joint_widths([[0.9, 0.9], [0.2, 0.2]], 0.0, flat, row_budget=4) == [2, 0]
     assert joint_widths([[0.9, 0.9], [0.8, 0.8]], 0.0, flat, row_budget=6) == [2, 2]
-    steep = StepCosts(smoothing=1.0)
+    steep = StepCosts()
     for rows in range(1, 8):
         steep.record(rows, float(rows))  # every row costs as much as a whole decode row
     assert joint_widths([[0.9, 0.9], [0.8, 0.8]], 0.0, steep, row_budget=6) == [0, 0]

@@ -12,7 +12,8 @@ is likeliest to survive (S_i falls with i, so this greedy order gives the most e
 every total), and the total is the one that maximises expected tokens per second of the step.
 
 V is measured online from the caller's own step times (:class:`StepCosts`: the head's times
-include the pipeline's latency), forced monotonic in the row count. S_i comes from each stream's
+include the pipeline's latency; the fastest recent step of each size), forced monotonic in the
+row count. S_i comes from each stream's
 measured acceptance per proposal position (:class:`Acceptance`). The :class:`Fallback` controller
 stops proposing for a stream whose acceptance falls under tau, and probes again later.
 """
@@ -20,6 +21,7 @@ stops proposing for a stream whose acceptance falls under tau, and probes again 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -81,23 +83,24 @@ def monotonic(costs: Sequence[float]) -> list[float]:
 
 @dataclass
 class StepCosts:
-    """Step time by rows, measured: an exponential average per row count, read as a monotonic
-    piecewise-linear function. Row counts outside the measured range cost what the nearest
-    measured one does: optimistic (decode steps are bound by weight reads, so a few more rows cost
-    little), which makes an unmeasured width worth trying once, and the measurement then decides."""
+    """Step time by rows, measured: the fastest of the last ``window`` steps of each row count
+    (contention only ever slows a step down, so the minimum is the cost and one slow step does
+    not price a width out for good), read as a monotonic piecewise-linear function. Row counts
+    outside the measured range cost what the nearest measured one does: optimistic (decode steps
+    are bound by weight reads, so a few more rows cost little), which makes an unmeasured width
+    worth trying once, and the measurement then decides."""
 
-    smoothing: float = 0.2
-    seconds: dict[int, float] = field(default_factory=dict)
+    window: int = 16
+    seconds: dict[int, deque[float]] = field(default_factory=dict)
 
     def record(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.seconds.setdefault(rows, deque(maxlen=self.window)).append(seconds)
 
     def cost(self, rows: int) -> float:
         if not self.seconds:
             return 1.0
         known = sorted(self.seconds)
-        values = monotonic([self.seconds[r] for r in known])
+        values = monotonic([min(self.seconds[r]) for r in known])
         i = bisect.bisect_left(known, rows)
         if i == len(known):
             return values[-1]
