@@ -166,7 +166,7 @@ class ApiError(Exception):
         self.retry_after_seconds = retry_after_seconds
 
     def body(self) -> dict[str, Any]:
-        kind = self.TYPES.get(self.status, "server_error")
+        kind = self.TYPES.get(self.status, "invalid_request_error" if 400 <= self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:

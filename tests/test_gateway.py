@@ -374,6 +374,14 @@ def test_malformed_and_oversized_bodies_are_refused_and_the_gateway_keeps_servin
     ).is_success
 
 
+def test_a_wrong_method_on_a_route_is_a_405_typed_as_a_client_error(served) -> None:
+    """Issue 30, item 9: a 405 was typed server_error, which clients read as the server's fault."""
+    response = httpx.get(served.url + "/v1/completions", timeout=10)
+    error = response.json()["error"]
+    assert response.status_code == 405 and error["type"] == "invalid_request_error", response.text
+    assert "GET /v1/completions" in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
 SURROGATE_BODIES = [
     ("/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
     ("/v1/completions", {"prompt": ["\udfff"]}, "prompt[0]"),
