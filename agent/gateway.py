@@ -541,7 +541,8 @@ class Gateway:
     def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
         max_tokens = self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0]
         eos = () if body.ignore_eos else self.prompts.eos_token_ids
-        stop_ids = tuple(dict.fromkeys([*eos, *(body.stop_token_ids or [])]))
+        asked = self._prompt(lambda: self.prompts.check_stop_ids(body.stop_token_ids or []))
+        stop_ids = tuple(dict.fromkeys([*eos, *asked]))
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
                               min_p=body.min_p, seed=body.seed, max_tokens=max_tokens, stop_token_ids=stop_ids)  # fmt: skip
 

@@ -382,6 +382,20 @@ def test_a_wrong_method_on_a_route_is_a_405_typed_as_a_client_error(served) -> N
     assert "GET /v1/completions" in error["message"] and set(error) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])  # fmt: skip
+def test_stop_token_ids_outside_the_vocabulary_get_a_400_naming_the_entry_and_the_limit(served, path, body) -> None:
+    """Issue 30, item 9: an id the model cannot generate was accepted and could never stop anything."""
+    request = {"model": served.gateway.model_name, "max_tokens": 2, "stop_token_ids": [1, 2, 99999], **body}
+    response = served.post(path, request)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "stop_token_ids[2]", response.text
+    assert "stop_token_ids[2]=99999 is outside the vocabulary [0, 128)" in error["message"]
+    assert served.post(path, {**request, "stop_token_ids": [1, 127]}).status_code == 200
+
+
 SURROGATE_BODIES = [
     ("/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
     ("/v1/completions", {"prompt": ["\udfff"]}, "prompt[0]"),
