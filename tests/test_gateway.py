@@ -396,6 +396,20 @@ def test_stop_token_ids_outside_the_vocabulary_get_a_400_naming_the_entry_and_th
     assert served.post(path, {**request, "stop_token_ids": [1, 127]}).status_code == 200
 
 
+@pytest.mark.parametrize("max_tokens", [{"max_tokens": None}, {}])
+def test_completions_without_max_tokens_generate_openais_default_of_16_and_chat_fills_the_context(
+    served, max_tokens
+) -> None:
+    """Issue 30, item 9: `max_tokens: null` on /v1/completions once generated up to the whole context."""
+    model, prompt = served.gateway.model_name, [5] * 10
+    common = {"model": model, "temperature": 0, "ignore_eos": True, **max_tokens}
+    completion = served.post("/v1/completions", {**common, "prompt": prompt})
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 16, completion.text
+    chat = served.post("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "hi"}]})
+    usage = chat.json()["usage"]
+    assert chat.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT, chat.text
+
+
 SURROGATE_BODIES = [
     ("/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
     ("/v1/completions", {"prompt": ["\udfff"]}, "prompt[0]"),
