@@ -410,6 +410,19 @@ def test_completions_without_max_tokens_generate_openais_default_of_16_and_chat_
     assert chat.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT, chat.text
 
 
+def test_the_gateway_serves_its_openapi_schema_with_both_generating_routes_and_their_request_bodies(served) -> None:
+    """Issue 30, item 9: no /openapi.json, so schemathesis and client generators had nothing to read."""
+    response = httpx.get(served.url + "/openapi.json", timeout=10)
+    assert response.status_code == 200, response.text
+    schema = response.json()
+    assert {"/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
+    body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    completion = schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert {"prompt", "max_tokens"} <= set(completion["properties"]) and "prompt" in completion["required"]
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "messages" in schema["components"]["schemas"][chat["$ref"].rsplit("/", 1)[1]]["properties"]
+
+
 SURROGATE_BODIES = [
     ("/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
     ("/v1/completions", {"prompt": ["\udfff"]}, "prompt[0]"),
