@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -166,7 +167,7 @@ class ApiError(Exception):
         self.retry_after_seconds = retry_after_seconds
 
     def body(self) -> dict[str, Any]:
-        kind = self.TYPES.get(self.status, "server_error")
+        kind = self.TYPES.get(self.status, "invalid_request_error" if 400 <= self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -174,6 +175,29 @@ class ApiError(Exception):
         if self.status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
             headers["WWW-Authenticate"] = 'Bearer realm="modelfleet"'
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+REQUEST_MODELS: dict[str, type[CompletionRequest | ChatCompletionRequest]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema of ``app`` with each generating route's request body: the handlers read
+    the body themselves (size limit first, then the model), so FastAPI cannot see the model."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in REQUEST_MODELS.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": ref}},
+        }
+    return schema
 
 
 class BugsAnswered(APIRoute):
@@ -393,7 +417,7 @@ class Gateway:
                     await head.stop()
                 self.text_pool.shutdown(wait=False, cancel_futures=True)
 
-        app = FastAPI(title="modelfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="modelfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
         app.router.route_class = BugsAnswered
 
         @app.exception_handler(ApiError)
@@ -418,6 +442,8 @@ class Gateway:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        served_schema = openapi_schema(app)
+        app.openapi = lambda: served_schema  # type: ignore[method-assign]  # what /openapi.json answers
         return app
 
     async def healthz(self) -> Response:
@@ -541,7 +567,8 @@ class Gateway:
     def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
         max_tokens = self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0]
         eos = () if body.ignore_eos else self.prompts.eos_token_ids
-        stop_ids = tuple(dict.fromkeys([*eos, *(body.stop_token_ids or [])]))
+        asked = self._prompt(lambda: self.prompts.check_stop_ids(body.stop_token_ids or []))
+        stop_ids = tuple(dict.fromkeys([*eos, *asked]))
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
                               min_p=body.min_p, seed=body.seed, max_tokens=max_tokens, stop_token_ids=stop_ids)  # fmt: skip
 

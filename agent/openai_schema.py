@@ -13,13 +13,24 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 SEED_MAX = (1 << 64) - 1
 TOKEN_ID_MAX = (1 << 31) - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 128  # with the EOS ids, within the wire's 256
+COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's for /v1/completions; chat's default is the context's room
 MAX_MESSAGES = 4096
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -126,7 +137,12 @@ class CompletionRequest(_Request):
         | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
         | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)]
     )
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = COMPLETION_MAX_TOKENS_DEFAULT
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_the_default(cls, value: int | None) -> int:
+        return COMPLETION_MAX_TOKENS_DEFAULT if value is None else value  # null means "not given", as OpenAI reads it
 
     @property
     def prompt_value(self) -> str | list[int]:

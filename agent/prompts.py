@@ -142,6 +142,16 @@ class Prompts:
             )
         return ids
 
+    def check_stop_ids(self, ids: list[int]) -> list[int]:
+        for index, token in enumerate(ids):
+            if token >= self.vocab_size:
+                raise PromptError(
+                    f"stop_token_ids[{index}]={token} is outside the vocabulary [0, {self.vocab_size}); "
+                    "give ids the model can generate",
+                    f"stop_token_ids[{index}]",
+                )
+        return ids
+
     def max_tokens(self, prompt_tokens: int, requested: int | None) -> int:
         room = self.context_length - prompt_tokens
         if requested is None:

@@ -42,9 +42,8 @@ from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import FinishReason
 
-PROTOCOL_VERSION = (
-    3  # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
-)
+# 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20

@@ -374,6 +374,55 @@ def test_malformed_and_oversized_bodies_are_refused_and_the_gateway_keeps_servin
     ).is_success
 
 
+def test_a_wrong_method_on_a_route_is_a_405_typed_as_a_client_error(served) -> None:
+    """Issue 30, item 9: a 405 was typed server_error, which clients read as the server's fault."""
+    response = httpx.get(served.url + "/v1/completions", timeout=10)
+    error = response.json()["error"]
+    assert response.status_code == 405 and error["type"] == "invalid_request_error", response.text
+    assert "GET /v1/completions" in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])  # fmt: skip
+def test_stop_token_ids_outside_the_vocabulary_get_a_400_naming_the_entry_and_the_limit(served, path, body) -> None:
+    """Issue 30, item 9: an id the model cannot generate was accepted and could never stop anything."""
+    request = {"model": served.gateway.model_name, "max_tokens": 2, "stop_token_ids": [1, 2, 99999], **body}
+    response = served.post(path, request)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "stop_token_ids[2]", response.text
+    assert "stop_token_ids[2]=99999 is outside the vocabulary [0, 128)" in error["message"]
+    assert served.post(path, {**request, "stop_token_ids": [1, 127]}).status_code == 200
+
+
+@pytest.mark.parametrize("max_tokens", [{"max_tokens": None}, {}])
+def test_completions_without_max_tokens_generate_openais_default_of_16_and_chat_fills_the_context(
+    served, max_tokens
+) -> None:
+    """Issue 30, item 9: `max_tokens: null` on /v1/completions once generated up to the whole context."""
+    model, prompt = served.gateway.model_name, [5] * 10
+    common = {"model": model, "temperature": 0, "ignore_eos": True, **max_tokens}
+    completion = served.post("/v1/completions", {**common, "prompt": prompt})
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 16, completion.text
+    chat = served.post("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "hi"}]})
+    usage = chat.json()["usage"]
+    assert chat.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT, chat.text
+
+
+def test_the_gateway_serves_its_openapi_schema_with_both_generating_routes_and_their_request_bodies(served) -> None:
+    """Issue 30, item 9: no /openapi.json, so schemathesis and client generators had nothing to read."""
+    response = httpx.get(served.url + "/openapi.json", timeout=10)
+    assert response.status_code == 200, response.text
+    schema = response.json()
+    assert {"/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
+    body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    completion = schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert {"prompt", "max_tokens"} <= set(completion["properties"]) and "prompt" in completion["required"]
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "messages" in schema["components"]["schemas"][chat["$ref"].rsplit("/", 1)[1]]["properties"]
+
+
 SURROGATE_BODIES = [
     ("/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
     ("/v1/completions", {"prompt": ["\udfff"]}, "prompt[0]"),

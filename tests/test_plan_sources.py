@@ -310,6 +310,33 @@ def test_up_and_plan_help_say_groups_are_pipeline_replicas() -> None:
 # ---- 7. the backend per stage -----------------------------------------------------------------
 
 
+def test_modelfleet_plan_defaults_the_context_to_the_models_positions_and_refuses_more_naming_both(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """Issue 30, item 9: the default 2048 once planned past a 512-position model; `up` then
+    stopped with a CapacityError when the stages loaded."""
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    path, _ = tiny_checkpoint("qwen3_moe")
+    positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    assert positions < 2048  # the tiny model is the case the old default broke
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", "--model", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["serving"]["context_length"] == positions
+    result = CliRunner().invoke(app, ["plan", "--model", str(path), "--context-length", "256", "--out", str(out)])
+    assert result.exit_code == 0 and json.loads(out.read_text())["serving"]["context_length"] == 256, result.output
+    out.unlink()
+    asked = ["plan", "--model", str(path), "--context-length", str(positions + 1), "--out", str(out)]
+    result = CliRunner().invoke(app, asked)
+    assert result.exit_code == 2 and not out.exists(), result.output
+    assert (
+        f"--context-length {positions + 1}" in result.output and f"max_position_embeddings={positions}" in result.output
+    )
+
+
 def test_modelfleet_plan_refuses_the_openvino_backend_at_plan_time(tiny_checkpoint, tmp_path) -> None:
     from typer.testing import CliRunner
 

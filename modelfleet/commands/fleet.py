@@ -62,8 +62,28 @@ def _load_nodes(path: Path) -> list[dict[str, Any]]:
     return nodes
 
 
+# without --context-length: the model's positions, at most this many (vLLM caps by memory)
+DEFAULT_CONTEXT_CAP = 4096
+CONTEXT_HELP = f"Positions per stream (default: the model's max_position_embeddings, at most {DEFAULT_CONTEXT_CAP})."
+
+
+def context_length_for(model: Path, asked: int | None) -> int:
+    """The plan's context length: what was asked, if the model has that many positions, else
+    (nothing asked) the model's max_position_embeddings capped at DEFAULT_CONTEXT_CAP."""
+    from modelfleet.engine.spec import load_spec
+    from modelfleet.plan import PlanError
+
+    limit = load_spec(model).max_position_embeddings
+    if asked is None:
+        return min(limit, DEFAULT_CONTEXT_CAP)
+    if asked > limit:
+        raise PlanError(f"--context-length {asked} is over the model's max_position_embeddings={limit}; "
+                        f"ask for at most {limit}, or leave --context-length out to get {min(limit, DEFAULT_CONTEXT_CAP)}")  # fmt: skip
+    return asked
+
+
 def make_plan(
-    model: Path, stages: int, *, nodes: Path | None = None, max_streams: int = 16, context_length: int = 2048,
+    model: Path, stages: int, *, nodes: Path | None = None, max_streams: int = 16, context_length: int | None = None,
     window_rows: int = 8, microbatches: int | None = None, max_queue: int = 64, dtype: str = "float32",
     device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
     formats: Any = None, backend: str = "torch", speculative: dict[str, Any] | None = None,
@@ -74,7 +94,7 @@ def make_plan(
     from modelfleet.planner import build_plan, local_address
 
     serving = ServingLimits(
-        max_streams=max_streams, context_length=context_length, window_rows=window_rows,
+        max_streams=max_streams, context_length=context_length_for(model, context_length), window_rows=window_rows,
         microbatches=microbatches, max_queue=max_queue, speculative=speculative,
     )  # fmt: skip
     return build_plan(
@@ -130,7 +150,7 @@ def plan(
     nodes: Path | None = typer.Option(None, "--nodes", help="YAML of Kubernetes Node objects: split by their memory."),
     out_path: Path = typer.Option(Path("plan.json"), "--out", help="Where to write the plan."),
     max_streams: int = typer.Option(16, "--max-streams", min=1),
-    context_length: int = typer.Option(2048, "--context-length", min=1),
+    context_length: int | None = typer.Option(None, "--context-length", min=1, help=CONTEXT_HELP),
     window_rows: int = typer.Option(8, "--window-rows", min=1, help="Rows of one stream's prefill window per frame."),
     dtype: str = typer.Option("float32", "--dtype"),
     tensor: int = typer.Option(1, "--tensor", min=1, help="Tensor-parallel ranks per stage (tp_size)."),
@@ -235,7 +255,7 @@ def up(
     window_rows: int = typer.Option(8, "--window-rows", min=1),
     max_streams: int = typer.Option(16, "--max-streams", min=1),
     max_queue: int = typer.Option(64, "--max-queue", min=0),
-    context_length: int = typer.Option(2048, "--context-length", min=2),
+    context_length: int | None = typer.Option(None, "--context-length", min=2, help=CONTEXT_HELP),
     dtype: str = typer.Option("float32", "--dtype"),
     device: str = typer.Option("cpu", "--device"),
     tensor: int = typer.Option(
