@@ -53,6 +53,26 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def start_up(command: list[str], port: int, env: dict[str, str]) -> tuple[subprocess.Popen[str], list[str]]:
+    """Run a ``modelfleet up`` command with the gateway on ``port`` and free stage ports, until it
+    prints the request to try (the fleet is ready); its output lines so far come back with it."""
+    base = next(b for b in range(31000, 60000, 100) if all(port_free("127.0.0.1", b + k) for k in range(30)))
+    command = [*command, "--port", str(port), "--base-port", str(base)]
+    up = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    assert up.stdout is not None
+    deadline = time.monotonic() + 300
+    for line in up.stdout:
+        lines.append(line)
+        if line.startswith("try: curl") or time.monotonic() > deadline:
+            break
+    if not (lines and lines[-1].startswith("try: curl")):
+        up.send_signal(signal.SIGINT)
+        up.wait(60)
+        raise AssertionError("".join(lines[-30:]))
+    return up, lines
+
+
 def test_the_quickstart_has_exactly_two_commands_run_and_test() -> None:
     assert quickstart_commands() == ["bash scripts/up.sh", "bash scripts/test.sh"]
 
@@ -60,19 +80,9 @@ def test_the_quickstart_has_exactly_two_commands_run_and_test() -> None:
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to find child processes")
 def test_the_first_quickstart_command_serves_the_bundled_model_to_the_openai_client_and_stops_cleanly() -> None:
     port = free_port()
-    base = next(b for b in range(31000, 60000, 100) if all(port_free("127.0.0.1", b + k) for k in range(30)))
-    command = quickstart_commands()[0].split() + ["--port", str(port), "--base-port", str(base)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-    up = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
+    up, lines = start_up(quickstart_commands()[0].split(), port, env)
     try:
-        assert up.stdout is not None
-        deadline = time.monotonic() + 300
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("try: curl") or time.monotonic() > deadline:
-                break
-        assert lines and lines[-1].startswith("try: curl"), "".join(lines[-30:])
         assert any(f"http://127.0.0.1:{port}" in line for line in lines)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         completion = client.completions.create(model="demo", prompt="def add(a, b):\n    ", max_tokens=16)

@@ -8,15 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import openai
 import pytest
-from test_quickstart import ROOT, free_port
-
-from modelfleet.agent.launcher import port_free
+from test_quickstart import ROOT, free_port, start_up
 
 DEMO = ROOT / "models" / "demo"
 
@@ -39,20 +35,11 @@ def checkpoint(family: str, path: Path) -> Path:
 def test_up_serves_a_seed_architecture_to_the_openai_client(family: str, tmp_path: Path) -> None:
     model = checkpoint(family, tmp_path / family)
     port = free_port()
-    base = next(b for b in range(32000, 60000, 100) if all(port_free("127.0.0.1", b + k) for k in range(30)))
     command = [str(ROOT / ".venv" / "bin" / "modelfleet"), "up", "--model", str(model), "--stages", "2",
-               "--context-length", "256", "--max-streams", "4", "--port", str(port), "--base-port", str(base)]  # fmt: skip
+               "--context-length", "256", "--max-streams", "4"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-    up = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
+    up, lines = start_up(command, port, env)
     try:
-        assert up.stdout is not None
-        deadline = time.monotonic() + 300
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("try: curl") or time.monotonic() > deadline:
-                break
-        assert lines and lines[-1].startswith("try: curl"), "".join(lines[-30:])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         completion = client.completions.create(model=family, prompt="def add(a, b):\n    ", max_tokens=8)
         assert completion.usage is not None and completion.usage.completion_tokens >= 1

@@ -25,7 +25,7 @@ def test_a_three_stage_fleet_with_speculation_gives_the_greedy_tokens_of_plain_d
     tiny_checkpoint, tmp_path
 ) -> None:
     path, _ = tiny_checkpoint("qwen3_moe")
-    fleet = Fleet(path, tmp_path, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    fleet = Fleet(path, tmp_path, speculative={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
     fleet.start()
     try:
         prompts = repetitive_prompts(8)
