@@ -23,9 +23,8 @@ import pytest
 import torch
 from dsv4_tiny import CONFIG, build, save
 from safetensors.torch import load_file, save_file
-from test_quantized_models import successor_chains
 from test_tensor_parallel import LocalGroup, free_port
-from tiny import assert_close_to, reference_logits
+from tiny import assert_close_to, reference_logits, successor_chains, train_on_successors
 from typer.testing import CliRunner
 
 from modelfleet.cli import app
@@ -258,20 +257,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Mo
     """The tiny model teacher-forced for STEPS steps on a successor task (each token has one next
     token), as tests/test_quantized_models.py trains its models: its logits have margins."""
     model = build(seed=1)
-    successor = torch.randperm(125, generator=torch.Generator().manual_seed(5)) + 3
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny steps: thread barriers cost more than they save on a busy CPU
-    model.train()
-    for _ in range(STEPS):
-        batch = successor_chains(successor, 8, 12, generator)
-        loss = model(batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-    torch.set_num_threads(threads)
+    successor = train_on_successors(model, STEPS, rows=8, length=12)
     path = tmp_path_factory.mktemp("deepseek_v4_trained")
     model.save_pretrained(path)
     return path, model, successor

@@ -22,7 +22,7 @@ from inkling_tiny import (
     save_text_model_with_mtp,
 )
 from pydantic import ValidationError
-from tiny import assert_close_to
+from tiny import assert_close_to, successor_chains, train_on_successors
 
 from modelfleet import planner
 from modelfleet.agent.openai_schema import ChatCompletionRequest, describe
@@ -343,31 +343,13 @@ def test_sliding_layers_head_counts_not_divisible_by_the_tensor_size_are_refused
 # ---- weight formats ------------------------------------------------------------------------------
 
 
-def successor_chains(successor: torch.Tensor, rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """[rows, length] token ids, each the successor of the one before."""
-    chain = [torch.randint(3, 128, (rows,), generator=generator)]
-    for _ in range(length - 1):
-        chain.append(successor[chain[-1] - 3])
-    return torch.stack(chain, dim=1)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module, torch.Tensor]:
     """A tiny model trained a little on a successor task (each token has one next token), so that
     its predictions have margins, as a real model's do (a random one's nearly flat logits flip under
     any 4-bit error). -> (directory, model, successor table)."""
     model = build_text_model(unpadded_vocab_size=None, **TP_WIDTHS)
-    successor = torch.randperm(125, generator=torch.Generator().manual_seed(5)) + 3
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(0)
-    model.train()
-    for _ in range(60):
-        batch = successor_chains(successor, 16, 16, generator)
-        loss = model(batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    successor = train_on_successors(model, 60)
     path = tmp_path_factory.mktemp("inkling_trained")
     model.save_pretrained(path)
     return path, model, successor

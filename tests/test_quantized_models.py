@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_family_gpt_oss import needs_transformers_with_swiglu_limit
-from tiny import build_model, save_model
+from tiny import build_model, save_model, successor_chains, train_on_successors
 from typer.testing import CliRunner
 
 from modelfleet.cli import app
@@ -43,14 +43,6 @@ PROMPT = [5, 17, 3, 99, 42, 8]
 PROMPT_IDS = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33, 90, 6, 101, 58]
 
 
-def successor_chains(successor: torch.Tensor, rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """[rows, length] token ids, each the successor of the one before."""
-    tokens = [torch.randint(3, 128, (rows,), generator=generator)]
-    for _ in range(length - 1):
-        tokens.append(successor[tokens[-1] - 3])
-    return torch.stack(tokens, dim=1)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory):
     """trained(family) -> (directory, transformers model, successor table), trained once."""
@@ -60,20 +52,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
         if family not in cache:
             # mixtral's tiny intermediate size (48) is no multiple of int4's group of 32
             model = build_model(family, **({"intermediate_size": 64} if family == "mixtral" else {}))
-            successor = torch.randperm(125, generator=torch.Generator().manual_seed(5)) + 3
-            optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-            generator = torch.Generator().manual_seed(0)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # tiny steps: thread barriers cost more than they save on a busy CPU
-            model.train()
-            for _ in range(60):
-                batch = successor_chains(successor, 16, 16, generator)
-                loss = model(batch, labels=batch).loss
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-            model.eval()
-            torch.set_num_threads(threads)
+            successor = train_on_successors(model, 60)
             path = tmp_path_factory.mktemp(f"trained_{family}")
             model.save_pretrained(path)
             cache[family] = (path, model, successor)

@@ -126,3 +126,32 @@ def assert_close_to(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) ->
     scale = ref.abs().max().item()
     diff = (ours - ref).abs().max().item()
     assert diff <= tol * max(scale, 1.0), f"max |diff| {diff:.3e} over logit scale {scale:.3f}"
+
+
+def successor_chains(successor: torch.Tensor, rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """[rows, length] token ids, each the successor of the one before (ids 3..127)."""
+    chain = [torch.randint(3, 128, (rows,), generator=generator)]
+    for _ in range(length - 1):
+        chain.append(successor[chain[-1] - 3])
+    return torch.stack(chain, dim=1)
+
+
+def train_on_successors(model: torch.nn.Module, steps: int, rows: int = 16, length: int = 16) -> torch.Tensor:
+    """Teacher-force ``model`` for ``steps`` steps on a successor task (each token has one next
+    token), so its predictions have margins as a real model's do (a random model's nearly flat
+    logits flip under any 4-bit error); returns the successor table. Leaves the model in eval mode."""
+    successor = torch.randperm(125, generator=torch.Generator().manual_seed(5)) + 3
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps: thread barriers cost more than they save on a busy CPU
+    model.train()
+    for _ in range(steps):
+        batch = successor_chains(successor, rows, length, generator)
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    torch.set_num_threads(threads)
+    return successor
