@@ -13,7 +13,6 @@ fleets. docs/deepseek_v4.md maps each architecture feature to its test.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import re
 import shutil
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 import torch
 from dsv4_tiny import CONFIG, build, save
 from safetensors.torch import load_file, save_file
-from test_tensor_parallel import LocalGroup, free_port
+from test_tensor_parallel import LocalGroup, spawn_ranks
 from tiny import assert_close_to, reference_logits, successor_chains, train_on_successors
 from typer.testing import CliRunner
 
@@ -232,17 +231,7 @@ def _rank_main(rank: int, size: int, port: int, paths: dict[str, Path], out: Pat
 def test_two_tensor_ranks_give_the_logits_of_the_whole_model_in_float32_and_with_int4_experts(tiny, tmp_path):
     paths = {"float32": tiny[0], "int4_experts": tmp_path / "wide"}
     save(paths["int4_experts"], seed=6, moe_intermediate_size=64)
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    ranks = [context.Process(target=_rank_main, args=(r, 2, port, paths, tmp_path)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=240)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in ranks] == [0, 0], "a rank failed; its traceback is in the captured stderr"
+    spawn_ranks(_rank_main, lambda rank, port: (rank, 2, port, paths, tmp_path))
     results: list[dict[str, Any]] = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, formats in TENSOR_CASES.items():
         whole = _tensor_run(paths[name], formats, None)

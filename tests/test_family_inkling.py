@@ -7,8 +7,6 @@ the muP multiplier and the unpadded vocabulary; through shards, mixed frames, re
 from __future__ import annotations
 
 import copy
-import multiprocessing
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from inkling_tiny import (
     save_text_model_with_mtp,
 )
 from pydantic import ValidationError
+from test_tensor_parallel import spawn_ranks
 from tiny import assert_close_to, successor_chains, train_on_successors
 
 from modelfleet import planner
@@ -284,19 +283,7 @@ def tp_rank_main(rank: int, port: int, path: Path, out_dir: Path) -> None:
 def test_two_tensor_ranks_give_the_logits_and_greedy_tokens_of_the_whole_model(tmp_path: Path) -> None:
     path = tmp_path / "model"
     save_text_model(path, **TP_WIDTHS)
-    context = multiprocessing.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ranks = [context.Process(target=tp_rank_main, args=(r, port, path, tmp_path)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=240)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in ranks] == [0, 0], "a rank failed; its traceback is in the captured stderr"
+    spawn_ranks(tp_rank_main, lambda rank, port: (rank, port, path, tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for name, formats in TP_CASES.items():
         whole = tp_run(path, formats, None)

@@ -111,22 +111,27 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
+def spawn_ranks(target: Any, args_of: Any, size: int = 2, timeout: float = 240) -> None:
+    """Run ``target(*args_of(rank, port))`` in ``size`` spawned processes, ``port`` one free port for
+    the group's rendezvous; each rank must exit 0 within ``timeout`` seconds (a hung one is killed)."""
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    ranks = [context.Process(target=target, args=args_of(r, port)) for r in range(size)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in ranks] == [0] * size, "a rank failed; its traceback is in the captured stderr"
+
+
 @pytest.fixture(scope="module")
 def two_ranks(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every case's results on ranks 0 and 1 of one spawned group of two."""
     out_dir = tmp_path_factory.mktemp("ranks")
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    ranks = [context.Process(target=rank_main, args=(r, 2, port, checkpoints, out_dir)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=180)
-    for p in ranks:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in ranks] == [0, 0], "a rank failed; its traceback is in the captured stderr"
+    spawn_ranks(rank_main, lambda rank, port: (rank, 2, port, checkpoints, out_dir), timeout=180)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
