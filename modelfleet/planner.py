@@ -277,6 +277,11 @@ _SUFFIX: dict[str, int | Decimal] = {
 
 def parse_quantity(value: str | int | float) -> int:
     """A Kubernetes quantity ('16Gi', '1.5Gi', '500M', '128974848', '1e9') as an integer, rounded up."""
+    return math.ceil(quantity_value(value))
+
+
+def quantity_value(value: str | int | float) -> Decimal:
+    """A Kubernetes quantity's exact value ('500m' is 0.5)."""
     if isinstance(value, bool):
         raise PlanError(f"{value!r} is not a Kubernetes quantity")
     text = str(value).strip()
@@ -292,7 +297,7 @@ def parse_quantity(value: str | int | float) -> int:
         amount *= _SUFFIX[suffix]
     elif exponent:
         amount = amount.scaleb(int(exponent))
-    return math.ceil(amount)
+    return amount
 
 
 def node_name(node: Mapping[str, Any]) -> str:

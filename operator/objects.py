@@ -16,18 +16,23 @@ import copy
 import dataclasses
 import json
 import os
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modelfleet import __version__
+from modelfleet.plan import StagePlan
 from modelfleet.planner import parse_quantity
 
 from . import names
 from .placement import MemberAssignment, Placement
-from .spec import GROUP, KIND, VERSION, ModelFleetSpec
+from .spec import GROUP, KIND, VERSION, ModelFleetSpec, Resources
 
 Obj = dict[str, Any]
-DEFAULT_IMAGE = f"ghcr.io/modelfleet/modelfleet:{__version__}"
+# what images/build.sh tags (REGISTRY/IMAGE:VERSION), by accelerator profile; the chart's values
+# name the same repositories and may pin them by digest
+IMAGE_REGISTRY = "ghcr.io/modelfleet"
+PROFILE_IMAGES = {"cpu": "agent-cpu", "nvidia-gpu": "agent-cuda", "intel-igpu": "agent-openvino"}
 HF_ENDPOINT_ENV = (
     "MF_HF_ENDPOINT"  # the operator's HF_ENDPOINT for hf:// fleets without model.endpoint (chart: hub.endpoint)
 )
@@ -36,8 +41,22 @@ MODEL_MOUNT_DIR = names.MODEL_MOUNT_DIR
 SCRATCH_DIR = "/tmp"
 STARTUP_BASE_SECONDS = 300
 STARTUP_LOAD_BYTES_PER_SECOND = 50 * 10**6
-# the images run as uid 10001 (images/*/Containerfile); nothing in a pod needs root or a capability
-POD_SECURITY: Obj = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+# the images run as uid/gid 10001 (images/runtime.sh); nothing in a pod needs root or a capability
+IMAGE_USER = 10001
+POD_SECURITY: Obj = {
+    "runAsNonRoot": True, "runAsUser": IMAGE_USER, "runAsGroup": IMAGE_USER, "seccompProfile": {"type": "RuntimeDefault"},
+}  # fmt: skip
+# a stage pod that does not set resources: one core, and (on CPU and iGPU nodes, where the weights
+# live in host memory) its share of the planned weights and KV cache plus the runtime's own
+DEFAULT_STAGE_CPU = "1"
+STAGE_RUNTIME_BYTES = 1 << 30  # Python, torch, the agent's buffers: a stage process's RSS before weights
+HOST_MEMORY_PROFILES = ("cpu", "intel-igpu")
+# who may reach a stage's HTTP port (/status, /metrics) from outside its fleet: the operator (its
+# namespace from the downward API, set by the chart) and a monitoring namespace (chart values)
+OPERATOR_NAMESPACE_ENV, DEFAULT_OPERATOR_NAMESPACE = "MF_OPERATOR_NAMESPACE", "modelfleet-system"
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "modelfleet", "app.kubernetes.io/component": "operator"}
+MONITORING_NAMESPACE_ENV, DEFAULT_MONITORING_NAMESPACE = "MF_MONITORING_NAMESPACE", "monitoring"
+MONITORING_POD_LABELS_ENV = "MF_MONITORING_POD_LABELS"  # k=v,k=v; empty: any pod of that namespace
 CONTAINER_SECURITY: Obj = {
     "runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},
@@ -67,15 +86,21 @@ def agent_image_env(profile: str) -> str:
     return AGENT_IMAGE_ENV + profile.upper().replace("-", "_")
 
 
+def default_image(profile: str) -> str:
+    """The agent image images/build.sh builds for an accelerator profile, at this version."""
+    return f"{IMAGE_REGISTRY}/{PROFILE_IMAGES[profile]}:{__version__}"
+
+
 def agent_image(spec: ModelFleetSpec) -> str:
     """``spec.images.agent``, else the operator's image for the accelerator profile (its
-    environment, which the Helm chart fills from its values), else :data:`DEFAULT_IMAGE`."""
-    return spec.images.agent or os.environ.get(agent_image_env(spec.accelerator.profile)) or DEFAULT_IMAGE
+    environment, which the Helm chart fills from its values), else :func:`default_image`."""
+    profile = spec.accelerator.profile
+    return spec.images.agent or os.environ.get(agent_image_env(profile)) or default_image(profile)
 
 
 def gateway_image(spec: ModelFleetSpec) -> str:
     """The gateway needs no accelerator: the CPU agent image unless the spec names one."""
-    return spec.images.gateway or os.environ.get(agent_image_env("cpu")) or DEFAULT_IMAGE
+    return spec.images.gateway or os.environ.get(agent_image_env("cpu")) or default_image("cpu")
 
 
 def selector(fleet: str, component: str) -> dict[str, str]:
@@ -138,7 +163,7 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
     ]  # fmt: skip
     container = {
         "name": "agent", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
-        "command": ["modelfleet", "agent"], "env": env, "resources": _resources(spec, member),
+        "command": ["modelfleet", "agent"], "env": env, "resources": _stage_resources(spec, stage, member),
         "ports": _stage_ports(stage.tp_size > 1 and member.tp_rank == 0),
         # the agent answers /healthz from the start of loading and /readyz once its layers are in;
         # the startup budget covers the start of the process and loading the stage's weights
@@ -154,7 +179,7 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
         "volumes": [_plan_volume(fleet_name, revision), model_volume, _transport_volume(fleet_name), _scratch_volume()],
         "automountServiceAccountToken": False, "securityContext": POD_SECURITY,
     }  # fmt: skip
-    pod_spec = _with_fetch(pod_spec, spec, resources=_resources(spec, member))
+    pod_spec = _with_fetch(pod_spec, spec, resources=_stage_resources(spec, stage, member))
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
@@ -194,26 +219,40 @@ def _probe(path: str, port: int, period: int, failures: int = 3) -> Obj:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
 
 
-def _resources(spec: ModelFleetSpec, member: MemberAssignment) -> Obj:
-    """Requests from ``resources``; with ``placement.numa: single-numa-node``, limits equal to the
-    requests and whole CPUs (Guaranteed QoS: the kubelet's static CPU and topology managers pin
-    only such pods to one NUMA node's cores)."""
-    cpu, memory = spec.resources.cpu, spec.resources.memory
-    pinned = spec.placement.numa == "single-numa-node"
-    if pinned and cpu is not None:
+def _stage_resources(spec: ModelFleetSpec, stage: StagePlan, member: MemberAssignment) -> Obj:
+    """``resources``, with a stage's defaults (:data:`DEFAULT_STAGE_CPU`, :func:`stage_memory`);
+    with ``placement.numa: single-numa-node``, limits equal to the requests and whole CPUs
+    (Guaranteed QoS: the kubelet's static CPU and topology managers pin only such pods to one NUMA
+    node's cores)."""
+    given = spec.resources
+    cpu, memory = given.cpu or DEFAULT_STAGE_CPU, given.memory or stage_memory(spec, stage)
+    if spec.placement.numa == "single-numa-node":
         cpu = str(parse_quantity(cpu))  # rounded up
-    requests = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v}
-    limits = dict(requests) if pinned else {}
-    if memory:
-        limits["memory"] = memory
+        result = _pod_resources(given.model_copy(update={"cpu": cpu, "memory": memory, "cpu_limit": cpu}))
+    else:
+        result = _pod_resources(given.model_copy(update={"cpu": cpu, "memory": memory}))
     if member.accelerator_resource and spec.accelerator.devices_per_pod:
-        limits[member.accelerator_resource] = str(spec.accelerator.devices_per_pod)
-    result: Obj = {}
-    if requests:
-        result["requests"] = requests
-    if limits:
-        result["limits"] = limits
+        result.setdefault("limits", {})[member.accelerator_resource] = str(spec.accelerator.devices_per_pod)
     return result
+
+
+def stage_memory(spec: ModelFleetSpec, stage: StagePlan) -> str | None:
+    """A stage pod's default memory request where its weights live in host memory: its rank's share
+    of the stage's planned weights and KV cache, plus :data:`STAGE_RUNTIME_BYTES`, in MiB rounded
+    up. None on NVIDIA nodes, where the split between device and host memory is the engine's."""
+    if spec.accelerator.profile not in HOST_MEMORY_PROFILES:
+        return None
+    share = -(-(stage.weights_bytes + stage.kv_budget_bytes) // stage.tp_size)
+    return f"{-(-(share + STAGE_RUNTIME_BYTES) // 2**20)}Mi"
+
+
+def _pod_resources(resources: Resources) -> Obj:
+    """A container's requests and limits: memory is limited to its request unless ``memoryLimit``
+    says more; CPU only where ``cpuLimit`` is given."""
+    requests = {k: v for k, v in (("cpu", resources.cpu), ("memory", resources.memory)) if v}
+    limit_memory = resources.memory_limit or resources.memory
+    limits = {k: v for k, v in (("cpu", resources.cpu_limit), ("memory", limit_memory)) if v}
+    return {kind: values for kind, values in (("requests", requests), ("limits", limits)) if values}
 
 
 def _affinity(spec: ModelFleetSpec, node: str) -> Obj:
@@ -415,7 +454,7 @@ def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, serving: 
         "ports": [{"name": "http", "containerPort": names.GATEWAY_PORT}],
         "readinessProbe": _probe("/readyz", names.GATEWAY_PORT, period=5),
         "livenessProbe": _probe("/healthz", names.GATEWAY_PORT, period=10),
-        "securityContext": CONTAINER_SECURITY,
+        "securityContext": CONTAINER_SECURITY, "resources": _pod_resources(spec.gateway.resources),
     }  # fmt: skip
     template = {
         "metadata": {
@@ -434,6 +473,7 @@ def gateway_deployment(fleet: Mapping[str, Any], spec: ModelFleetSpec, serving: 
             },
             spec,
             weights=False,  # the gateway reads the config, tokenizer and chat template
+            resources=_pod_resources(spec.gateway.resources),
         ),
     }
     deployment_spec = {"replicas": spec.gateway.replicas, "selector": {"matchLabels": labels}, "template": template}
@@ -454,24 +494,69 @@ def endpoint(fleet: Mapping[str, Any]) -> str:
     return f"http://{names.gateway_name(meta['name'])}.{meta['namespace']}.svc:{names.GATEWAY_PORT}/v1"
 
 
-def network_policies(fleet: Mapping[str, Any]) -> list[Obj]:
-    """Stage pods accept frames only from pods of the same fleet, and HTTP (health, status for
-    the operator, metrics) from anywhere; the gateway's port is open to all."""
+def network_policies(fleet: Mapping[str, Any], spec: ModelFleetSpec) -> list[Obj]:
+    """Stage pods accept anything from pods of their own fleet (frames, tensor collectives, the
+    gateway) and their HTTP port (/status, /metrics) from the operator and the monitoring
+    namespace only; the gateway's port is open to all (clients). Both reach only their own fleet,
+    DNS and, for an hf:// model, the Hub's port (the fetch init container)."""
     fleet_name = fleet["metadata"]["name"]
-    same_fleet = {"podSelector": {"matchLabels": {names.LABEL_FLEET: fleet_name}}}
-    http = {"ports": [{"protocol": "TCP", "port": names.AGENT_HTTP_PORT}]}
-    stages = {
-        "podSelector": {"matchLabels": selector(fleet_name, "stage")},
-        "policyTypes": ["Ingress"], "ingress": [{"from": [same_fleet]}, http],
-    }  # fmt: skip
-    gateway = {
-        "podSelector": {"matchLabels": selector(fleet_name, "gateway")}, "policyTypes": ["Ingress"],
-        "ingress": [{"ports": [{"protocol": "TCP", "port": names.GATEWAY_PORT}]}],
-    }  # fmt: skip
+    same_fleet = [{"podSelector": {"matchLabels": {names.LABEL_FLEET: fleet_name}}}]
+    http = {"ports": [{"protocol": "TCP", "port": names.AGENT_HTTP_PORT}], "from": http_peers()}
+    stages = {"podSelector": {"matchLabels": selector(fleet_name, "stage")}, "ingress": [{"from": same_fleet}, http]}
+    clients = {"ports": [{"protocol": "TCP", "port": names.GATEWAY_PORT}]}
+    gateway = {"podSelector": {"matchLabels": selector(fleet_name, "gateway")}, "ingress": [clients]}
+    egress = [{"to": same_fleet}, {"ports": [{"protocol": p, "port": 53} for p in ("UDP", "TCP")]}]
+    if (hub_port := _hub_port(spec)) is not None:
+        egress.append({"ports": [{"protocol": "TCP", "port": hub_port}]})
     return [
-        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _metadata(fleet, f"{fleet_name}-{part}"), "spec": body}
+        {
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _metadata(fleet, f"{fleet_name}-{part}"),
+            "spec": {**body, "policyTypes": ["Ingress", "Egress"], "egress": egress},
+        }
         for part, body in (("stages", stages), ("gateway", gateway))
     ]  # fmt: skip
+
+
+def http_peers() -> list[Obj]:
+    """Who outside the fleet may read a stage's HTTP port: the operator's pods in its namespace
+    (:data:`OPERATOR_NAMESPACE_ENV`), and the monitoring namespace's pods (those with
+    :data:`MONITORING_POD_LABELS_ENV`'s labels, when set)."""
+    operator_namespace = os.environ.get(OPERATOR_NAMESPACE_ENV) or DEFAULT_OPERATOR_NAMESPACE
+    monitoring_namespace = os.environ.get(MONITORING_NAMESPACE_ENV) or DEFAULT_MONITORING_NAMESPACE
+    return [
+        _peer(operator_namespace, OPERATOR_POD_LABELS),
+        _peer(monitoring_namespace, parse_labels(os.environ.get(MONITORING_POD_LABELS_ENV, ""))),
+    ]
+
+
+def _peer(namespace: str, labels: Mapping[str, str]) -> Obj:
+    # kubernetes.io/metadata.name: the label every namespace carries (Kubernetes >= 1.22)
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        "podSelector": {"matchLabels": dict(labels)} if labels else {},
+    }
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``k=v,k=v`` (as ``kubectl -l`` takes equality selectors) as a dict; empty text, no labels."""
+    labels = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"{MONITORING_POD_LABELS_ENV}: {item!r} is not key=value (e.g. app.kubernetes.io/name=prometheus)"
+            )
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+def _hub_port(spec: ModelFleetSpec) -> int | None:
+    """The TCP port an hf:// model is fetched from: ``model.endpoint``'s (or the operator's
+    :data:`HF_ENDPOINT_ENV`), else HTTPS; None for volume-backed models."""
+    if not spec.model.uri.startswith("hf://"):
+        return None
+    url = urllib.parse.urlsplit(spec.model.endpoint or os.environ.get(HF_ENDPOINT_ENV) or "https://huggingface.co")
+    return url.port or (80 if url.scheme == "http" else 443)
 
 
 def disruption_budget(fleet: Mapping[str, Any]) -> Obj:
@@ -499,7 +584,7 @@ def fleet_objects(
     return [
         plan_config_map(fleet, placement),
         *(plan_config_map(fleet, p, revision_scoped=True, spec=specs.get(p.revision, spec)) for p in running),
-        stage_service(fleet), *network_policies(fleet), disruption_budget(fleet),
+        stage_service(fleet), *network_policies(fleet, spec), disruption_budget(fleet),
         *(stage_pod(fleet, specs.get(p.revision) or spec, p, member) for p in running for member in p.members),
         gateway_deployment(fleet, spec, serving or placement), gateway_service(fleet, spec),
     ]  # fmt: skip

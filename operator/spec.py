@@ -30,7 +30,7 @@ from pydantic.alias_generators import to_camel, to_snake
 from modelfleet.engine.errors import ModelfleetError
 from modelfleet.engine.speculative.config import BUILT, MAX_SPECULATIVE_TOKENS
 from modelfleet.plan import Formats, NonNegativeInt, PositiveInt, _describe
-from modelfleet.planner import parse_quantity
+from modelfleet.planner import parse_quantity, quantity_value
 
 # the proposers the engine has built (engine.speculative.config), as the CRD's enum
 SpeculativeMethod = Literal[BUILT]  # type: ignore[valid-type]
@@ -175,14 +175,6 @@ class Serving(_Spec):
     speculative: Speculative | None = None
 
 
-class Gateway(_Spec):
-    replicas: PositiveInt = 1
-    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    api_keys_secret: StrictStr | None = None
-    max_queue: NonNegativeInt = 64
-    queue_timeout_seconds: Annotated[StrictFloat | StrictInt, Field(gt=0, allow_inf_nan=False)] = 30
-
-
 class RestartPolicy(_Spec):
     max_stage_restarts: NonNegativeInt = 3
 
@@ -195,15 +187,46 @@ class Rollout(_Spec):
 
 
 class Resources(_Spec):
+    """A pod's CPU and memory: ``cpu`` and ``memory`` are requests, the limits default to none for
+    CPU (a CFS quota throttles token streaming; requests already share a busy node) and to the
+    request for memory (a pod never grows into its neighbours' memory)."""
+
     cpu: StrictStr | None = Field(default=None, pattern=QUANTITY_PATTERN)
     memory: StrictStr | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    cpu_limit: StrictStr | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    memory_limit: StrictStr | None = Field(default=None, pattern=QUANTITY_PATTERN)
 
-    @field_validator("cpu", "memory")
+    @field_validator("cpu", "memory", "cpu_limit", "memory_limit")
     @classmethod
     def _positive(cls, value: str | None) -> str | None:
         if value is not None and parse_quantity(value) <= 0:
             raise ValueError(f"{value!r} must be a positive quantity")
         return value
+
+    @model_validator(mode="after")
+    def _limits_cover_requests(self) -> Resources:
+        # mirrors the CRD's rules on resources and gateway.resources
+        for request, limit in (("cpu", "cpuLimit"), ("memory", "memoryLimit")):
+            wanted, allowed = getattr(self, request), getattr(self, to_snake(limit))
+            if wanted is not None and allowed is not None and quantity_value(wanted) > quantity_value(allowed):
+                raise ValueError(f"{limit}={allowed} must be at least {request}={wanted}")
+        return self
+
+
+class GatewayResources(Resources):
+    """The gateway's: it tokenizes and streams (measured in docs/results/hardening_issue30.md)."""
+
+    cpu: StrictStr | None = Field(default="500m", pattern=QUANTITY_PATTERN)
+    memory: StrictStr | None = Field(default="1Gi", pattern=QUANTITY_PATTERN)
+
+
+class Gateway(_Spec):
+    replicas: PositiveInt = 1
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    api_keys_secret: StrictStr | None = None
+    max_queue: NonNegativeInt = 64
+    queue_timeout_seconds: Annotated[StrictFloat | StrictInt, Field(gt=0, allow_inf_nan=False)] = 30
+    resources: GatewayResources = GatewayResources()
 
 
 class Images(_Spec):
@@ -243,6 +266,10 @@ class ModelFleetSpec(_Spec):
         if numa_pinned and (self.resources.cpu is None or self.resources.memory is None):
             raise ValueError(
                 "placement.numa=single-numa-node needs resources.cpu and resources.memory (Guaranteed QoS)"
+            )
+        if numa_pinned and (self.resources.cpu_limit is not None or self.resources.memory_limit is not None):
+            raise ValueError(
+                "placement.numa=single-numa-node sets the limits to the requests (Guaranteed QoS): leave resources.cpuLimit and resources.memoryLimit unset"
             )
         if self.stages is not None:
             _check_stage_ranges(self.stages)

@@ -18,7 +18,7 @@ from celpy import celtypes
 from openapi_schema_validator import OAS30Validator
 
 from modelfleet.operator.spec import ModelFleetSpec, SpecError, parse_spec
-from modelfleet.planner import parse_quantity
+from modelfleet.planner import quantity_value
 
 CRD_PATH = Path(__file__).parents[1] / "crds" / "modelfleets.modelfleet.io.yaml"
 CRD = yaml.safe_load(CRD_PATH.read_text())
@@ -59,11 +59,12 @@ def as_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _quantity(text: celtypes.StringType) -> celtypes.IntType:
-    return celtypes.IntType(parse_quantity(str(text)))
+def _quantity(text: celtypes.StringType) -> celtypes.DoubleType:
+    # exact enough to order quantities as the API server's Quantity does ('1500m' < '2')
+    return celtypes.DoubleType(float(quantity_value(str(text))))
 
 
-def _is_greater_than(a: celtypes.IntType, b: celtypes.IntType) -> celtypes.BoolType:
+def _is_greater_than(a: celtypes.DoubleType, b: celtypes.DoubleType) -> celtypes.BoolType:
     return celtypes.BoolType(a > b)
 
 
@@ -100,6 +101,10 @@ def admit(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 # ---- good specs ------------------------------------------------------------------------------
 
+def _with_fields(**changes: Any) -> dict[str, Any]:
+    return {**copy.deepcopy(MINIMAL), **changes}
+
+
 GOOD = {
     "minimal": MINIMAL,
     "every field": {
@@ -126,6 +131,10 @@ GOOD = {
         "accelerator": {"profile": "intel-igpu"}, "parallelism": {"pipeline": "auto"},
     },
     "hf model at a revision": {"model": {"uri": "hf://deepseek-ai/DeepSeek-V3@main", "servedName": "dsv3"}},
+    "limits on stages and the gateway": _with_fields(
+        resources={"cpu": "500m", "memory": "8Gi", "cpuLimit": "2", "memoryLimit": "8Gi"},
+        gateway={"resources": {"cpu": "250m", "memory": "512Mi", "cpuLimit": "1", "memoryLimit": "2Gi"}},
+    ),
     "gated hf model through a mirror into a cache claim": {"model": {
         "uri": "hf://meta-llama/Llama-4-Scout", "servedName": "scout", "tokenSecret": {"name": "hf", "key": "token"},
         "cache": {"claimName": "hf-cache"}, "endpoint": "https://hub.mirror.internal/hf",
@@ -174,6 +183,12 @@ BAD = {
     "zero replicas": _with(replicas=0),
     "memory not a quantity": _with(resources={"memory": "lots"}),
     "zero memory": _with(resources={"memory": "0Gi"}),
+    "cpu limit under the request": _with(resources={"cpu": "2", "cpuLimit": "1500m"}),
+    "zero cpu limit": _with(resources={"cpuLimit": "0"}),
+    "gateway memory limit under its default request": _with(gateway={"resources": {"memoryLimit": "512Mi"}}),
+    "numa pinning with its own limits": _with(
+        placement={"numa": "single-numa-node"}, resources={"cpu": "2", "memory": "8Gi", "cpuLimit": "4"}
+    ),
     "zero queue timeout": _with(gateway={"queueTimeoutSeconds": 0}),
     "zero progress deadline": _with(rollout={"progressDeadlineSeconds": 0}),
     "unknown service type": _with(gateway={"serviceType": "Ingress"}),

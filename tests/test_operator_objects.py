@@ -147,6 +147,32 @@ def test_without_numa_pinning_cpu_is_requested_as_given_and_not_limited():
     assert resources == {"requests": {"cpu": "500m", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
 
 
+def test_limits_are_settable_for_stage_pods_and_the_gateway():
+    _, objs, _ = build(
+        resources={"cpu": "2", "memory": "16Gi", "cpuLimit": "4", "memoryLimit": "20Gi"},
+        gateway={"resources": {"cpu": "1", "memory": "2Gi", "cpuLimit": "2"}},
+    )  # fmt: skip
+    stage = next(iter(by_kind(objs, "Pod").values()))["spec"]["containers"][0]["resources"]
+    assert stage == {"requests": {"cpu": "2", "memory": "16Gi"}, "limits": {"cpu": "4", "memory": "20Gi"}}
+    gateway = by_kind(objs, "Deployment")["qwen-gateway"]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert gateway == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+
+
+def test_without_resources_a_cpu_stage_requests_one_core_and_its_planned_bytes_and_the_gateway_its_defaults():
+    _, objs, placement = build()
+    stage = placement.plan.groups[0].stages[0]
+    need_mib = -(-(stage.weights_bytes + stage.kv_budget_bytes + objects.STAGE_RUNTIME_BYTES) // 2**20)
+    pod = next(p for p in by_kind(objs, "Pod").values() if p["metadata"]["labels"]["modelfleet.io/stage-index"] == "0")
+    assert pod["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "1", "memory": f"{need_mib}Mi"}, "limits": {"memory": f"{need_mib}Mi"},
+    }  # fmt: skip
+    gateway = by_kind(objs, "Deployment")["qwen-gateway"]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert gateway == {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "1Gi"}}
+    _, gpu_objs, _ = build(accelerator={"profile": "nvidia-gpu"})
+    gpu = next(iter(by_kind(gpu_objs, "Pod").values()))["spec"]["containers"][0]["resources"]
+    assert gpu == {"requests": {"cpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}  # device vs host bytes: the engine's
+
+
 def test_plan_config_map_holds_the_plan_and_its_hash():
     _, objs, placement = build()
     config_map = by_kind(objs, "ConfigMap")["qwen-plan"]
@@ -179,9 +205,14 @@ def test_services_gateway_policies_and_budget():
     assert env_of(gateway_pod)["MF_API_KEYS_FILE"] == "/etc/modelfleet-api-keys/api-keys"
     assert env_of(gateway_pod)["MF_KEYS_DIR"] == "/etc/modelfleet-transport"
     policies = by_kind(objs, "NetworkPolicy")
+    operator = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "modelfleet-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "modelfleet", "app.kubernetes.io/component": "operator"}},
+    }
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}, "podSelector": {}}
     assert policies["qwen-stages"]["spec"]["ingress"] == [
         {"from": [{"podSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}}}]},
-        {"ports": [{"protocol": "TCP", "port": 5556}]},  # health, status and metrics
+        {"ports": [{"protocol": "TCP", "port": 5556}], "from": [operator, monitoring]},  # health, status and metrics
     ]
     assert policies["qwen-gateway"]["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
     assert by_kind(objs, "PodDisruptionBudget")["qwen-stages"]["spec"]["maxUnavailable"] == 1
@@ -424,10 +455,31 @@ def test_the_inspection_job_of_an_hf_model_reads_headers_over_http_with_no_volum
     assert env["HF_ENDPOINT"]["value"] == "https://mirror.example/hf"
 
 
-def test_network_policies_restrict_only_ingress_so_pods_may_download():
-    _, objs, _ = build(model=HF_GATED)
-    for policy in by_kind(objs, "NetworkPolicy").values():
-        assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"]
+def test_network_policies_let_fleet_pods_reach_only_their_fleet_dns_and_for_hf_models_the_hubs_port():
+    dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    same_fleet = {"to": [{"podSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}}}]}
+    for model, hub in ((HF_GATED, [{"ports": [{"protocol": "TCP", "port": 443}]}]), (None, [])):
+        _, objs, _ = build(**({"model": model} if model else {}))
+        for policy in by_kind(objs, "NetworkPolicy").values():
+            assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+            assert policy["spec"]["egress"] == [same_fleet, dns, *hub]
+    _, objs, _ = build(model={"uri": "hf://org/tiny", "servedName": "tiny", "endpoint": "http://mirror.lan:8080/hf"})
+    assert by_kind(objs, "NetworkPolicy")["qwen-stages"]["spec"]["egress"][-1] == {"ports": [{"protocol": "TCP", "port": 8080}]}
+
+
+def test_the_stage_http_port_admits_the_operators_namespace_and_the_monitoring_pods_the_chart_names(monkeypatch):
+    monkeypatch.setenv(objects.OPERATOR_NAMESPACE_ENV, "ops")
+    monkeypatch.setenv(objects.MONITORING_NAMESPACE_ENV, "observability")
+    monkeypatch.setenv(objects.MONITORING_POD_LABELS_ENV, "app.kubernetes.io/name=prometheus, team=sre")
+    operator, monitoring = objects.http_peers()
+    assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}
+    assert monitoring == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus", "team": "sre"}},
+    }
+    monkeypatch.setenv(objects.MONITORING_POD_LABELS_ENV, "prometheus")
+    with pytest.raises(ValueError, match="MF_MONITORING_POD_LABELS: 'prometheus' is not key=value"):
+        objects.http_peers()
 
 
 @pytest.mark.parametrize("model", [HF_GATED, {"uri": "hf://org/tiny", "servedName": "tiny"}], ids=["gated", "public"])

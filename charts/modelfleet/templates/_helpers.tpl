@@ -40,3 +40,12 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* A label map as k=v,k=v (sorted), as the operator's MF_MONITORING_POD_LABELS reads it. */}}
+{{- define "modelfleet.labelList" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
