@@ -15,6 +15,12 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.0"
 if [ "${1:-}" = "test" ]; then
   .venv/bin/python -m pip install -q -e ".[test]"
+  # checkov (tests/test_policy.py) pins older packaging and networkx than the project's: a venv of
+  # its own beside the project's, as triton sits beside it
+  if [ ! -x .venv/checkov/bin/checkov ]; then
+    "$PY" -m venv .venv/checkov
+    .venv/checkov/bin/python -m pip install -q "checkov==3.3.30"
+  fi
 else
   .venv/bin/python -m pip install -q -e .
 fi
