@@ -58,7 +58,7 @@ from ..plan import FleetPlan, PlanError
 from . import transport as wire
 from .admission import Abandoned, Admission, Busy
 from .headlink import HeadLink, Inbox
-from .openai_schema import ChatCompletionRequest, CompletionRequest, describe, lone_surrogate
+from .openai_schema import _OFF_VALUES, ChatCompletionRequest, CompletionRequest, describe, lone_surrogate
 from .prompts import PromptError, Prompts
 from .sse import DONE, IDS_MARK, TEXT_MARK, TokenChunks, data_frame
 from .textstream import Piece, TextStream
@@ -190,6 +190,7 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for path, model in REQUEST_MODELS.items():
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        _off_values_only(body)
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
         ref = {"$ref": f"#/components/schemas/{model.__name__}"}
@@ -198,6 +199,14 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
             "content": {"application/json": {"schema": ref}},
         }
     return schema
+
+
+def _off_values_only(body: dict[str, Any]) -> None:
+    """Fields accepted only when off (openai_schema's ``_OFF_VALUES``) are ``Any`` to pydantic, so
+    that the refusal can name them; the schema lists the values accepted, as the validator does."""
+    for name, allowed in _OFF_VALUES.items():
+        if name in body.get("properties", {}):
+            body["properties"][name] = {"enum": list(allowed), "description": "accepted only when off"}
 
 
 class BugsAnswered(APIRoute):

@@ -168,7 +168,7 @@ def test_an_example_gateway_reachable_from_outside_the_cluster_takes_api_keys(na
 @needs_helm
 def test_the_chart_operator_and_build_script_name_the_same_images() -> None:
     build = (ROOT / "images" / "build.sh").read_text()
-    registry = re.search(r'^REGISTRY=\$\{REGISTRY:-([^}]+)\}', build, re.M)
+    registry = re.search(r"^REGISTRY=\$\{REGISTRY:-([^}]+)\}", build, re.M)
     built = re.search(r'^IMAGES=\$\{IMAGES:-"([^"]+)"\}', build, re.M)
     assert registry and built and registry.group(1) == objects.IMAGE_REGISTRY
     assert set(objects.PROFILE_IMAGES.values()) | {"operator"} == set(built.group(1).split())
