@@ -189,10 +189,9 @@ def test_operator_gives_pods_the_agent_image_of_their_profile_unless_the_fleet_n
     igpu = parse_spec({"model": model, "backend": "openvino", "accelerator": {"profile": "intel-igpu"}})
     assert objects.agent_image(igpu) == "registry.local/agent-openvino:1"
     assert objects.gateway_image(igpu) == "registry.local/agent-cpu:1"
-    assert (
-        objects.agent_image(parse_spec({"model": model, "accelerator": {"profile": "nvidia-gpu"}}))
-        == objects.default_image("nvidia-gpu")
-    )
+    assert objects.agent_image(
+        parse_spec({"model": model, "accelerator": {"profile": "nvidia-gpu"}})
+    ) == objects.default_image("nvidia-gpu")
     named = parse_spec({"model": model, "images": {"agent": "mine:1", "gateway": "gw:1"}})
     assert (objects.agent_image(named), objects.gateway_image(named)) == ("mine:1", "gw:1")
 

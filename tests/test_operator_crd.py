@@ -101,6 +101,7 @@ def admit(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 # ---- good specs ------------------------------------------------------------------------------
 
+
 def _with_fields(**changes: Any) -> dict[str, Any]:
     return {**copy.deepcopy(MINIMAL), **changes}
 

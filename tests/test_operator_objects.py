@@ -207,9 +207,14 @@ def test_services_gateway_policies_and_budget():
     policies = by_kind(objs, "NetworkPolicy")
     operator = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "modelfleet-system"}},
-        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "modelfleet", "app.kubernetes.io/component": "operator"}},
+        "podSelector": {
+            "matchLabels": {"app.kubernetes.io/name": "modelfleet", "app.kubernetes.io/component": "operator"}
+        },
     }
-    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}, "podSelector": {}}
+    monitoring = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {},
+    }
     assert policies["qwen-stages"]["spec"]["ingress"] == [
         {"from": [{"podSelector": {"matchLabels": {"modelfleet.io/fleet": "qwen"}}}]},
         {"ports": [{"protocol": "TCP", "port": 5556}], "from": [operator, monitoring]},  # health, status and metrics
@@ -464,7 +469,9 @@ def test_network_policies_let_fleet_pods_reach_only_their_fleet_dns_and_for_hf_m
             assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
             assert policy["spec"]["egress"] == [same_fleet, dns, *hub]
     _, objs, _ = build(model={"uri": "hf://org/tiny", "servedName": "tiny", "endpoint": "http://mirror.lan:8080/hf"})
-    assert by_kind(objs, "NetworkPolicy")["qwen-stages"]["spec"]["egress"][-1] == {"ports": [{"protocol": "TCP", "port": 8080}]}
+    assert by_kind(objs, "NetworkPolicy")["qwen-stages"]["spec"]["egress"][-1] == {
+        "ports": [{"protocol": "TCP", "port": 8080}]
+    }
 
 
 def test_the_stage_http_port_admits_the_operators_namespace_and_the_monitoring_pods_the_chart_names(monkeypatch):
