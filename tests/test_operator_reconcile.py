@@ -492,7 +492,8 @@ def test_a_serving_pod_recreated_during_a_rollout_is_made_from_the_serving_revis
     def agent(name: str) -> dict[str, Any]:
         return pods[name]["spec"]["containers"][0]
 
-    assert (agent(gone)["image"], agent(gone)["resources"]) == ("registry/agent:1", {})
+    # the serving revision's spec set no resources: its defaults (one core, the planned bytes)
+    assert agent(gone)["image"] == "registry/agent:1" and agent(gone)["resources"]["requests"]["cpu"] == "1"
     fresh = agent(cluster.pod_name("qwen-g0-s0", new))
     assert fresh["image"] == "registry/agent:2" and fresh["resources"]["requests"] == {"cpu": "2", "memory": "1Gi"}
     recorded = json.loads(cluster.of_kind("ConfigMap")[f"qwen-plan-{old}"]["data"]["spec.json"])
