@@ -102,7 +102,7 @@ def admit(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 # ---- good specs ------------------------------------------------------------------------------
 
 
-def _with_fields(**changes: Any) -> dict[str, Any]:
+def _with(**changes: Any) -> dict[str, Any]:
     return {**copy.deepcopy(MINIMAL), **changes}
 
 
@@ -132,7 +132,7 @@ GOOD = {
         "accelerator": {"profile": "intel-igpu"}, "parallelism": {"pipeline": "auto"},
     },
     "hf model at a revision": {"model": {"uri": "hf://deepseek-ai/DeepSeek-V3@main", "servedName": "dsv3"}},
-    "limits on stages and the gateway": _with_fields(
+    "limits on stages and the gateway": _with(
         resources={"cpu": "500m", "memory": "8Gi", "cpuLimit": "2", "memoryLimit": "8Gi"},
         gateway={"resources": {"cpu": "250m", "memory": "512Mi", "cpuLimit": "1", "memoryLimit": "2Gi"}},
     ),
@@ -157,10 +157,6 @@ def test_crd_defaults_are_the_spec_defaults():
 
 
 # ---- bad specs: both reject ------------------------------------------------------------------
-
-
-def _with(**changes: Any) -> dict[str, Any]:
-    return {**copy.deepcopy(MINIMAL), **changes}
 
 
 BAD = {
