@@ -42,6 +42,8 @@ class AgentStatus:
     reason: str = ""
     peers: dict[str, str] = field(default_factory=dict)
     head: dict[str, Any] = field(default_factory=dict)  # head only: chain readiness, streams, queue
+    numa: dict[str, Any] = field(default_factory=dict)  # this rank's binding and where its pages are (agent.numa)
+    expert_placement: dict[str, Any] = field(default_factory=dict)  # engine.expert_store's placement report
 
     @property
     def ready(self) -> bool:

@@ -45,6 +45,7 @@ from ..engine.speculative.speculator import Speculator
 from ..engine.speculative.verify import sample_step
 from ..engine.tensor_parallel import TensorGroup, init_tensor_group
 from ..plan import FleetPlan, Formats, StagePlan
+from . import numa
 from . import transport as wire
 from .head import Head, HeadConfig, scheduler_config
 from .health import AgentStatus, Phase, StageMetrics, serve_http
@@ -53,6 +54,24 @@ from .tensor_group import DistChannel, TensorGroupLost, TensorStage, rendezvous_
 
 log = logging.getLogger("modelfleet.agent")
 SEND_HWM = 10_000
+
+
+def bind_numa(stage: StagePlan, tp_rank: int, status: AgentStatus) -> None:
+    """Bind this rank to its GPU-local NUMA node before any large allocation (the shard's banks
+    are then first-touched there), and publish the binding. Ranks of a stage are planned as if they
+    share this host; a pod pinned to one node sees one node and is left as the kubelet placed it."""
+    device = numa.device_index(stage.device)
+    result = numa.bind_rank(tp_rank, [device] * stage.tp_size)
+    status.numa = result.as_dict()
+    log.info("numa: %s", status.numa)
+
+
+def verify_numa(status: AgentStatus) -> None:
+    """After loading: where this process's pages actually are (from /proc/self/numa_maps)."""
+    status.numa["resident_bytes_by_node"] = {
+        f"N{node}": nbytes for node, nbytes in sorted(numa.numa_map_bytes(numa.read_numa_maps()).items())
+    }
+    log.info("numa placement after load: %s", status.numa["resident_bytes_by_node"])
 
 
 def format_plan(formats: Formats) -> FormatPlan | None:
@@ -174,6 +193,7 @@ class StageAgent:
     def load(self) -> None:
         """This rank's share of the stage's layers (all of them when tp_size is 1), then its KV cache."""
         stage = self.stage
+        bind_numa(stage, self.config.tp_rank, self.status)
         tensor = None
         if stage.tp_size > 1:  # rank 0 of the group: see tensor_group
             timeout = self.config.tensor_timeout_seconds
@@ -190,6 +210,7 @@ class StageAgent:
         backend.allocate_cache(self.plan.streams_per_group, self.plan.serving.context_length, budget)
         self.status.weights_bytes, self.status.kv_bytes = backend.weights_bytes, backend.kv_bytes
         self.status.bytes_by_role = backend.bytes_by_role
+        verify_numa(self.status)
         if self.is_tail:
             self.sampler = TailSampler(backend.spec.eos_token_ids)
 
