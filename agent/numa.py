@@ -27,6 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MPOL_PREFERRED = 1  # allocations prefer the node and fall back when it is full (never an OOM from binding)
 
@@ -147,7 +148,7 @@ def cuda_bus_ids() -> tuple[str, ...]:
         return ()
     ids = []
     for index in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(index)
+        p: Any = torch.cuda.get_device_properties(index)  # the PCI fields are missing from torch's stubs
         ids.append(f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")
     return tuple(ids)
 
