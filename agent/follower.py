@@ -68,7 +68,7 @@ class FollowerAgent:
                 self.config.tensor_timeout_seconds,
                 namespace,
             )
-            self.backend = backend = stage_backend(self.config.plan, stage, group, self._loaded)
+            self.backend = backend = stage_backend(self.config.plan, stage, group, self._loaded, self.status)
             channel = DistChannel(group, torch.device(stage.device))
             follower = RankFollower(backend, channel, rank, on_command=self._applied)
             self.status.weights_bytes, self.status.bytes_by_role = backend.weights_bytes, backend.bytes_by_role

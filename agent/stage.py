@@ -21,6 +21,7 @@ which sends every engine call to the stage's other ranks (:mod:`.follower`) befo
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
 import threading
@@ -35,11 +36,13 @@ import zmq
 
 from ..engine.backend import StageBackend, load_backend
 from ..engine.errors import ErrorCode, ModelfleetError
+from ..engine.expert_store import StoreOptions, expert_counters, offload_experts, placement_report, stores_of
 from ..engine.formats.plain import PLAIN_DTYPES
 from ..engine.formats.plan import FormatPlan
 from ..engine.frame import Frame
 from ..engine.sampling import TailSampler
 from ..engine.scheduler import Scheduler
+from ..engine.shard import Shard
 from ..engine.speculative.build import build_proposer
 from ..engine.speculative.speculator import Speculator
 from ..engine.speculative.verify import sample_step
@@ -83,15 +86,30 @@ def format_plan(formats: Formats) -> FormatPlan | None:
 
 
 def stage_backend(
-    plan: FleetPlan, stage: StagePlan, tensor: TensorGroup | None, on_layer: Callable[[int, int], None] | None
+    plan: FleetPlan,
+    stage: StagePlan,
+    tensor: TensorGroup | None,
+    on_layer: Callable[[int, int], None] | None,
+    status: AgentStatus | None = None,
 ) -> StageBackend:
     """The backend the plan names for ``stage`` (this rank's share when ``tensor`` is given): how
-    both a stage's rank 0 and its followers load."""
+    both a stage's rank 0 and its followers load. With ``serving.gpu_memory_bytes`` the MoE layers
+    that do not fit keep their experts in host banks (:mod:`~modelfleet.engine.expert_store`),
+    computed on the CPU by this rank's workers (its NUMA binding's, see :func:`bind_numa`)."""
     model = plan.model
-    return load_backend(
+    backend = load_backend(
         stage.backend, model.path, stage.layer_start, stage.layer_end, device=stage.device, dtype=model.dtype,
         formats=format_plan(model.formats), tensor=tensor, on_layer=on_layer,
     )  # fmt: skip
+    cap = plan.serving.gpu_memory_bytes
+    if cap is not None and isinstance(backend, Shard):
+        workers = max(1, int((status.numa if status else {}).get("cpu_workers", 0) or 0))
+        options = StoreOptions(q=plan.serving.expert_split_q, cpu_workers=workers)
+        placement = offload_experts(backend, cap, None, options, kv_bytes=stage.kv_budget_bytes)
+        if status is not None:
+            status.expert_placement = placement_report(stores_of(backend), placement)
+            log.info("expert placement: %s", json.dumps(status.expert_placement))
+    return backend
 
 
 @dataclass(frozen=True)
@@ -201,7 +219,7 @@ class StageAgent:
             namespace = rendezvous_namespace(secret, self.plan.plan_hash(), self.config.group_index, stage.stage_index)
             tensor = init_tensor_group(0, stage.tp_size, stage.host, stage.rendezvous_port, stage.device, timeout,
                                        namespace)  # fmt: skip
-        backend = stage_backend(self.plan, stage, tensor, self._loaded)
+        backend = stage_backend(self.plan, stage, tensor, self._loaded, self.status)
         if tensor is not None:
             channel = DistChannel(tensor, torch.device(stage.device))
             backend = TensorStage(backend, channel, f"stage {stage.stage_index}")
@@ -491,6 +509,10 @@ class StageAgent:
         self.metrics.bytes("next", "out", sum(len(p) for p in parts))
 
     def _update_gauges(self) -> None:
+        if self.status.expert_placement and isinstance(self.backend, Shard):
+            placement = self.status.expert_placement
+            self.status.expert_placement = {**placement, **expert_counters(stores_of(self.backend))}
+            self.metrics.expert_store(self.status.expert_placement)
         if self.backend is not None and self.backend.slots is not None:
             in_use = self.backend.slots.in_use()
             self.status.slots_in_use = in_use

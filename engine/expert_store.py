@@ -476,12 +476,12 @@ def apply_placement(
 
 
 def offload_experts(
-    shard: Shard, device_bytes: int | None, host_bytes: int | None, options: StoreOptions
+    shard: Shard, device_bytes: int | None, host_bytes: int | None, options: StoreOptions, kv_bytes: int | None = None
 ) -> StagePlacement:
     """Plan a loaded shard's expert placement for ``device_bytes`` of device memory (its weights
-    and KV as they are now) and apply it."""
+    as they are now, its KV as allocated or ``kv_bytes`` when it is still to be) and apply it."""
     layers = moe_layers(shard, shard.layer_start)
-    other = shard.weights_bytes - sum(m.bank_bytes for m in layers) + shard.kv_bytes
+    other = shard.weights_bytes - sum(m.bank_bytes for m in layers) + (shard.kv_bytes if kv_bytes is None else kv_bytes)
     placement = plan_expert_placement(layers, other, device_bytes, host_bytes)
     if placement.offloaded:
         apply_placement(shard, placement, shard.device, options, shard.layer_start)
@@ -498,16 +498,21 @@ def stores_of(root: nn.Module) -> list[ExpertStore]:
     return [m for m in root.modules() if isinstance(m, ExpertStore)]
 
 
+def expert_counters(stores: Sequence[ExpertStore]) -> dict[str, object]:
+    """Every store's report row and the summed counters (hits, misses, fetch/cpu bytes)."""
+    totals = {"hits": 0, "misses": 0, "fetch_bytes": 0, "cpu_bytes": 0}
+    rows = []
+    for store in stores:
+        row = store.report()
+        rows.append(row)
+        for key in totals:
+            totals[key] += int(row[key])  # type: ignore[call-overload]
+    return {"stores": rows, **totals}
+
+
 def placement_report(stores: Sequence[ExpertStore], placement: StagePlacement | None) -> dict[str, object]:
     """The stage's placement table and counters: per layer what is cached/host, in sum the bytes
     on each side, the q in use and the measured bandwidths."""
-    totals = {"hits": 0, "misses": 0, "fetch_bytes": 0, "cpu_bytes": 0}
-    layers = []
-    for store in stores:
-        row = store.report()
-        layers.append(row)
-        for key in totals:
-            totals[key] += int(row[key])  # type: ignore[call-overload]
     measured = next((s.bandwidths for s in stores if s.bandwidths is not None), None)
     return {
         "offloaded": bool(stores),
@@ -518,6 +523,5 @@ def placement_report(stores: Sequence[ExpertStore], placement: StagePlacement | 
         "q": None if not stores else stores[0].q,
         "bandwidths": None if measured is None else measured.as_dict(),
         "layers": [p.as_dict() for p in placement.layers] if placement is not None else [],
-        "stores": layers,
-        **totals,
+        **expert_counters(stores),
     }

@@ -25,6 +25,7 @@ from modelfleet.engine.expert_store import (
     choose_victim,
     expert_bytes,
     measure_bandwidths,
+    moe_layers,
     predicted_step_seconds,
     q_star,
     split_misses,
@@ -272,3 +273,38 @@ def test_a_cap_too_small_for_the_rest_of_the_shard_fails_with_both_sizes(tiny_ch
         app, ["generate", "--model", str(source), "--prompt-ids", "5", "--gpu-memory-bytes", "1000"]
     )
     assert result.exit_code != 0 and "device memory 1000 bytes cannot hold" in result.output
+
+
+# ---- a local fleet whose plan caps device memory --------------------------------------------
+
+
+def test_a_fleet_with_capped_device_memory_serves_the_same_tokens_and_reports_its_placement(tiny_checkpoint, tmp_path):
+    from test_pipeline import Fleet, prompts_and_params, reference, run_concurrently, wait_until
+
+    from modelfleet.engine.shard import Shard
+
+    source, _ = tiny_checkpoint("qwen3_moe")
+    fleet = Fleet(source, tmp_path, stages=2)
+    stage = fleet.stages[0]
+    shard = Shard.load(source, stage.layer_start, stage.layer_end, dtype=fleet.plan.model.dtype)
+    banks = sum(m.bank_bytes for m in moe_layers(shard))
+    other = shard.weights_bytes - banks + stage.kv_budget_bytes
+    cap = int((other + banks // 2) / 0.9) + 1  # about half the experts fit beside the reserve
+    serving = fleet.plan.serving.model_copy(update={"gpu_memory_bytes": cap, "expert_split_q": 0.5})
+    fleet.plan = fleet.plan.model_copy(update={"serving": serving})
+    fleet.plan_path.write_text(fleet.plan.to_json())
+    fleet.local.plan = fleet.plan
+    fleet.start()
+    try:
+        prompts, params = prompts_and_params(3)
+        assert run_concurrently(fleet, prompts, params) == reference(source, prompts, params)
+        status = fleet.status(0)
+        report = status["expert_placement"]
+        assert {layer["placement"] for layer in report["layers"]} & {"cached", "host"}
+        assert report["q"] == 0.5 and status["numa"]["cpu_workers"] >= 0
+        misses = "modelfleet_stage_expert_cache_misses_total"
+        wait_until(lambda: fleet.metric(0, misses) > 0, 10, "expert misses counted in /metrics")
+        assert fleet.metric(0, "modelfleet_stage_expert_cpu_bytes_total") > 0
+        assert fleet.metric(0, "modelfleet_stage_expert_split_q") == 0.5
+    finally:
+        fleet.stop()
