@@ -394,6 +394,8 @@ def measure_bandwidths(store: ExpertStore, seconds: float = 0.5, dtype: torch.dt
     host, storage, nbytes = store.host, SlotStorage(store.host, 1, store.device), store.expert_nbytes
     in_features = host.gate_up.in_features if isinstance(host, QuantizedExperts) else _plain_in_features(host)
     row = torch.randn(1, in_features, dtype=dtype)
+    host.expert(0, row)  # kernel layouts are built on first use: not part of either bandwidth
+    storage.load(0, 0)
     stop = threading.Event()
     cpu_threads = [
         store._pool.submit(_repeat_for, seconds, lambda i: (host.expert(i % host.num_experts, row), nbytes)[1], stop)
@@ -451,11 +453,16 @@ class StoreOptions:
 
 
 def apply_placement(
-    root: nn.Module, placement: StagePlacement, device: torch.device, options: StoreOptions, layer_start: int = 0
+    root: nn.Module,
+    placement: StagePlacement,
+    device: torch.device,
+    options: StoreOptions,
+    layer_start: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> list[ExpertStore]:
     """Wrap, in place, every MoE layer that the placement does not keep on the device in an
     :class:`ExpertStore` (one worker pool for the stage); with ``options.q`` None, q* is measured
-    once (both paths at once) and given to every store. Returns the stores."""
+    once (both paths at once, activations in ``dtype``) and given to every store. Returns the stores."""
     by_layer = placement.by_layer()
     pool = ThreadPoolExecutor(options.cpu_workers, thread_name_prefix="cpu-experts")
     stores = []
@@ -468,7 +475,9 @@ def apply_placement(
         stores.append(moe.experts)
     with_slots = [store for store in stores if store.config.num_slots > 0]
     if with_slots and options.q is None:  # no slot anywhere: nothing can be fetched, q stays 0
-        measured = measure_bandwidths(with_slots[0], options.measure_seconds, _activation_dtype(with_slots[0].host))
+        measured = measure_bandwidths(
+            with_slots[0], options.measure_seconds, _activation_dtype(with_slots[0].host, dtype)
+        )
         for store in stores:
             store.q = measured.q_star
             store.bandwidths = measured
@@ -484,13 +493,14 @@ def offload_experts(
     other = shard.weights_bytes - sum(m.bank_bytes for m in layers) + (shard.kv_bytes if kv_bytes is None else kv_bytes)
     placement = plan_expert_placement(layers, other, device_bytes, host_bytes)
     if placement.offloaded:
-        apply_placement(shard, placement, shard.device, options, shard.layer_start)
+        apply_placement(shard, placement, shard.device, options, shard.layer_start, shard.dtype)
     return placement
 
 
-def _activation_dtype(bank: Bank) -> torch.dtype:
+def _activation_dtype(bank: Bank, compute: torch.dtype) -> torch.dtype:
+    """What the bank's experts are called with: the compute dtype (a plain bank: its own)."""
     if isinstance(bank, QuantizedExperts):
-        return torch.float32
+        return compute
     return torch.bfloat16 if bank.packed is not None else bank.gate_up.dtype
 
 

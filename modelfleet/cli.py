@@ -190,6 +190,7 @@ app.command()(__import__("modelfleet.commands.fetch", fromlist=["fetch"]).fetch)
 app.add_typer(__import__("modelfleet.commands.phrases", fromlist=["app"]).app, name="phrases")
 
 app.command()(quantize_command)
+app.command("profile-bandwidth")(__import__("modelfleet.commands.profile", fromlist=["x"]).profile_bandwidth)
 
 if __name__ == "__main__":
     app()

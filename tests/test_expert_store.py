@@ -308,3 +308,18 @@ def test_a_fleet_with_capped_device_memory_serves_the_same_tokens_and_reports_it
         assert fleet.metric(0, "modelfleet_stage_expert_split_q") == 0.5
     finally:
         fleet.stop()
+
+
+def test_profile_bandwidth_prints_both_betas_q_star_and_the_predicted_step_and_says_the_device_is_absent():
+    ask = ["profile-bandwidth", "--hidden", "64", "--moe-inner", "32", "--experts", "4", "--seconds", "0.05"]
+    result = CliRunner().invoke(app, [*ask, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["beta_g_bytes_per_second"] > 0 and report["beta_c_bytes_per_second"] > 0
+    assert report["q_star"] == pytest.approx(
+        q_star(report["beta_g_bytes_per_second"], report["beta_c_bytes_per_second"]), abs=1e-3
+    )
+    assert set(report["predicted_step_seconds"]) == {"q_star", "fetch_all", "cpu_all"}
+    if not torch.cuda.is_available():
+        table = CliRunner().invoke(app, ask)
+        assert table.exit_code == 0 and "device absent" in table.stdout
