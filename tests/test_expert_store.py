@@ -323,3 +323,29 @@ def test_profile_bandwidth_prints_both_betas_q_star_and_the_predicted_step_and_s
     if not torch.cuda.is_available():
         table = CliRunner().invoke(app, ask)
         assert table.exit_code == 0 and "device absent" in table.stdout
+
+
+# ---- at plan time ---------------------------------------------------------------------------
+
+
+def test_plan_time_expert_sizes_match_what_the_engine_loads(tiny_checkpoint):
+    from modelfleet.engine.checkpoint import Checkpoint
+    from modelfleet.engine.shard import Shard
+    from modelfleet.planner import routed_experts
+
+    source, _ = tiny_checkpoint("qwen3_moe")
+    assert routed_experts(Checkpoint(source), 4, "float32", None) == moe_layers(Shard.load(source))
+
+
+def test_modelfleet_plan_with_a_device_cap_prints_each_layers_placement_and_writes_the_cap(tiny_checkpoint, tmp_path):
+    source, _ = tiny_checkpoint("qwen3_moe")
+    out = tmp_path / "plan.json"
+    ask = ["plan", "--model", str(source), "--stages", "2", "--context-length", "256", "--out", str(out)]
+    result = CliRunner().invoke(app, [*ask, "--gpu-memory-bytes", "2700000"])
+    assert result.exit_code == 0, result.output
+    assert "expert placement" in result.stdout and "cached" in result.stdout
+    assert json.loads(out.read_text())["serving"]["gpu_memory_bytes"] == 2700000
+    small = CliRunner().invoke(app, [*ask, "--gpu-memory-bytes", "90000"])
+    assert (
+        small.exit_code != 0 and "group 0 stage 0 (serving.gpu_memory_bytes): device memory 90000 bytes" in small.output
+    )

@@ -31,8 +31,9 @@ def profile_bandwidth(
     activations: str = typer.Option("bfloat16", "--dtype", help="Activations' dtype: bfloat16 or float32."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
-    """Measure host-to-device expert copies (beta_g) and CPU expert compute (beta_c) together,
-    and print q* = beta_g / (beta_g + beta_c) with the predicted miss-service time per step."""
+    """Measure beta_g (expert copies to the device) and beta_c (CPU experts) together; print q* and step times.
+
+    Both paths run at once, as while serving; q* = beta_g / (beta_g + beta_c) splits each step's miss bytes."""
     import torch
 
     from modelfleet.engine.errors import ModelfleetError
