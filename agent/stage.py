@@ -107,7 +107,14 @@ def stage_backend(
         options = StoreOptions(q=plan.serving.expert_split_q, cpu_workers=workers)
         placement = offload_experts(backend, cap, None, options, kv_bytes=stage.kv_budget_bytes)
         if status is not None:
-            status.expert_placement = placement_report(stores_of(backend), placement)
+            report = placement_report(stores_of(backend), placement)
+            node_row = {
+                "numa_node": status.numa.get("numa_node"), "ranks": [status.tensor_rank],
+                "host_expert_bytes": placement.expert_host_bytes,
+                "device_bytes": placement.other_bytes + placement.expert_device_bytes, "cpu_workers": workers,
+            }  # fmt: skip
+            status.expert_placement = {**report, "by_numa_node": [node_row]}
+            log.info("expert placement by NUMA node: %s", json.dumps(node_row))
             log.info("expert placement: %s", json.dumps(status.expert_placement))
     return backend
 

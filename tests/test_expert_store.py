@@ -302,6 +302,8 @@ def test_a_fleet_with_capped_device_memory_serves_the_same_tokens_and_reports_it
         report = status["expert_placement"]
         assert {layer["placement"] for layer in report["layers"]} & {"cached", "host"}
         assert report["q"] == 0.5 and status["numa"]["cpu_workers"] >= 0
+        (node,) = report["by_numa_node"]
+        assert node["ranks"] == [0] and node["host_expert_bytes"] == report["expert_host_bytes"] > 0
         misses = "modelfleet_stage_expert_cache_misses_total"
         wait_until(lambda: fleet.metric(0, misses) > 0, 10, "expert misses counted in /metrics")
         assert fleet.metric(0, "modelfleet_stage_expert_cpu_bytes_total") > 0
