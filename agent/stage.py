@@ -36,7 +36,7 @@ import zmq
 
 from ..engine.backend import StageBackend, load_backend
 from ..engine.errors import ErrorCode, ModelfleetError
-from ..engine.expert_store import StoreOptions, expert_counters, offload_experts, placement_report, stores_of
+from ..engine.expert_offload import StoreOptions, expert_counters, offload_experts, placement_report, stores_of
 from ..engine.formats.plain import PLAIN_DTYPES
 from ..engine.formats.plan import FormatPlan
 from ..engine.frame import Frame

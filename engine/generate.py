@@ -19,8 +19,8 @@ from typing import cast
 import torch
 
 from .errors import InputError, ModelfleetError
+from .expert_offload import StoreOptions, offload_experts, placement_report, stores_of
 from .expert_placement import StagePlacement
-from .expert_store import StoreOptions, offload_experts, placement_report, stores_of
 from .formats.plan import FormatPlan
 from .frame import Frame
 from .kvcache import SlotState, SlotTable

@@ -56,7 +56,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _store_options(q: float | None, policy: str, workers: int):  # type: ignore[no-untyped-def]
-    from modelfleet.engine.expert_store import EvictionPolicy, StoreOptions
+    from modelfleet.engine.expert_offload import StoreOptions
+    from modelfleet.engine.expert_store import EvictionPolicy
 
     choices = [p.value for p in EvictionPolicy]
     if policy not in choices:

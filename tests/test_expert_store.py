@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from modelfleet.cli import app
 from modelfleet.engine.errors import InputError
+from modelfleet.engine.expert_offload import moe_layers
 from modelfleet.engine.expert_placement import MoELayer, Placement, device_reserve_bytes, plan_expert_placement
 from modelfleet.engine.expert_store import (
     EvictionPolicy,
@@ -25,7 +26,6 @@ from modelfleet.engine.expert_store import (
     choose_victim,
     expert_bytes,
     measure_bandwidths,
-    moe_layers,
     predicted_step_seconds,
     q_star,
     split_misses,
