@@ -351,3 +351,46 @@ def test_modelfleet_plan_with_a_device_cap_prints_each_layers_placement_and_writ
     assert (
         small.exit_code != 0 and "group 0 stage 0 (serving.gpu_memory_bytes): device memory 90000 bytes" in small.output
     )
+
+
+# ---- under tensor parallelism ---------------------------------------------------------------
+
+TP_PROMPT = [5, 17, 3, 99, 42]
+
+
+def tp_tokens(source: str, tensor: object, cap: int | None) -> tuple[list[int], dict]:  # type: ignore[type-arg]
+    from modelfleet.engine.expert_offload import StoreOptions
+    from modelfleet.engine.generate import LocalModel, generate
+    from modelfleet.engine.sampling import SamplingParams
+
+    lm = LocalModel.load(source, tensor=tensor, max_slots=1, max_context=64, device_memory_bytes=cap,  # type: ignore[arg-type]
+                         store_options=StoreOptions(q=0.5))  # fmt: skip
+    tokens = generate(lm, TP_PROMPT, SamplingParams(max_tokens=8, stop_token_ids=())).token_ids
+    return tokens, lm.expert_placement
+
+
+def tp_rank_main(rank: int, port: int, source: str, cap: int, out: str) -> None:
+    from modelfleet.engine.tensor_parallel import close_tensor_group, init_tensor_group
+
+    torch.set_num_threads(1)  # two ranks share two cores
+    group = init_tensor_group(rank, 2, "127.0.0.1", port, "cpu", timeout_seconds=60)
+    try:
+        tokens, report = tp_tokens(source, group, cap)
+        torch.save({"tokens": tokens, "report": report}, f"{out}/rank{rank}.pt")
+    finally:
+        close_tensor_group()
+
+
+def test_each_tensor_rank_stores_its_slice_of_the_experts_and_the_group_keeps_the_whole_models_tokens(
+    tiny_checkpoint, tmp_path
+):
+    from test_tensor_parallel import spawn_ranks
+
+    source, _ = tiny_checkpoint("qwen3_moe")
+    whole, _ = tp_tokens(str(source), None, None)
+    spawn_ranks(tp_rank_main, lambda rank, port: (rank, port, str(source), 500_000, str(tmp_path)), timeout=180)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["tokens"] for r in ranks] == [whole, whole]
+    for r in ranks:
+        assert {layer["placement"] for layer in r["report"]["layers"]} & {"cached", "host"}
+        assert r["report"]["cpu_bytes"] > 0
