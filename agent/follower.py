@@ -18,7 +18,7 @@ import torch
 from ..engine.backend import StageBackend
 from ..engine.tensor_parallel import close_tensor_group, init_tensor_group
 from .health import AgentStatus, Phase, StageMetrics, serve_http
-from .stage import AgentConfig, stage_backend
+from .stage import AgentConfig, bind_numa, stage_backend, verify_numa
 from .tensor_group import Command, DistChannel, RankFollower, rendezvous_namespace
 
 log = logging.getLogger("modelfleet.agent")
@@ -55,6 +55,7 @@ class FollowerAgent:
         http_port = self.config.http_port or stage.http_port
         http = serve_http(self.config.http_host or stage.host, http_port, self.status, self.metrics)
         try:
+            bind_numa(stage, rank, self.status)
             keys, plan = self.config.keys, self.config.plan
             namespace = rendezvous_namespace(None if keys is None else keys.secret, plan.plan_hash(), self.config.group_index,
                                              stage.stage_index)  # fmt: skip
@@ -67,10 +68,11 @@ class FollowerAgent:
                 self.config.tensor_timeout_seconds,
                 namespace,
             )
-            self.backend = backend = stage_backend(self.config.plan, stage, group, self._loaded)
+            self.backend = backend = stage_backend(self.config.plan, stage, group, self._loaded, self.status)
             channel = DistChannel(group, torch.device(stage.device))
             follower = RankFollower(backend, channel, rank, on_command=self._applied)
             self.status.weights_bytes, self.status.bytes_by_role = backend.weights_bytes, backend.bytes_by_role
+            verify_numa(self.status)
             self.status.phase = Phase.READY
             log.info("stage %d tensor rank %d of %d ready", stage.stage_index, rank, stage.tp_size)
             if self.handle_signals:

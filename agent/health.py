@@ -42,6 +42,8 @@ class AgentStatus:
     reason: str = ""
     peers: dict[str, str] = field(default_factory=dict)
     head: dict[str, Any] = field(default_factory=dict)  # head only: chain readiness, streams, queue
+    numa: dict[str, Any] = field(default_factory=dict)  # this rank's binding and where its pages are (agent.numa)
+    expert_placement: dict[str, Any] = field(default_factory=dict)  # engine.expert_store's placement report
 
     @property
     def ready(self) -> bool:
@@ -86,6 +88,23 @@ class StageMetrics:
         self.chain_ready = gauge(
             "chain_ready", "1 while every stage beats and chain probes answer in time (head)."
         ).labels(**labels)
+        # the expert store (engine.expert_store), when MoE layers keep experts in host banks
+        self.expert_cache_hits = counter(
+            "expert_cache_hits_total", "Routed experts found in device cache slots."
+        ).labels(**labels)
+        self.expert_cache_misses = counter(
+            "expert_cache_misses_total", "Routed experts not in device cache slots."
+        ).labels(**labels)
+        self.expert_fetch_bytes = counter(
+            "expert_fetch_bytes_total", "Expert bytes fetched from host banks into device slots."
+        ).labels(**labels)
+        self.expert_cpu_bytes = counter(
+            "expert_cpu_bytes_total", "Expert bytes computed in place on the CPU from host banks."
+        ).labels(**labels)
+        self.expert_split_q = gauge("expert_split_q", "Share of expert-miss bytes fetched to the device.").labels(
+            **labels
+        )
+        self._expert_seen = {"hits": 0, "misses": 0, "fetch_bytes": 0, "cpu_bytes": 0}
         link_names = [*names, "link", "direction"]
         self._bytes = Counter("modelfleet_stage_bytes_total", "Bytes per link.", link_names, registry=self.registry)
         self._labels = labels
@@ -107,6 +126,17 @@ class StageMetrics:
     def speculation(self, method: str, drafted: int, accepted: int) -> None:
         self.drafted.labels(**self._labels, method=method).inc(drafted)
         self.accepted.labels(**self._labels, method=method).inc(accepted)
+
+    def expert_store(self, report: dict[str, Any]) -> None:
+        """Advance the expert-store counters to a placement report's cumulative totals."""
+        counters = {"hits": self.expert_cache_hits, "misses": self.expert_cache_misses,
+                    "fetch_bytes": self.expert_fetch_bytes, "cpu_bytes": self.expert_cpu_bytes}  # fmt: skip
+        for key, counter in counters.items():
+            total = int(report.get(key, 0))
+            counter.inc(max(0, total - self._expert_seen[key]))
+            self._expert_seen[key] = total
+        if report.get("q") is not None:
+            self.expert_split_q.set(float(report["q"]))
 
     def bytes(self, link: str, direction: str, count: int) -> None:
         self._bytes.labels(**self._labels, link=link, direction=direction).inc(count)

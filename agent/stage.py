@@ -21,6 +21,7 @@ which sends every engine call to the stage's other ranks (:mod:`.follower`) befo
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
 import threading
@@ -35,16 +36,19 @@ import zmq
 
 from ..engine.backend import StageBackend, load_backend
 from ..engine.errors import ErrorCode, ModelfleetError
+from ..engine.expert_offload import StoreOptions, expert_counters, offload_experts, placement_report, stores_of
 from ..engine.formats.plain import PLAIN_DTYPES
 from ..engine.formats.plan import FormatPlan
 from ..engine.frame import Frame
 from ..engine.sampling import TailSampler
 from ..engine.scheduler import Scheduler
+from ..engine.shard import Shard
 from ..engine.speculative.build import build_proposer
 from ..engine.speculative.speculator import Speculator
 from ..engine.speculative.verify import sample_step
 from ..engine.tensor_parallel import TensorGroup, init_tensor_group
 from ..plan import FleetPlan, Formats, StagePlan
+from . import numa
 from . import transport as wire
 from .head import Head, HeadConfig, scheduler_config
 from .health import AgentStatus, Phase, StageMetrics, serve_http
@@ -53,6 +57,24 @@ from .tensor_group import DistChannel, TensorGroupLost, TensorStage, rendezvous_
 
 log = logging.getLogger("modelfleet.agent")
 SEND_HWM = 10_000
+
+
+def bind_numa(stage: StagePlan, tp_rank: int, status: AgentStatus) -> None:
+    """Bind this rank to its GPU-local NUMA node before any large allocation (the shard's banks
+    are then first-touched there), and publish the binding. Ranks of a stage are planned as if they
+    share this host; a pod pinned to one node sees one node and is left as the kubelet placed it."""
+    device = numa.device_index(stage.device)
+    result = numa.bind_rank(tp_rank, [device] * stage.tp_size)
+    status.numa = result.as_dict()
+    log.info("numa: %s", status.numa)
+
+
+def verify_numa(status: AgentStatus) -> None:
+    """After loading: where this process's pages actually are (from /proc/self/numa_maps)."""
+    status.numa["resident_bytes_by_node"] = {
+        f"N{node}": nbytes for node, nbytes in sorted(numa.numa_map_bytes(numa.read_numa_maps()).items())
+    }
+    log.info("numa placement after load: %s", status.numa["resident_bytes_by_node"])
 
 
 def format_plan(formats: Formats) -> FormatPlan | None:
@@ -64,15 +86,37 @@ def format_plan(formats: Formats) -> FormatPlan | None:
 
 
 def stage_backend(
-    plan: FleetPlan, stage: StagePlan, tensor: TensorGroup | None, on_layer: Callable[[int, int], None] | None
+    plan: FleetPlan,
+    stage: StagePlan,
+    tensor: TensorGroup | None,
+    on_layer: Callable[[int, int], None] | None,
+    status: AgentStatus | None = None,
 ) -> StageBackend:
     """The backend the plan names for ``stage`` (this rank's share when ``tensor`` is given): how
-    both a stage's rank 0 and its followers load."""
+    both a stage's rank 0 and its followers load. With ``serving.gpu_memory_bytes`` the MoE layers
+    that do not fit keep their experts in host banks (:mod:`~modelfleet.engine.expert_store`),
+    computed on the CPU by this rank's workers (its NUMA binding's, see :func:`bind_numa`)."""
     model = plan.model
-    return load_backend(
+    backend = load_backend(
         stage.backend, model.path, stage.layer_start, stage.layer_end, device=stage.device, dtype=model.dtype,
         formats=format_plan(model.formats), tensor=tensor, on_layer=on_layer,
     )  # fmt: skip
+    cap = plan.serving.gpu_memory_bytes
+    if cap is not None and isinstance(backend, Shard):
+        workers = max(1, int((status.numa if status else {}).get("cpu_workers", 0) or 0))
+        options = StoreOptions(q=plan.serving.expert_split_q, cpu_workers=workers)
+        placement = offload_experts(backend, cap, None, options, kv_bytes=stage.kv_budget_bytes)
+        if status is not None:
+            report = placement_report(stores_of(backend), placement)
+            node_row = {
+                "numa_node": status.numa.get("numa_node"), "ranks": [status.tensor_rank],
+                "host_expert_bytes": placement.expert_host_bytes,
+                "device_bytes": placement.other_bytes + placement.expert_device_bytes, "cpu_workers": workers,
+            }  # fmt: skip
+            status.expert_placement = {**report, "by_numa_node": [node_row]}
+            log.info("expert placement by NUMA node: %s", json.dumps(node_row))
+            log.info("expert placement: %s", json.dumps(status.expert_placement))
+    return backend
 
 
 @dataclass(frozen=True)
@@ -174,6 +218,7 @@ class StageAgent:
     def load(self) -> None:
         """This rank's share of the stage's layers (all of them when tp_size is 1), then its KV cache."""
         stage = self.stage
+        bind_numa(stage, self.config.tp_rank, self.status)
         tensor = None
         if stage.tp_size > 1:  # rank 0 of the group: see tensor_group
             timeout = self.config.tensor_timeout_seconds
@@ -181,7 +226,7 @@ class StageAgent:
             namespace = rendezvous_namespace(secret, self.plan.plan_hash(), self.config.group_index, stage.stage_index)
             tensor = init_tensor_group(0, stage.tp_size, stage.host, stage.rendezvous_port, stage.device, timeout,
                                        namespace)  # fmt: skip
-        backend = stage_backend(self.plan, stage, tensor, self._loaded)
+        backend = stage_backend(self.plan, stage, tensor, self._loaded, self.status)
         if tensor is not None:
             channel = DistChannel(tensor, torch.device(stage.device))
             backend = TensorStage(backend, channel, f"stage {stage.stage_index}")
@@ -190,6 +235,7 @@ class StageAgent:
         backend.allocate_cache(self.plan.streams_per_group, self.plan.serving.context_length, budget)
         self.status.weights_bytes, self.status.kv_bytes = backend.weights_bytes, backend.kv_bytes
         self.status.bytes_by_role = backend.bytes_by_role
+        verify_numa(self.status)
         if self.is_tail:
             self.sampler = TailSampler(backend.spec.eos_token_ids)
 
@@ -470,6 +516,10 @@ class StageAgent:
         self.metrics.bytes("next", "out", sum(len(p) for p in parts))
 
     def _update_gauges(self) -> None:
+        if self.status.expert_placement and isinstance(self.backend, Shard):
+            placement = self.status.expert_placement
+            self.status.expert_placement = {**placement, **expert_counters(stores_of(self.backend))}
+            self.metrics.expert_store(self.status.expert_placement)
         if self.backend is not None and self.backend.slots is not None:
             in_use = self.backend.slots.in_use()
             self.status.slots_in_use = in_use

@@ -19,6 +19,8 @@ from typing import cast
 import torch
 
 from .errors import InputError, ModelfleetError
+from .expert_offload import StoreOptions, offload_experts, placement_report, stores_of
+from .expert_placement import StagePlacement
 from .formats.plan import FormatPlan
 from .frame import Frame
 from .kvcache import SlotState, SlotTable
@@ -41,6 +43,7 @@ class LocalModel:
         on_gpu = shards[0].device.type == "cuda"
         self.static_decode = (on_gpu if static_decode is None else static_decode) and supports_static_decode(shards)
         self._decoders: dict[int, StaticDecoder] = {}
+        self.placements: list[StagePlacement] = []  # per shard, when its device memory was capped
 
     @classmethod
     def load(
@@ -56,8 +59,13 @@ class LocalModel:
         static_decode: bool | None = None,
         formats: FormatPlan | None = None,
         tensor: TensorGroup | None = None,
+        device_memory_bytes: int | None = None,
+        store_options: StoreOptions | None = None,
     ) -> LocalModel:
         """``formats`` quantizes at load (None: the compute dtype, or a quantized checkpoint's own formats).
+        ``device_memory_bytes`` caps the device memory of the whole model (shared evenly by the
+        shards): MoE layers that do not fit move to host banks with device cache slots
+        (:mod:`.expert_store`), served as ``store_options`` say.
         ``tensor``: this process is one rank of a tensor-parallel group; every rank loads the same
         model with its own group rank and then runs the same frames (and gets the same outputs)."""
         spec = load_spec(model_dir)
@@ -70,7 +78,19 @@ class LocalModel:
         context = max_context or min(spec.max_position_embeddings, 4096)
         for shard in parts:
             shard.allocate_cache(max_slots, context)
-        return cls(parts, static_decode)
+        model = cls(parts, static_decode)
+        if device_memory_bytes is not None:
+            options = store_options or StoreOptions()
+            model.placements = [offload_experts(p, device_memory_bytes // shards, None, options) for p in parts]
+            model.static_decode = model.static_decode and not any(stores_of(p) for p in parts)  # CPU work: eager
+        return model
+
+    @property
+    def expert_placement(self) -> dict[str, object]:
+        """The placement report of every shard's expert stores (empty when nothing is offloaded)."""
+        stores = [store for shard in self.shards for store in stores_of(shard)]
+        placement = self.placements[0] if len(self.placements) == 1 else None
+        return placement_report(stores, placement) if self.placements else {}
 
     @property
     def max_context(self) -> int:

@@ -55,6 +55,16 @@ def _parse_ids(text: str) -> list[int]:
         return []
 
 
+def _store_options(q: float | None, policy: str, workers: int):  # type: ignore[no-untyped-def]
+    from modelfleet.engine.expert_offload import StoreOptions
+    from modelfleet.engine.expert_store import EvictionPolicy
+
+    choices = [p.value for p in EvictionPolicy]
+    if policy not in choices:
+        _fail(f"--expert-cache-policy {policy!r}: choose one of {', '.join(choices)}")
+    return StoreOptions(EvictionPolicy(policy), q, workers)
+
+
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", help="Hugging Face checkpoint directory (config.json + *.safetensors)."),
@@ -79,6 +89,24 @@ def generate(
         None, "--embeddings", help=f"The embedding table's format (a tied head shares a packed one); {ROLE_HELP}"
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", help=SPECULATIVE_HELP, metavar="JSON"),
+    gpu_memory_bytes: int | None = typer.Option(
+        None,
+        "--gpu-memory-bytes",
+        min=1,
+        help="Device memory to plan for (simulates a smaller GPU; on CPU, the cap "
+        "itself): MoE layers that do not fit keep their experts in host banks with device cache slots.",
+    ),
+    expert_q: float | None = typer.Option(
+        None,
+        "--expert-q",
+        min=0.0,
+        max=1.0,
+        help="Share of each step's expert-miss bytes fetched to the device (default: q* from bandwidths measured at start).",
+    ),
+    expert_cache_policy: str = typer.Option("lru", "--expert-cache-policy", help="Cache eviction: lru or frequency."),
+    cpu_expert_workers: int = typer.Option(
+        1, "--cpu-expert-workers", min=1, help="Threads computing experts on the CPU."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (tokens, text, timings) last."),
 ) -> None:
     """Generate a continuation with the single-process engine, streaming text as it comes."""
@@ -105,9 +133,11 @@ def generate(
         formats = plan_from_options(quantize, experts=experts, attention=attention, head=head, embeddings=embeddings)
         config = SpeculativeConfig.from_json(speculative_config) if speculative_config else None
         started = time.perf_counter()
+        store = _store_options(expert_q, expert_cache_policy, cpu_expert_workers)
         lm = LocalModel.load(
-            model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=1, formats=formats
-        )
+            model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=1, formats=formats,
+            device_memory_bytes=gpu_memory_bytes, store_options=store,
+        )  # fmt: skip
         load_s = time.perf_counter() - started
         decoder = IncrementalDecoder(tokenizer) if tokenizer else None
         stream = sys.stdout if not as_json else sys.stderr
@@ -138,6 +168,8 @@ def generate(
             "weights_bytes": lm.weights_bytes,
             "bytes_by_role": lm.bytes_by_role,
         }
+        if lm.expert_placement:
+            out["expert_placement"] = lm.expert_placement
         if speculator is not None:
             out["speculative"] = speculator.stats.as_dict()
         if tokenizer:
@@ -159,6 +191,7 @@ app.command()(__import__("modelfleet.commands.fetch", fromlist=["fetch"]).fetch)
 app.add_typer(__import__("modelfleet.commands.phrases", fromlist=["app"]).app, name="phrases")
 
 app.command()(quantize_command)
+app.command("profile-bandwidth")(__import__("modelfleet.commands.profile", fromlist=["x"]).profile_bandwidth)
 
 if __name__ == "__main__":
     app()

@@ -210,6 +210,15 @@ class ServingLimits(_Frozen):
         default=None,
         description='speculative decoding, vLLM-style keys: {"method": "ngram", "num_speculative_tokens": 4, ...}',
     )
+    gpu_memory_bytes: PositiveInt | None = Field(
+        default=None,
+        description="device memory each stage (each rank) plans for; MoE layers that do not fit keep their experts "
+        "in host banks with device cache slots (default: the whole device)",
+    )
+    expert_split_q: Annotated[StrictFloat, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description="share of each step's expert-miss bytes fetched to the device (default: q* measured at start)",
+    )
 
     @field_validator("speculative")
     @classmethod

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .engine.errors import InputError
+from .engine.expert_placement import MoELayer, StagePlacement, plan_expert_placement
 from .engine.format_names import PACKED_FORMATS
 from .engine.split import even_split
-from .plan import PORTS_PER_STAGE, FleetPlan, Formats, PlanError, ServingLimits, build, stage_port_span
+from .plan import PORTS_PER_STAGE, FleetPlan, Formats, PlanError, ServingLimits, StagePlan, build, stage_port_span
 
 if TYPE_CHECKING:
     from .engine.checkpoint import TensorInfo
@@ -444,6 +445,73 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+# ---- expert placement under a device cap ----------------------------------------------------
+
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")  # one routed expert's matrix (Qwen3-MoE, DeepSeek, Mixtral)
+
+
+def routed_experts(checkpoint: TensorIndex, num_layers: int, dtype: str, formats: Formats | None) -> list[MoELayer]:
+    """Each MoE layer's routed-expert bank as it will be held: expert count and bytes per expert
+    in the experts' format (or ``dtype``), from tensor names and shapes only. GPT-OSS's fused
+    banks count their leading dimension; a checkpoint already quantized is not sized here."""
+    fmt = None if formats is None else formats.experts
+    itemsize = _itemsize(dtype) or 4
+    found: dict[int, tuple[set[int], int]] = {}
+    for name in checkpoint.names():
+        match = _LAYER_NAME.match(name)
+        if not match or int(match.group(1)) >= num_layers:
+            continue
+        info = checkpoint.info(name)
+        shape = tuple(info.shape)
+        expert = _EXPERT_NAME.search(name)
+        if expert is not None and len(shape) == 2:
+            ids = {int(expert.group(1))}
+        elif _FUSED_EXPERTS.search(name) and len(shape) == 3:
+            ids, shape = set(range(shape[0])), (shape[0], shape[2], shape[1])
+        else:
+            continue
+        nbytes = (
+            format_bytes(shape, fmt) if fmt is not None and fmt in QUANTIZED_FORMATS else math.prod(shape) * itemsize
+        )
+        seen, total = found.get(int(match.group(1)), (set(), 0))
+        found[int(match.group(1))] = (seen | ids, total + nbytes)
+    return [MoELayer(layer, len(ids), total // len(ids)) for layer, (ids, total) in sorted(found.items())]
+
+
+def stage_expert_placement(
+    stage: StagePlan, moe: Sequence[MoELayer], device_bytes: int | None, host_bytes: int | None = None
+) -> StagePlacement:
+    """Where ``stage``'s experts go under a device cap (the agent decides again from the bytes it
+    actually loads, with the same function): its weights and KV budget less its routed banks stay
+    on the device. Raises InputError naming both sizes when neither side can hold them."""
+    layers = [m for m in moe if stage.layer_start <= m.layer < stage.layer_end]
+    other = stage.weights_bytes - sum(m.bank_bytes for m in layers) + stage.kv_budget_bytes
+    return plan_expert_placement(layers, other, device_bytes, host_bytes)
+
+
+def expert_placements(
+    plan: FleetPlan, model_dir: str | Path, host_bytes: Sequence[int | None] | None = None
+) -> dict[tuple[int, int], StagePlacement]:
+    """{(group, stage): placement} under the plan's ``serving.gpu_memory_bytes`` ({} when not
+    capped); ``host_bytes``: each stage's host memory, group after group (None: unchecked).
+    Raises PlanError naming the stage and both sizes when a stage fits neither side."""
+    cap = plan.serving.gpu_memory_bytes
+    if cap is None:
+        return {}
+    from .engine.checkpoint import Checkpoint
+
+    moe = routed_experts(Checkpoint(model_dir), plan.model.num_layers, plan.model.dtype, plan.model.formats)
+    out = {}
+    stages = [(g.group_index, s) for g in plan.groups for s in g.stages]
+    for i, (g, stage) in enumerate(stages):
+        host = None if host_bytes is None else host_bytes[i]
+        try:
+            out[(g, stage.stage_index)] = stage_expert_placement(stage, moe, cap, host)
+        except InputError as exc:
+            raise PlanError(f"group {g} stage {stage.stage_index} (serving.gpu_memory_bytes): {exc}") from exc
+    return out
+
+
 # ---- the whole plan -------------------------------------------------------------------------
 
 
@@ -537,7 +605,10 @@ def build_plan(
         return device if group_nodes is None else node_device(group_nodes[s])
 
     address = address_of or local_address(DEFAULT_BASE_PORT, stages, tensor)
-    return assemble_plan(model, ranges, sizes, kv, address, device_of, tp_size=tensor, serving=limits)
+    plan = assemble_plan(model, ranges, sizes, kv, address, device_of, tp_size=tensor, serving=limits)
+    hosts = None if nodes is None else [usable_memory(node, runtime_reserve_bytes) for node in nodes]
+    expert_placements(plan, model_dir, hosts)  # a stage neither side can hold fails here, at plan time
+    return plan
 
 
 def _group_ranges(

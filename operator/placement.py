@@ -355,6 +355,7 @@ def _build(
         "window_rows": spec.serving.window_rows, "max_queue": spec.gateway.max_queue,
         "queue_timeout_seconds": float(spec.gateway.queue_timeout_seconds),
         "speculative": None if spec.serving.speculative is None else spec.serving.speculative.plan_fields(),
+        "gpu_memory_bytes": spec.serving.gpu_memory_bytes,
     }  # fmt: skip
     tp = spec.parallelism.tensor
     return assemble_plan(

@@ -173,6 +173,11 @@ class Serving(_Spec):
     context_length: PositiveInt = 4096
     window_rows: PositiveInt = 8
     speculative: Speculative | None = None
+    gpu_memory_bytes: PositiveInt | None = Field(
+        default=None,
+        description="device memory each stage member plans for; MoE layers that do not fit keep their experts "
+        "in host banks with device cache slots",
+    )
 
 
 class RestartPolicy(_Spec):

@@ -31,6 +31,29 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
 
 
+def placement_table(plan: Any, model: Path) -> Table | None:
+    """Per stage and MoE layer: where the experts go under serving.gpu_memory_bytes (None: not capped)."""
+    from modelfleet.planner import expert_placements
+
+    placements = expert_placements(plan, model)
+    if not placements:
+        return None
+    table = Table(title=f"expert placement with {_gib(plan.serving.gpu_memory_bytes)} of device memory per stage")
+    for col in ("group", "stage", "layer", "placement", "slots", "device experts", "host experts"):
+        table.add_column(col, justify="left" if col == "placement" else "right")
+    for (g, s), placement in placements.items():
+        for p in placement.layers:
+            table.add_row(str(g), str(s), str(p.layer), str(p.placement), f"{p.slots}/{p.num_experts}",
+                          _gib(p.device_bytes), _gib(p.host_bytes))  # fmt: skip
+    return table
+
+
+GPU_MEMORY_HELP = (
+    "Device memory each stage (rank) plans for (serving.gpu_memory_bytes): MoE layers that do not fit keep "
+    "their experts in host banks with device cache slots; simulates a smaller GPU."
+)
+
+
 def plan_table(plan: Any) -> Table:
     table = Table(
         title=f"fleet plan for {plan.model.served_name} ({plan.model.family}, {plan.model.num_layers} layers)"
@@ -87,6 +110,7 @@ def make_plan(
     window_rows: int = 8, microbatches: int | None = None, max_queue: int = 64, dtype: str = "float32",
     device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
     formats: Any = None, backend: str = "torch", speculative: dict[str, Any] | None = None,
+    gpu_memory_bytes: int | None = None,
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
     ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group."""
@@ -95,7 +119,7 @@ def make_plan(
 
     serving = ServingLimits(
         max_streams=max_streams, context_length=context_length_for(model, context_length), window_rows=window_rows,
-        microbatches=microbatches, max_queue=max_queue, speculative=speculative,
+        microbatches=microbatches, max_queue=max_queue, speculative=speculative, gpu_memory_bytes=gpu_memory_bytes,
     )  # fmt: skip
     return build_plan(
         model, stages, _load_nodes(nodes) if nodes else None, groups=groups, tensor=tensor, dtype=dtype,
@@ -164,6 +188,7 @@ def plan(
         None, "--embeddings", help=f"Embedding table's format (a tied head follows it): {FORMAT_HELP}."
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
+    gpu_memory_bytes: int | None = typer.Option(None, "--gpu-memory-bytes", min=1, help=GPU_MEMORY_HELP),
 ) -> None:
     """Plan a fleet: contiguous layer ranges per stage (sized in the weight formats asked for),
     printed as a table and written as JSON."""
@@ -174,10 +199,14 @@ def plan(
         fleet_plan = make_plan(model, stages, nodes=nodes, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, dtype=dtype, tensor=tensor, formats=formats, groups=groups,
                                microbatches=microbatches, backend=backend,
-                               speculative=speculative_option(speculative_config))  # fmt: skip
+                               speculative=speculative_option(speculative_config),
+                               gpu_memory_bytes=gpu_memory_bytes)  # fmt: skip
+        placements = placement_table(fleet_plan, model)
     except ModelfleetError as exc:
         fail(str(exc))
     out.print(plan_table(fleet_plan))
+    if placements is not None:
+        out.print(placements)
     out_path.write_text(fleet_plan.to_json())
     out.print(f"wrote {out_path} (plan hash {fleet_plan.plan_hash()[:12]})")
 
@@ -285,6 +314,7 @@ def up(
         help="Plain TCP between stages, the gateway and clients: any local process may submit.",
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
+    gpu_memory_bytes: int | None = typer.Option(None, "--gpu-memory-bytes", min=1, help=GPU_MEMORY_HELP),
 ) -> None:
     """Run a whole fleet on this machine: plan, start every stage and the gateway, wait until ready.
 
@@ -310,7 +340,8 @@ def up(
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, microbatches=microbatches, max_queue=max_queue, dtype=dtype,
                                device=device, base_port=base_port, groups=groups, tensor=tensor, formats=formats,
-                               backend=backend, speculative=speculative_option(speculative_config))  # fmt: skip
+                               backend=backend, speculative=speculative_option(speculative_config),
+                               gpu_memory_bytes=gpu_memory_bytes)  # fmt: skip
         check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
         fail(str(exc))

@@ -1,0 +1,141 @@
+"""Applying an expert placement (:mod:`.expert_placement`) to a loaded shard: each MoE layer the
+device cannot hold gets an :class:`~.expert_store.ExpertStore`, q* is measured once for the
+stage, and the stores report their placement and counters (for ``generate --json``, the stage
+agent's /status and metrics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .expert_placement import LayerPlacement, MoELayer, Placement, StagePlacement, plan_expert_placement
+from .expert_store import (
+    Bank,
+    EvictionPolicy,
+    ExpertStore,
+    StoreConfig,
+    expert_bytes,
+    measure_bandwidths,
+)
+from .layers import Experts, SparseMoE
+from .quantize import QuantizedExperts
+
+if TYPE_CHECKING:
+    from .shard import Shard
+
+
+def moe_banks(root: nn.Module) -> dict[int, SparseMoE]:
+    """{layer index within ``root.layers``: its sparse MoE block} for every MoE layer."""
+    layers = getattr(root, "layers", [])
+    return {i: m for i, layer in enumerate(layers) for m in layer.modules() if isinstance(m, SparseMoE)}
+
+
+def moe_layers(root: nn.Module, layer_start: int = 0) -> list[MoELayer]:
+    """Each MoE layer's bank size (absolute layer numbers), for :func:`plan_expert_placement`."""
+    out = []
+    for i, moe in moe_banks(root).items():
+        bank = moe.experts.host if isinstance(moe.experts, ExpertStore) else moe.experts
+        if isinstance(bank, Experts | QuantizedExperts):
+            out.append(MoELayer(layer_start + i, bank.num_experts, expert_bytes(bank)))
+    return out
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How offloaded layers serve misses (the same for every layer of a stage)."""
+
+    policy: EvictionPolicy = EvictionPolicy.LRU
+    q: float | None = None  # None: q* from bandwidths measured at startup
+    cpu_workers: int = 1
+    measure_seconds: float = 0.2
+
+
+def apply_placement(
+    root: nn.Module,
+    placement: StagePlacement,
+    device: torch.device,
+    options: StoreOptions,
+    layer_start: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> list[ExpertStore]:
+    """Wrap, in place, every MoE layer that the placement does not keep on the device in an
+    :class:`ExpertStore` (one worker pool for the stage); with ``options.q`` None, q* is measured
+    once (both paths at once, activations in ``dtype``) and given to every store. Returns the stores."""
+    by_layer = placement.by_layer()
+    pool = ThreadPoolExecutor(options.cpu_workers, thread_name_prefix="cpu-experts")
+    stores = []
+    for i, moe in moe_banks(root).items():
+        chosen: LayerPlacement | None = by_layer.get(layer_start + i)
+        if chosen is None or chosen.placement is Placement.DEVICE or not isinstance(moe.experts, Bank):
+            continue
+        config = StoreConfig(chosen.slots, options.policy, options.q, options.cpu_workers)
+        moe.experts = ExpertStore(moe.experts, device, config, pool)
+        stores.append(moe.experts)
+    with_slots = [store for store in stores if store.config.num_slots > 0]
+    if with_slots and options.q is None:  # no slot anywhere: nothing can be fetched, q stays 0
+        measured = measure_bandwidths(
+            with_slots[0], options.measure_seconds, _activation_dtype(with_slots[0].host, dtype)
+        )
+        for store in stores:
+            store.q = measured.q_star
+            store.bandwidths = measured
+    return stores
+
+
+def offload_experts(
+    shard: Shard, device_bytes: int | None, host_bytes: int | None, options: StoreOptions, kv_bytes: int | None = None
+) -> StagePlacement:
+    """Plan a loaded shard's expert placement for ``device_bytes`` of device memory (its weights
+    as they are now, its KV as allocated or ``kv_bytes`` when it is still to be) and apply it."""
+    layers = moe_layers(shard, shard.layer_start)
+    other = shard.weights_bytes - sum(m.bank_bytes for m in layers) + (shard.kv_bytes if kv_bytes is None else kv_bytes)
+    placement = plan_expert_placement(layers, other, device_bytes, host_bytes)
+    if placement.offloaded:
+        apply_placement(shard, placement, shard.device, options, shard.layer_start, shard.dtype)
+    return placement
+
+
+def _activation_dtype(bank: Bank, compute: torch.dtype) -> torch.dtype:
+    """What the bank's experts are called with: the compute dtype (a plain bank: its own)."""
+    if isinstance(bank, QuantizedExperts):
+        return compute
+    return torch.bfloat16 if bank.packed is not None else bank.gate_up.dtype
+
+
+def stores_of(root: nn.Module) -> list[ExpertStore]:
+    return [m for m in root.modules() if isinstance(m, ExpertStore)]
+
+
+def expert_counters(stores: Sequence[ExpertStore]) -> dict[str, object]:
+    """Every store's report row and the summed counters (hits, misses, fetch/cpu bytes)."""
+    totals = {"hits": 0, "misses": 0, "fetch_bytes": 0, "cpu_bytes": 0}
+    rows = []
+    for store in stores:
+        row = store.report()
+        rows.append(row)
+        for key in totals:
+            totals[key] += int(row[key])  # type: ignore[call-overload]
+    return {"stores": rows, **totals}
+
+
+def placement_report(stores: Sequence[ExpertStore], placement: StagePlacement | None) -> dict[str, object]:
+    """The stage's placement table and counters: per layer what is cached/host, in sum the bytes
+    on each side, the q in use and the measured bandwidths."""
+    measured = next((s.bandwidths for s in stores if s.bandwidths is not None), None)
+    return {
+        "offloaded": bool(stores),
+        "device_cap_bytes": None if placement is None else placement.device_bytes,
+        "device_reserve_bytes": 0 if placement is None else placement.reserve_bytes,
+        "expert_device_bytes": 0 if placement is None else placement.expert_device_bytes,
+        "expert_host_bytes": 0 if placement is None else placement.expert_host_bytes,
+        "q": None if not stores else stores[0].q,
+        "bandwidths": None if measured is None else measured.as_dict(),
+        "layers": [p.as_dict() for p in placement.layers] if placement is not None else [],
+        **expert_counters(stores),
+    }

@@ -1,0 +1,418 @@
+"""The expert store: an MoE layer's experts in host banks, a fixed-slot device cache of hot experts,
+and per-step hybrid miss service (seed 001, "Where the 28% split comes from").
+
+:class:`ExpertStore` takes the place of a :class:`~engine.layers.SparseMoE`'s ``experts`` module
+(plain :class:`~engine.layers.Experts` or :class:`~engine.quantize.QuantizedExperts`) and is
+called exactly as it: ``store(x, index, weight)``. Each step:
+
+1. the experts the step routes to are looked up in the slot map (:class:`SlotMap`): hits run on the
+   device from their slots;
+2. the misses are split by bytes (:func:`split_misses`): a fraction ``q`` is fetched into slots
+   (evicting by :func:`choose_victim`) and runs on the device, the rest runs in place on the CPU
+   from the packed host bank, in worker threads, *concurrently* with the device path;
+3. every used expert's rows are computed exactly once, over the same rows as the all-resident
+   path, and :func:`~engine.layers.forward_grouped` sums the pairs in its own order, so where the
+   same kernel runs on both sides the result is bit-identical to the all-resident bank.
+
+Banks stay in their format (int4, mxfp4 codes): a slot holds one expert sliced from the bank with
+storage of its own (:func:`expert_slice`), never a full-precision copy. The device side is a
+seam: :class:`SlotStorage` copies an expert into a slot and runs a slot; here the copy is a
+slice moved to the store's device (on a CPU-only machine the "device" is the same CPU, which
+checks the mechanics, not the bandwidths). The CUDA version (pinned banks, copies on a side
+stream into a stacked slot bank read by the gathered kernels) implements the same two methods.
+
+Decisions are pure functions on plain data (eviction, the split, q*, the predicted step time);
+the module holds the mechanism. Applying a placement to a shard is :mod:`.expert_offload`.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import InputError
+from .layers import Experts, forward_grouped
+from .quantize import QuantizedExperts
+
+Bank = Experts | QuantizedExperts
+
+
+class EvictionPolicy(enum.StrEnum):
+    LRU = "lru"  # the slot used longest ago
+    FREQUENCY = "frequency"  # the expert routed to least often so far (ties: the one used longest ago)
+
+
+# ---- decisions (pure) -----------------------------------------------------------------------
+
+
+@dataclass
+class SlotState:
+    expert: int | None = None
+    last_used: int = -1  # the step that last read this slot
+
+
+def choose_victim(
+    policy: EvictionPolicy, slots: Sequence[SlotState], frequency: dict[int, int], pinned: set[int]
+) -> int | None:
+    """The slot to (re)fill next: an empty one first, else by ``policy`` among slots whose expert
+    is not ``pinned`` (used by the step being computed); None when every slot is pinned."""
+    for i, slot in enumerate(slots):
+        if slot.expert is None:
+            return i
+    candidates = [i for i, slot in enumerate(slots) if slot.expert not in pinned]
+    if not candidates:
+        return None
+    if policy is EvictionPolicy.LRU:
+        return min(candidates, key=lambda i: (slots[i].last_used, i))
+    return min(candidates, key=lambda i: (frequency.get(slots[i].expert or 0, 0), slots[i].last_used, i))
+
+
+def split_misses(misses: Sequence[tuple[int, int]], q: float, capacity: int) -> tuple[list[int], list[int]]:
+    """Split a step's misses ``(expert, bytes)`` (in the order to prefer for fetching) into
+    (fetched, computed on the CPU) so the fetched bytes come nearest ``q`` of the total, at most
+    ``capacity`` fetched. q = 0 computes every miss on the CPU; q = 1 fetches every one that fits."""
+    if not 0.0 <= q <= 1.0:
+        raise InputError(f"the fetched share q must be in [0, 1], got {q}")
+    target = q * sum(nbytes for _, nbytes in misses)
+    fetched: list[int] = []
+    on_cpu: list[int] = []
+    taken = 0
+    for expert, nbytes in misses:
+        closer = abs(taken + nbytes - target) < abs(taken - target) or (q == 1.0)
+        if closer and len(fetched) < capacity:
+            fetched.append(expert)
+            taken += nbytes
+        else:
+            on_cpu.append(expert)
+    return fetched, on_cpu
+
+
+def q_star(beta_g: float, beta_c: float) -> float:
+    """The fetched share that finishes both paths together: q* = beta_g / (beta_g + beta_c)
+    (bytes per second: host-to-device copy vs CPU compute over packed banks, under contention)."""
+    if beta_g < 0 or beta_c < 0 or beta_g + beta_c <= 0:
+        raise InputError(f"bandwidths must be >= 0 and not both 0, got beta_g={beta_g}, beta_c={beta_c}")
+    return beta_g / (beta_g + beta_c)
+
+
+def predicted_step_seconds(miss_bytes: int, q: float, beta_g: float, beta_c: float) -> float:
+    """Miss service time of one step: max(T_g, T_c), T_g = q B / beta_g, T_c = (1 - q) B / beta_c
+    (a path given no bytes costs nothing even at bandwidth 0)."""
+    t_g = q * miss_bytes / beta_g if q > 0 else 0.0
+    t_c = (1 - q) * miss_bytes / beta_c if q < 1 else 0.0
+    return max(t_g, t_c)
+
+
+# ---- the slot map ---------------------------------------------------------------------------
+
+
+class SlotMap:
+    """Which expert each of ``num_slots`` device slots holds, and the counters of lookups."""
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy):
+        self.slots = [SlotState() for _ in range(num_slots)]
+        self.policy = policy
+        self.slot_of: dict[int, int] = {}
+        self.frequency: dict[int, int] = {}
+        self.step = 0
+        self.hits = self.misses = 0
+
+    def lookup(self, experts: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Start a step that routes to ``experts``: (hits, misses), counted; hits are marked used."""
+        self.step += 1
+        hits, misses = [], []
+        for e in experts:
+            self.frequency[e] = self.frequency.get(e, 0) + 1
+            slot = self.slot_of.get(e)
+            if slot is None:
+                misses.append(e)
+            else:
+                hits.append(e)
+                self.slots[slot].last_used = self.step
+        self.hits += len(hits)
+        self.misses += len(misses)
+        return hits, misses
+
+    def free_capacity(self, pinned: set[int]) -> int:
+        """How many misses this step can fetch: slots not holding a pinned expert."""
+        return sum(1 for s in self.slots if s.expert is None or s.expert not in pinned)
+
+    def admit(self, expert: int, pinned: set[int]) -> int:
+        """Give ``expert`` a slot (evicting by policy); the caller copies its bytes in."""
+        slot = choose_victim(self.policy, self.slots, self.frequency, pinned)
+        if slot is None:
+            raise RuntimeError(f"no slot to admit expert {expert}: all {len(self.slots)} are in use this step")
+        old = self.slots[slot].expert
+        if old is not None:
+            del self.slot_of[old]
+        self.slots[slot] = SlotState(expert, self.step)
+        self.slot_of[expert] = slot
+        return slot
+
+    def held(self) -> list[int]:
+        return sorted(self.slot_of)
+
+
+# ---- banks and slots ------------------------------------------------------------------------
+
+
+def expert_bytes(bank: Bank) -> int:
+    """Bytes of one expert as the bank holds it (packed formats stay packed; biases included)."""
+    if isinstance(bank, QuantizedExperts):
+        total = bank.gate_up.nbytes + bank.down.nbytes
+    elif bank.packed is not None:
+        total = bank.packed_nbytes
+    else:
+        total = (bank.gate_up.numel() + bank.down.numel()) * bank.gate_up.element_size()
+    for bias in (bank.gate_up_bias, bank.down_bias):
+        if bias is not None:
+            total += bias.numel() * bias.element_size()
+    return total // bank.num_experts
+
+
+def _bias_rows(bias: torch.Tensor | None, e: int, device: torch.device) -> torch.Tensor | None:
+    return None if bias is None else bias.data[e : e + 1].to(device, copy=True)
+
+
+def expert_slice(bank: Bank, e: int, device: torch.device) -> Bank:
+    """Expert ``e`` of ``bank`` as a one-expert bank of the same kind with storage of its own on
+    ``device`` (quantized codes stay packed; a CPU bank's kernel layouts come along)."""
+    gu_bias, d_bias = _bias_rows(bank.gate_up_bias, e, device), _bias_rows(bank.down_bias, e, device)
+    if isinstance(bank, QuantizedExperts):
+        gate_up, down = bank.gate_up.slice(0, e, e + 1).to(device), bank.down.slice(0, e, e + 1).to(device)
+        return QuantizedExperts(gate_up, down, gu_bias, d_bias, bank.activation)
+    if bank.packed is not None:  # oneDNN layout (CPU): the plain tensors are empty
+        one = Experts(bank.gate_up.data, bank.down.data, gu_bias, d_bias, bank.activation)
+        if device.type != "cpu":
+            raise InputError("a oneDNN-packed (CPU) expert bank cannot fill device slots; load it unpacked")
+        one.packed = [(bank.packed[e][0].clone(), bank.packed[e][1].clone())]
+        one.packed_nbytes = bank.packed_nbytes // bank.num_experts
+        return one
+    plain_gate_up = bank.gate_up.data[e : e + 1].to(device, copy=True)
+    return Experts(plain_gate_up, bank.down.data[e : e + 1].to(device, copy=True), gu_bias, d_bias, bank.activation)
+
+
+class SlotStorage:
+    """The device side of the store: ``load(slot, e)`` copies expert e of the host bank into a
+    slot, ``run(slot, rows)`` applies it. This one holds a one-expert bank per slot."""
+
+    def __init__(self, host: Bank, num_slots: int, device: torch.device):
+        self.host, self.device = host, device
+        self.banks: list[Bank | None] = [None] * num_slots
+
+    def load(self, slot: int, e: int) -> None:
+        self.banks[slot] = expert_slice(self.host, e, self.device)
+
+    def run(self, slot: int, rows: torch.Tensor) -> torch.Tensor:
+        bank = self.banks[slot]
+        assert bank is not None, f"slot {slot} is empty"
+        return bank.expert(0, rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(expert_bytes(b) for b in self.banks if b is not None)
+
+
+# ---- the store ------------------------------------------------------------------------------
+
+
+@dataclass
+class StoreCounters:
+    """Cumulative, per store (a layer); the agent's metrics read their sums."""
+
+    steps: int = 0
+    fetch_bytes: int = 0
+    cpu_bytes: int = 0
+    fetched: int = 0
+    cpu_experts: int = 0
+
+
+@dataclass
+class StoreConfig:
+    """How one layer's store serves misses. ``q``: the fetched share of miss bytes (None: q*
+    once measured, 0 until then); ``cpu_workers``: threads computing CPU experts."""
+
+    num_slots: int
+    policy: EvictionPolicy = EvictionPolicy.LRU
+    q: float | None = None
+    cpu_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 0 or self.cpu_workers < 1:
+            raise InputError(
+                f"an expert store needs num_slots >= 0 and cpu_workers >= 1, got {self.num_slots}, {self.cpu_workers}"
+            )
+        if self.q is not None and not 0.0 <= self.q <= 1.0:
+            raise InputError(f"expert split q must be in [0, 1], got {self.q}")
+
+
+class ExpertStore(nn.Module):
+    """A layer's experts: host bank + device slots + hybrid miss service (see the module docstring)."""
+
+    def __init__(self, host: Bank, device: torch.device, config: StoreConfig, pool: ThreadPoolExecutor | None = None):
+        super().__init__()
+        self.host = host  # a registered submodule: its bytes are the shard's expert bytes (host memory)
+        self.device = torch.device(device)
+        self.config = config
+        self.q = 0.0 if config.q is None else config.q
+        self.slot_map = SlotMap(config.num_slots, config.policy)
+        self.slots = SlotStorage(host, config.num_slots, self.device)
+        self.expert_nbytes = expert_bytes(host)
+        self.counters = StoreCounters()
+        self.bandwidths: Bandwidths | None = None  # set when q came from measured bandwidths
+        self._pool = pool or ThreadPoolExecutor(config.cpu_workers, thread_name_prefix="cpu-experts")
+        self._lock = threading.Lock()  # one step at a time per layer
+
+    @property
+    def num_experts(self) -> int:
+        return self.host.num_experts
+
+    def prefetch(self, experts: Sequence[int]) -> None:
+        """Bring ``experts`` into slots ahead of the step that will need them (a router that can see
+        the next layer's likely experts calls this), without evicting what the step pinned."""
+        with self._lock:
+            for e in experts:
+                if e not in self.slot_map.slot_of and self.slot_map.free_capacity(set()) > 0:
+                    self.slots.load(self.slot_map.admit(e, set()), e)
+                    self.counters.fetch_bytes += self.expert_nbytes
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
+        with self._lock:
+            rows_of = _rows_by_expert(index)
+            outputs = self._serve(x, rows_of)
+        return forward_grouped(lambda e, _rows: outputs[e], self.num_experts, x, index, weight)
+
+    def _serve(self, x: torch.Tensor, rows_of: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Every used expert's output over its rows: hits and fetched on the device, the rest on the CPU."""
+        # prefer fetching the experts with the most rows: they amortise a fetch best
+        used = sorted(rows_of, key=lambda e: (-rows_of[e].numel(), e))
+        hits, misses = self.slot_map.lookup(used)
+        pinned = set(used)
+        fetch, on_cpu = split_misses(
+            [(e, self.expert_nbytes) for e in misses], self.q, self.slot_map.free_capacity(pinned)
+        )
+        futures = self._launch_cpu(x, {e: rows_of[e] for e in on_cpu})
+        outputs: dict[int, torch.Tensor] = {}
+        for e in fetch:
+            self.slots.load(self.slot_map.admit(e, pinned), e)
+        for e in (*hits, *fetch):
+            rows = x[rows_of[e]].to(self.device)
+            outputs[e] = self.slots.run(self.slot_map.slot_of[e], rows).to(x.device)
+        for e, future in futures.items():
+            outputs[e] = future.result().to(x.device)
+        counters = self.counters
+        counters.steps += 1
+        counters.fetched += len(fetch)
+        counters.cpu_experts += len(on_cpu)
+        counters.fetch_bytes += len(fetch) * self.expert_nbytes
+        counters.cpu_bytes += len(on_cpu) * self.expert_nbytes
+        return outputs
+
+    def _launch_cpu(self, x: torch.Tensor, rows_of: dict[int, torch.Tensor]) -> dict[int, Future[torch.Tensor]]:
+        """One task per CPU expert, on the store's worker threads, reading the host bank in place."""
+        x_host = x.to("cpu") if rows_of else x
+        host = self.host
+        return {e: self._pool.submit(host.expert, e, x_host[rows.to("cpu")]) for e, rows in rows_of.items()}
+
+    def report(self) -> dict[str, object]:
+        """This layer's placement and counters (the placement report's per-layer row)."""
+        c, held = self.counters, self.slot_map.held()
+        return {
+            "slots": self.config.num_slots, "cached_experts": held, "host_experts": self.num_experts,
+            "expert_bytes": self.expert_nbytes, "q": round(self.q, 4), "policy": str(self.config.policy),
+            "hits": self.slot_map.hits, "misses": self.slot_map.misses, "fetch_bytes": c.fetch_bytes,
+            "cpu_bytes": c.cpu_bytes, "steps": c.steps,
+        }  # fmt: skip
+
+
+def _rows_by_expert(index: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{expert: the token rows routed to it, ascending} (the rows the grouped path gives it)."""
+    tokens = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(index).reshape(-1)
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    groups = torch.split(tokens[order], counts.tolist())
+    return {int(e): rows for e, rows in zip(experts.tolist(), groups, strict=True)}
+
+
+# ---- bandwidths, measured under contention --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """beta_g: host-to-device expert copies, beta_c: CPU expert compute over packed banks (bytes
+    per second), measured at once so each sees the other's memory traffic."""
+
+    beta_g: float
+    beta_c: float
+    device: str
+    device_is_stand_in: bool  # no accelerator: the "device" path copied within host memory
+    seconds: float
+    format: str
+    cpu_workers: int
+
+    @property
+    def q_star(self) -> float:
+        return q_star(self.beta_g, self.beta_c)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "beta_g_bytes_per_second": round(self.beta_g), "beta_c_bytes_per_second": round(self.beta_c),
+            "q_star": round(self.q_star, 4), "device": self.device, "device_is_stand_in": self.device_is_stand_in,
+            "format": self.format, "cpu_workers": self.cpu_workers, "seconds": self.seconds,
+        }  # fmt: skip
+
+
+def _repeat_for(seconds: float, work: Callable[[int], int], stop: threading.Event) -> tuple[int, float]:
+    """Run ``work(i)`` (returning bytes moved) until ``seconds`` pass or ``stop``; -> (bytes, elapsed)."""
+    total, i = 0, 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds and not stop.is_set():
+        total += work(i)
+        i += 1
+    return total, time.perf_counter() - start
+
+
+def measure_bandwidths(store: ExpertStore, seconds: float = 0.5, dtype: torch.dtype = torch.float32) -> Bandwidths:
+    """Copy experts into a slot and compute experts on the CPU at one row each, both at once, for
+    ``seconds``; the betas are the bytes each path moved per second while the other ran."""
+    if store.config.num_slots < 1:
+        raise InputError("measuring beta_g needs an expert store with at least one slot")
+    host, storage, nbytes = store.host, SlotStorage(store.host, 1, store.device), store.expert_nbytes
+    in_features = host.gate_up.in_features if isinstance(host, QuantizedExperts) else _plain_in_features(host)
+    row = torch.randn(1, in_features, dtype=dtype)
+    host.expert(0, row)  # kernel layouts are built on first use: not part of either bandwidth
+    storage.load(0, 0)
+    stop = threading.Event()
+    cpu_threads = [
+        store._pool.submit(_repeat_for, seconds, lambda i: (host.expert(i % host.num_experts, row), nbytes)[1], stop)
+        for _ in range(store.config.cpu_workers)
+    ]
+
+    def fetch(i: int) -> int:
+        storage.load(0, i % host.num_experts)
+        if store.device.type == "cuda":
+            torch.cuda.synchronize(store.device)
+        return nbytes
+
+    g_bytes, g_seconds = _repeat_for(seconds, fetch, stop)
+    cpu = [f.result() for f in cpu_threads]
+    beta_c = sum(b for b, _ in cpu) / max(max(s for _, s in cpu), 1e-9)
+    fmt = host.format if isinstance(host, QuantizedExperts) else str(dtype).removeprefix("torch.")
+    return Bandwidths(
+        g_bytes / max(g_seconds, 1e-9), beta_c, str(store.device), store.device.type != "cuda", seconds, fmt,
+        store.config.cpu_workers,
+    )  # fmt: skip
+
+
+def _plain_in_features(bank: Experts) -> int:
+    """H of a plain bank (a oneDNN-packed weight keeps its logical [out, in] shape)."""
+    return int((bank.packed[0][0] if bank.packed is not None else bank.gate_up).shape[-1])
