@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .frame import Segment
-from .kernels import cpu_linear, expert_gemv, route_top_k
+from .kernels import cpu_linear, expert_gemv, grouped_moe, route_top_k
 from .kvcache import LayerKV
 from .rope import Rotary
 
@@ -290,7 +290,22 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(self.alpha * gate))
 
 
-GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which CUDA gathers expert weights
+GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which CUDA gathers expert weights (docs/results/grouped_moe.md)
+
+
+def gathered_wins(pairs: int) -> bool:
+    """Whether a CUDA step of ``pairs`` (token, expert) pairs runs pair by pair (the one-row
+    gathered kernels) rather than grouped by expert (:mod:`.kernels.grouped_moe`)."""
+    return pairs <= GATHER_MAX_PAIRS
+
+
+def glu_kind(activation: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, float, float] | None:
+    """The GLU as the fused kernels take it, (kind, alpha, limit), or None for another activation."""
+    if activation is silu_glu:
+        return (grouped_moe.ACT_SILU, 1.0, 0.0)
+    if isinstance(activation, ClampedSwiGLU):
+        return (grouped_moe.ACT_CLAMPED_SWIGLU, activation.alpha, activation.limit)
+    return None
 
 
 class Experts(nn.Module):
@@ -340,9 +355,18 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
+        act = glu_kind(self.activation)
+        if act is not None and self._grouped_kernel_applies(x) and not gathered_wins(index.numel()):
+            gate_up = grouped_moe.GroupedBank(grouped_moe.FMT_PLAIN, self.gate_up)
+            down = grouped_moe.GroupedBank(grouped_moe.FMT_PLAIN, self.down)
+            return grouped_moe.grouped_experts(x, index, weight, gate_up, down, self.gate_up_bias, self.down_bias, act)
         if use_gathered(x, index):
             return self._forward_gathered(x, index, weight)
         return self._forward_grouped(x, index, weight)
+
+    def _grouped_kernel_applies(self, x: torch.Tensor) -> bool:
+        banks = (self.gate_up, self.down)
+        return grouped_moe.available(x) and all(b.dtype == x.dtype and b.dim() == 3 and b.stride(2) == 1 for b in banks)
 
     def _forward_gathered(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Few (token, expert) pairs: gather the chosen experts' weights and batch the matmuls.
