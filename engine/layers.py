@@ -75,6 +75,7 @@ class FrameContext:
     rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     mask_cache: dict[tuple[int, bool, int | None], torch.Tensor] = field(default_factory=dict)
     token_ids: torch.Tensor | None = None  # [R] int64 on the device: the rows' tokens (hash routing)
+    valid: torch.Tensor | None = None  # [R] bool (static decode only): False for a padded row
 
     def static_mask(self, capacity: int, ring: bool, window: int | None) -> torch.Tensor:
         """[B, 1, 1, capacity]: which cache entries each static decode row sees (shared by layers)."""
@@ -150,6 +151,22 @@ def attend(
     return out[0].transpose(0, 1)
 
 
+def write_static_decode(kv: LayerKV, ctx: FrameContext, new: dict[str, torch.Tensor]) -> None:
+    """Store each static decode row's cache entries at (slot, position). A padded row (``ctx.valid``
+    False) writes back what its slot holds one position later: it changes nothing, and never
+    shares an entry with a real row (each pads row i reuses real row i's slot)."""
+    assert ctx.slots is not None
+    slots, positions, cap = ctx.slots, ctx.positions, kv.capacity
+    index = positions % cap if kv.ring else positions
+    if ctx.valid is not None:
+        index = torch.where(ctx.valid, index, (positions + 1) % cap)
+    for name, rows in new.items():
+        if ctx.valid is not None:
+            keep = ctx.valid.view(-1, *([1] * (rows.dim() - 1)))
+            rows = torch.where(keep, rows, kv.tensors[name][slots, index])
+        kv.tensors[name].index_put_((slots, index), rows)
+
+
 def attend_static_decode(
     kv: LayerKV,
     ctx: FrameContext,
@@ -162,13 +179,9 @@ def attend_static_decode(
     """One decode row per slot, fixed shapes: store each row's k/v, attend over the whole
     capacity with a visibility mask computed on the device. q: [B, Hq, D] -> [B, Hq, D]."""
     assert ctx.slots is not None
-    slots, positions = ctx.slots, ctx.positions
-    cap = kv.capacity
-    index = positions % cap if kv.ring else positions
-    for name, rows in new.items():
-        kv.tensors[name].index_put_((slots, index), rows)
-    keys, values = kv.tensors["k"][slots], kv.tensors["v"][slots]  # [B, cap, Hkv, D]
-    visible = ctx.static_mask(cap, kv.ring, window)
+    write_static_decode(kv, ctx, new)
+    keys, values = kv.tensors["k"][ctx.slots], kv.tensors["v"][ctx.slots]  # [B, cap, Hkv, D]
+    visible = ctx.static_mask(kv.capacity, kv.ring, window)
     out = _attention_core(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), visible, scale, sinks)
     return out[:, :, 0, :]
 
@@ -178,6 +191,8 @@ class Attention(nn.Module):
 
     q, k and v come from one fused projection ``qkv`` (rows: q heads, then k heads, then v heads).
     """
+
+    static_decode = True  # runs static decode frames (ctx.segments None)
 
     def __init__(
         self,
