@@ -1,6 +1,6 @@
 """One MoE layer's experts on CUDA by row count: the one-row gathered kernels, the grouped
 kernel (engine.kernels.grouped_moe) and, for bf16, torch._grouped_mm; each step replayed from a
-CUDA graph and timed with CUDA events. The crossover ``layers.GATHER_MAX_PAIRS`` comes from here.
+CUDA graph and timed with CUDA events. The crossovers ``layers.GATHER_MAX_PAIRS`` come from here.
 
     python benchmarks/grouped_moe.py --rows 1,2,4,8,16,32,64,128,256 --out out/grouped_moe.csv
 """
@@ -88,9 +88,12 @@ def main() -> None:
             index = torch.rand(rows, e, device="cuda").topk(args.top_k, dim=-1).indices
             weight = torch.softmax(torch.randn(rows, args.top_k, device="cuda"), -1)
             times = {}
+            measured = dict(layers.GATHER_MAX_PAIRS)
             for path, limit in (("gathered", 1 << 30), ("grouped", 0)):
-                layers.GATHER_MAX_PAIRS = limit
+                layers.GATHER_MAX_PAIRS[name] = limit  # the path of this timing
                 times[path] = graph_ms(lambda bank=bank, x=x, index=index, weight=weight: bank(x, index, weight))
+            layers.GATHER_MAX_PAIRS.clear()
+            layers.GATHER_MAX_PAIRS.update(measured)
             times["grouped_mm"] = float("nan")
             if name == "bf16":
                 try:

@@ -305,13 +305,17 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(self.alpha * gate))
 
 
-GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which CUDA gathers expert weights (docs/results/grouped_moe.md)
+# (token, expert) pairs up to which CUDA runs experts pair by pair (the one-row gathered kernels)
+# rather than grouped by expert, by weight format: measured on an H200 at the Qwen3-30B-A3B layer
+# (docs/results/grouped_moe.md); the 4-bit formats' fused one-row kernels stay ahead longer
+GATHER_MAX_PAIRS = {"int4": 512, "int4_sym": 512, "mxfp4": 512}
+GATHER_MAX_PAIRS_OTHERS = 128  # bf16, fp16, fp32, int8
 
 
-def gathered_wins(pairs: int) -> bool:
-    """Whether a CUDA step of ``pairs`` (token, expert) pairs runs pair by pair (the one-row
-    gathered kernels) rather than grouped by expert (:mod:`.kernels.grouped_moe`)."""
-    return pairs <= GATHER_MAX_PAIRS
+def gathered_wins(pairs: int, format_name: str) -> bool:
+    """Whether a CUDA step of ``pairs`` (token, expert) pairs over experts in ``format_name`` runs
+    pair by pair rather than grouped by expert (:mod:`.kernels.grouped_moe`)."""
+    return pairs <= GATHER_MAX_PAIRS.get(format_name, GATHER_MAX_PAIRS_OTHERS)
 
 
 def glu_kind(activation: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, float, float] | None:
@@ -371,7 +375,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
         act = glu_kind(self.activation)
-        if act is not None and self._grouped_kernel_applies(x) and not gathered_wins(index.numel()):
+        if act is not None and self._grouped_kernel_applies(x) and not gathered_wins(index.numel(), "bf16"):
             gate_up = grouped_moe.GroupedBank(grouped_moe.FMT_PLAIN, self.gate_up)
             down = grouped_moe.GroupedBank(grouped_moe.FMT_PLAIN, self.down)
             return grouped_moe.grouped_experts(x, index, weight, gate_up, down, self.gate_up_bias, self.down_bias, act)
@@ -408,9 +412,10 @@ class Experts(nn.Module):
         return forward_grouped(self.expert, self.num_experts, x, index, weight)
 
 
-def use_gathered(x: torch.Tensor, index: torch.Tensor) -> bool:
-    """Whether a CUDA expert bank runs pair by pair (few pairs, or inside a graph capture)."""
-    return x.is_cuda and (index.numel() <= GATHER_MAX_PAIRS or torch.cuda.is_current_stream_capturing())
+def use_gathered(x: torch.Tensor, index: torch.Tensor, format_name: str = "bf16") -> bool:
+    """Whether a CUDA expert bank without a grouped kernel for x runs pair by pair (few pairs, or
+    inside a graph capture, which cannot hold the host-synchronising grouped loop)."""
+    return x.is_cuda and (gathered_wins(index.numel(), format_name) or torch.cuda.is_current_stream_capturing())
 
 
 def weighted_sum_of_pairs(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -127,12 +127,12 @@ class QuantizedExperts(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
         act = glu_kind(self.activation)
-        if act is not None and grouped_moe.available(x) and not gathered_wins(index.numel()):
+        if act is not None and grouped_moe.available(x) and not gathered_wins(index.numel(), self.format):
             banks = self.grouped_banks(x)
             if banks is not None:
                 gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
                 return grouped_moe.grouped_experts(x, index, weight, *banks, gate_up_bias, down_bias, act)
-        if not (use_gathered(x, index) and self.gathered_on(x.device)):
+        if not (use_gathered(x, index, self.format) and self.gathered_on(x.device)):
             return forward_grouped(self.expert, self.num_experts, x, index, weight)
         fused = self.fused_kernels(x)
         if fused is not None:

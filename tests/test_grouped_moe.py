@@ -20,7 +20,7 @@ from modelfleet.engine.formats import Int4Weight, Int8Weight, MXFP4Weight, Quant
 from modelfleet.engine.formats.base import triton_available
 from modelfleet.engine.formats.plain import PlainWeight
 from modelfleet.engine.kernels import grouped_moe
-from modelfleet.engine.layers import GATHER_MAX_PAIRS, Experts, gathered_wins, glu_kind
+from modelfleet.engine.layers import GATHER_MAX_PAIRS_OTHERS, Experts, gathered_wins, glu_kind
 from modelfleet.engine.quantize import QuantizedExperts
 
 FORMATS = ("fp32", "int8", "int4", "int4_sym", "mxfp4")
@@ -65,7 +65,8 @@ def test_blocks_follow_the_pairs_an_expert_holds():
 
 
 def test_the_crossover_sends_few_pairs_to_the_gathered_kernels():
-    assert gathered_wins(GATHER_MAX_PAIRS) and not gathered_wins(GATHER_MAX_PAIRS + 1)
+    assert gathered_wins(GATHER_MAX_PAIRS_OTHERS, "bf16") and not gathered_wins(GATHER_MAX_PAIRS_OTHERS + 1, "int8")
+    assert gathered_wins(512, "int4") and not gathered_wins(513, "mxfp4")  # fused 4-bit pairs stay ahead longer
     assert glu_kind(ACTIVATIONS["silu"]) == (grouped_moe.ACT_SILU, 1.0, 0.0)
     assert glu_kind(torch.tanh) is None
 
