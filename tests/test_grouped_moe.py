@@ -90,11 +90,10 @@ def banks_by_hand(layer: QuantizedExperts) -> tuple[grouped_moe.GroupedBank, gro
 
 
 def small_layer(name: str, act: str, biased: bool) -> QuantizedExperts:
-    """4 experts of 160 -> 2 x 32 -> 160 (160 inputs: a full 4-bit tile of 128 and a masked one; the
-    interpreter's cost grows with programs and groups)."""
+    """4 experts of 64 -> 2 x 32 -> 64: the interpreter's cost grows with programs and groups."""
     generator = torch.Generator().manual_seed(7)
-    gate_up, down = bank(name, (4, 64, 160), seed=2), bank(name, (4, 160, 32), seed=3)
-    biases = (torch.randn(4, 64, generator=generator) * 0.1, torch.randn(4, 160, generator=generator))
+    gate_up, down = bank(name, (4, 64, 64), seed=2), bank(name, (4, 64, 32), seed=3)
+    biases = (torch.randn(4, 64, generator=generator) * 0.1, torch.randn(4, 64, generator=generator))
     return QuantizedExperts(gate_up, down, *(biases if biased else (None, None)), ACTIVATIONS[act])
 
 

@@ -16,12 +16,11 @@ Weights are read in their stored format and decoded inside the kernel (:class:`G
 - ``mxfp4``: the same code order, E2M1 codes as twice their value (integers up to 12, signed),
   uint8 E8M0 scales [E, N, K/32].
 
-int8 and plain weights enter the tensor-core products as they are (int8 codes are exact in
-bf16/fp16). 4-bit weights are decoded and scaled in the activations' dtype ((q - z) * s rounds once
-to bf16, 2^-9 relative; MXFP4 values are exact) so that one product spans four groups. The order
-of inputs inside a group does not matter to a dot product, so a group's 16 code bytes are read in
-storage order (low nibbles, then high nibbles) and the activations gathered in the matching order.
-Results agree with the exact decode followed by a float32 matmul within bf16 tolerance.
+Decoded codes are small integers, exact in bf16/fp16, so the tensor-core products are exact up to
+float32 accumulation and each group's scale multiplies its partial sum: the result agrees with the
+exact decode followed by a float32 matmul up to the rounding of the output. The order of inputs
+inside a group does not matter to a dot product, so a group's 16 code bytes are read in storage
+order (low nibbles, then high nibbles) and the activations are gathered in the matching order.
 
 The first projection may fuse the GLU: output column n is act(gate_n, up_n) from weight rows n and
 n + N (ACT 1: SiLU; ACT 2: GPT-OSS's clamped SwiGLU).
@@ -110,34 +109,18 @@ def triton_cdiv(a: int, b: int) -> int:
 if HAVE_TRITON:
 
     @triton.jit
-    def _packed_tiles(w_base, s_base, z_base, k0, offs_n, n_ok, K, stride_wn, stride_sn, stride_zn,
-                      FMT: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
-        """Inputs [k0, k0 + BLOCK_K) of the rows offs_n, decoded and scaled: two [BLOCK_K/2, BN]
-        tiles in ``dtype`` (byte j's low nibbles, then its high ones), and byte j's input index."""
-        j = tl.arange(0, BLOCK_K // 2)
-        j_ok = (k0 // 2 + j) < K // 2
-        ok = j_ok[:, None] & n_ok[None, :]
-        codes = tl.load(w_base + offs_n[None, :] * stride_wn + k0 // 2 + j[:, None], mask=ok, other=0).to(tl.int32)
+    def _nibble_tiles(w_base, g, offs_n, n_ok, stride_wn, FMT: tl.constexpr):
+        """Group g's codes of the rows offs_n as two [16, BN] integer tiles (low, high nibbles),
+        decoded to integers: int4 the raw code, MXFP4 twice the signed E2M1 value."""
+        b = tl.arange(0, 16)
+        codes = tl.load(w_base + offs_n[None, :] * stride_wn + g * 16 + b[:, None], mask=n_ok[None, :], other=0)
+        codes = codes.to(tl.int32)
         lo = codes & 0xF
         hi = (codes >> 4) & 0xF
-        group = (k0 // 32 + j // 16)[:, None]
-        s = tl.load(s_base + offs_n[None, :] * stride_sn + group, mask=ok, other=0)
         if FMT == 3:
-            e = s.to(tl.int32)
-            scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True) * 0.5
             lo = _e2m1_twice(lo)
             hi = _e2m1_twice(hi)
-        else:
-            scale = s.to(tl.float32)
-            if HAS_ZEROS:
-                zero = tl.load(z_base + offs_n[None, :] * stride_zn + group, mask=ok, other=8).to(tl.int32)
-            else:
-                zero = 8
-            lo = lo - zero
-            hi = hi - zero
-        b = j % 16
-        k_lo = k0 + (j // 16) * 32 + 8 * (b % 4) + b // 4  # nibble-major: byte b's low nibble; high: + 4
-        return (lo.to(tl.float32) * scale).to(dtype), (hi.to(tl.float32) * scale).to(dtype), k_lo, j_ok
+        return lo, hi
 
     @triton.jit
     def _e2m1_twice(c):
@@ -146,6 +129,22 @@ if HAVE_TRITON:
         m = c & 1
         mag = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
         return tl.where((c & 8) != 0, -mag, mag)
+
+    @triton.jit
+    def _group_scale(s_base, z_base, g, offs_n, n_ok, stride_sn, stride_zn, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr):
+        """Group g's scale [BN] as float32 (MXFP4: 2^(e-127) / 2, undoing the doubled codes) and
+        zero point [BN] (int4; 8 without stored zero points)."""
+        s = tl.load(s_base + offs_n * stride_sn + g, mask=n_ok, other=0)
+        if FMT == 3:
+            e = s.to(tl.int32)
+            scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True) * 0.5
+        else:
+            scale = s.to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_base + offs_n * stride_zn + g, mask=n_ok, other=8).to(tl.int32)
+        else:
+            zero = offs_n * 0 + 8
+        return scale, zero
 
     @triton.jit
     def _project(
@@ -158,14 +157,18 @@ if HAVE_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         a_rows = a_ptr + rows[:, None] * stride_am
         if FMT == 2 or FMT == 3:
-            for k0 in range(0, k_end, BLOCK_K):
-                w_lo, w_hi, k_lo, j_ok = _packed_tiles(w_base, s_base, z_base, k0, offs_n, n_ok, K, stride_wn,
-                                                       stride_sn, stride_zn, FMT, HAS_ZEROS, BLOCK_K,
-                                                       a_ptr.dtype.element_ty)  # fmt: skip
-                ok = m_ok[:, None] & j_ok[None, :]
-                x_lo = tl.load(a_rows + k_lo[None, :], mask=ok, other=0.0)
-                x_hi = tl.load(a_rows + k_lo[None, :] + 4, mask=ok, other=0.0)
-                acc += _dot(x_lo, w_lo, IEEE) + _dot(x_hi, w_hi, IEEE)
+            b = tl.arange(0, 16)
+            k_lo = 8 * (b % 4) + b // 4  # input of byte b's low nibble in nibble-major order; high: + 4
+            for g in range(0, k_end // 32):
+                lo, hi = _nibble_tiles(w_base, g, offs_n, n_ok, stride_wn, FMT)
+                scale, zero = _group_scale(s_base, z_base, g, offs_n, n_ok, stride_sn, stride_zn, FMT, HAS_ZEROS)
+                if FMT == 2:
+                    lo = lo - zero[None, :]
+                    hi = hi - zero[None, :]
+                x_lo = tl.load(a_rows + g * 32 + k_lo[None, :], mask=m_ok[:, None], other=0.0)
+                x_hi = tl.load(a_rows + g * 32 + k_lo[None, :] + 4, mask=m_ok[:, None], other=0.0)
+                part = _dot(x_lo, lo.to(x_lo.dtype), IEEE) + _dot(x_hi, hi.to(x_hi.dtype), IEEE)
+                acc += part * scale[None, :]
         else:
             for k0 in range(0, k_end, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -259,8 +262,7 @@ def grouped_matmul(
         a.stride(0), bank.data.stride(0), bank.data.stride(1), scales.stride(0), _row_stride(scales),
         zeros.stride(0), _row_stride(zeros), bias_t.stride(0) if bias is not None else 0, out.stride(0),
         ROW_DIV=row_div, FMT=bank.fmt, ACT=act[0], HAS_BIAS=bias is not None, HAS_ZEROS=bank.zeros is not None,
-        IEEE=a.dtype == torch.float32, BLOCK_M=alignment.block_m, BLOCK_N=block_n,
-        BLOCK_K=128 if bank.fmt in (FMT_INT4, FMT_MXFP4) else 64,
+        IEEE=a.dtype == torch.float32, BLOCK_M=alignment.block_m, BLOCK_N=block_n, BLOCK_K=64,
         num_warps=4,
     )  # fmt: skip
     return out
