@@ -35,6 +35,12 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # batch sizes captured; a ba
 MAX_GRAPH_BATCH = GRAPH_BUCKETS[-1]
 
 
+def bucket_pads(bucket: int) -> bool:
+    """Whether some batch pads to ``bucket`` (1 and 2 hold only their own size: no masking needed)."""
+    smaller = [b for b in GRAPH_BUCKETS if b < bucket]
+    return bool(smaller) and bucket - smaller[-1] > 1
+
+
 def graph_bucket(batch: int) -> int:
     """The captured batch size a decode step of ``batch`` rows pads to."""
     if not 1 <= batch <= MAX_GRAPH_BATCH:
@@ -77,7 +83,8 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def _compute(self) -> torch.Tensor:
-        ctx = FrameContext(None, self.positions, self.slots, token_ids=self.tokens, valid=self.inputs[3] != 0)
+        valid = self.inputs[3] != 0 if bucket_pads(self.batch) else None
+        ctx = FrameContext(None, self.positions, self.slots, token_ids=self.tokens, valid=valid)
         x = self.shards[0].residual_of(self.tokens)
         for i, shard in enumerate(self.shards):
             if i > 0:  # the residual crosses a shard boundary in float32, as between machines

@@ -12,7 +12,7 @@ from modelfleet.engine.errors import InputError
 from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel
-from modelfleet.engine.static_decode import GRAPH_BUCKETS, StaticDecoder, graph_bucket
+from modelfleet.engine.static_decode import GRAPH_BUCKETS, StaticDecoder, bucket_pads, graph_bucket
 
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"]
 PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33, 90, 6, 101, 58, 27, 14, 71, 40]
@@ -23,6 +23,7 @@ def test_a_batch_pads_to_the_smallest_bucket_that_holds_it():
         1, 2, 4, 8, 8, 16, 64, 64, 128, 256, 256
     ]  # fmt: skip
     assert GRAPH_BUCKETS[-1] == 256
+    assert [bucket_pads(b) for b in GRAPH_BUCKETS] == [False, False] + [True] * 7  # 1 and 2 need no masks
     for bad in (0, 257):
         with pytest.raises(InputError, match="1 to 256"):
             graph_bucket(bad)
