@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: the top kernels of one fixed-shape step, by CUDA time.
 
-python benchmarks/profile_decode.py --shape qwen3-30b-a3b-12l --batch 1
+python benchmarks/profile_decode.py --shape qwen3-30b-a3b --layers 12 --batch 1
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from modelfleet.engine.static_decode import StaticDecoder
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b-12l")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=12, help="decoder layers")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
-    ref = build_reference(args.shape, torch.bfloat16, "cuda")
+    ref = build_reference(args.shape, args.layers, torch.bfloat16, "cuda")
     spec = spec_from_config(ref.config.to_dict())
     shard = Shard.from_checkpoint(spec, TensorDict(ref.state_dict()), device="cuda", dtype=torch.bfloat16)
     del ref

@@ -31,7 +31,7 @@ from .spec import ModelSpec, load_spec
 from .speculative.speculator import Speculator
 from .speculative.verify import sample_step
 from .split import even_split
-from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, supports_static_decode
+from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, graph_bucket, supports_static_decode
 from .tensor_parallel import TensorGroup
 
 
@@ -165,9 +165,10 @@ class LocalModel:
         if not self.static_decode or batch > MAX_GRAPH_BATCH:
             streams = [(s, p, [t]) for t, s, p in zip(tokens, slots, positions, strict=True)]
             return self.forward(Frame.of_streams(streams))
-        if batch not in self._decoders:
-            self._decoders[batch] = StaticDecoder(self.shards, batch)
-        return self._decoders[batch].step(tokens, slots, positions)
+        bucket = graph_bucket(batch)
+        if bucket not in self._decoders:
+            self._decoders[bucket] = StaticDecoder(self.shards, bucket)
+        return self._decoders[bucket].step(tokens, slots, positions)
 
     def acquire(self) -> int:
         """A free slot, claimed on every shard (for callers that drive frames by hand)."""

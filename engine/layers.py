@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .frame import Segment
-from .kernels import cpu_linear, expert_gemv, route_top_k
+from .kernels import cpu_linear, expert_gemv, grouped_moe, route_top_k
 from .kvcache import LayerKV
 from .rope import Rotary
 
@@ -75,6 +75,7 @@ class FrameContext:
     rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     mask_cache: dict[tuple[int, bool, int | None], torch.Tensor] = field(default_factory=dict)
     token_ids: torch.Tensor | None = None  # [R] int64 on the device: the rows' tokens (hash routing)
+    valid: torch.Tensor | None = None  # [R] bool (static decode only): False for a padded row
 
     def static_mask(self, capacity: int, ring: bool, window: int | None) -> torch.Tensor:
         """[B, 1, 1, capacity]: which cache entries each static decode row sees (shared by layers)."""
@@ -150,6 +151,22 @@ def attend(
     return out[0].transpose(0, 1)
 
 
+def write_static_decode(kv: LayerKV, ctx: FrameContext, new: dict[str, torch.Tensor]) -> None:
+    """Store each static decode row's cache entries at (slot, position). A padded row (``ctx.valid``
+    False) writes back what its slot holds one position later: it changes nothing, and never
+    shares an entry with a real row (each pads row i reuses real row i's slot)."""
+    assert ctx.slots is not None
+    slots, positions, cap = ctx.slots, ctx.positions, kv.capacity
+    index = positions % cap if kv.ring else positions
+    if ctx.valid is not None:
+        index = torch.where(ctx.valid, index, (positions + 1) % cap)
+    for name, rows in new.items():
+        if ctx.valid is not None:
+            keep = ctx.valid.view(-1, *([1] * (rows.dim() - 1)))
+            rows = torch.where(keep, rows, kv.tensors[name][slots, index])
+        kv.tensors[name].index_put_((slots, index), rows)
+
+
 def attend_static_decode(
     kv: LayerKV,
     ctx: FrameContext,
@@ -162,13 +179,9 @@ def attend_static_decode(
     """One decode row per slot, fixed shapes: store each row's k/v, attend over the whole
     capacity with a visibility mask computed on the device. q: [B, Hq, D] -> [B, Hq, D]."""
     assert ctx.slots is not None
-    slots, positions = ctx.slots, ctx.positions
-    cap = kv.capacity
-    index = positions % cap if kv.ring else positions
-    for name, rows in new.items():
-        kv.tensors[name].index_put_((slots, index), rows)
-    keys, values = kv.tensors["k"][slots], kv.tensors["v"][slots]  # [B, cap, Hkv, D]
-    visible = ctx.static_mask(cap, kv.ring, window)
+    write_static_decode(kv, ctx, new)
+    keys, values = kv.tensors["k"][ctx.slots], kv.tensors["v"][ctx.slots]  # [B, cap, Hkv, D]
+    visible = ctx.static_mask(kv.capacity, kv.ring, window)
     out = _attention_core(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), visible, scale, sinks)
     return out[:, :, 0, :]
 
@@ -178,6 +191,8 @@ class Attention(nn.Module):
 
     q, k and v come from one fused projection ``qkv`` (rows: q heads, then k heads, then v heads).
     """
+
+    static_decode = True  # runs static decode frames (ctx.segments None)
 
     def __init__(
         self,
@@ -290,7 +305,26 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(self.alpha * gate))
 
 
-GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which CUDA gathers expert weights
+# (token, expert) pairs up to which CUDA runs experts pair by pair (the one-row gathered kernels)
+# rather than grouped by expert, by weight format: measured on an H200 at the Qwen3-30B-A3B layer
+# (docs/results/grouped_moe.md); the 4-bit formats' fused one-row kernels stay ahead longer
+GATHER_MAX_PAIRS = {"int4": 512, "int4_sym": 512, "mxfp4": 512}
+GATHER_MAX_PAIRS_OTHERS = 128  # bf16, fp16, fp32, int8
+
+
+def gathered_wins(pairs: int, format_name: str) -> bool:
+    """Whether a CUDA step of ``pairs`` (token, expert) pairs over experts in ``format_name`` runs
+    pair by pair rather than grouped by expert (:mod:`.kernels.grouped_moe`)."""
+    return pairs <= GATHER_MAX_PAIRS.get(format_name, GATHER_MAX_PAIRS_OTHERS)
+
+
+def glu_kind(activation: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, float, float] | None:
+    """The GLU as the fused kernels take it, (kind, alpha, limit), or None for another activation."""
+    if activation is silu_glu:
+        return (grouped_moe.ACT_SILU, 1.0, 0.0)
+    if isinstance(activation, ClampedSwiGLU):
+        return (grouped_moe.ACT_CLAMPED_SWIGLU, activation.alpha, activation.limit)
+    return None
 
 
 class Experts(nn.Module):
@@ -340,9 +374,18 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
+        act = glu_kind(self.activation)
+        if act is not None and self._grouped_kernel_applies(x) and not gathered_wins(index.numel(), "bf16"):
+            gate_up = grouped_moe.GroupedBank(grouped_moe.FMT_PLAIN, self.gate_up)
+            down = grouped_moe.GroupedBank(grouped_moe.FMT_PLAIN, self.down)
+            return grouped_moe.grouped_experts(x, index, weight, gate_up, down, self.gate_up_bias, self.down_bias, act)
         if use_gathered(x, index):
             return self._forward_gathered(x, index, weight)
         return self._forward_grouped(x, index, weight)
+
+    def _grouped_kernel_applies(self, x: torch.Tensor) -> bool:
+        banks = (self.gate_up, self.down)
+        return grouped_moe.available(x) and all(b.dtype == x.dtype and b.dim() == 3 and b.stride(2) == 1 for b in banks)
 
     def _forward_gathered(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Few (token, expert) pairs: gather the chosen experts' weights and batch the matmuls.
@@ -369,9 +412,10 @@ class Experts(nn.Module):
         return forward_grouped(self.expert, self.num_experts, x, index, weight)
 
 
-def use_gathered(x: torch.Tensor, index: torch.Tensor) -> bool:
-    """Whether a CUDA expert bank runs pair by pair (few pairs, or inside a graph capture)."""
-    return x.is_cuda and (index.numel() <= GATHER_MAX_PAIRS or torch.cuda.is_current_stream_capturing())
+def use_gathered(x: torch.Tensor, index: torch.Tensor, format_name: str = "bf16") -> bool:
+    """Whether a CUDA expert bank without a grouped kernel for x runs pair by pair (few pairs, or
+    inside a graph capture, which cannot hold the host-synchronising grouped loop)."""
+    return x.is_cuda and (gathered_wins(index.numel(), format_name) or torch.cuda.is_current_stream_capturing())
 
 
 def weighted_sum_of_pairs(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

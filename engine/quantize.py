@@ -22,14 +22,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .formats import FormatError, QuantizedWeight, quantize
-from .formats.plain import PLAIN_DTYPES
+from .formats import FormatError, Int8Weight, QuantizedWeight, quantize
+from .formats.plain import PLAIN_DTYPES, PlainWeight
 from .formats.plan import FormatPlan, role_of
+from .kernels import grouped_moe
 from .layers import (
     ClampedSwiGLU,
     Dense,
     Experts,
     forward_grouped,
+    gathered_wins,
+    glu_kind,
     silu_glu,
     use_gathered,
     weighted_sum_of_pairs,
@@ -123,7 +126,13 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
-        if not (use_gathered(x, index) and self.gathered_on(x.device)):
+        act = glu_kind(self.activation)
+        if act is not None and grouped_moe.available(x) and not gathered_wins(index.numel(), self.format):
+            banks = self.grouped_banks(x)
+            if banks is not None:
+                gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
+                return grouped_moe.grouped_experts(x, index, weight, *banks, gate_up_bias, down_bias, act)
+        if not (use_gathered(x, index, self.format) and self.gathered_on(x.device)):
             return forward_grouped(self.expert, self.num_experts, x, index, weight)
         fused = self.fused_kernels(x)
         if fused is not None:
@@ -142,8 +151,33 @@ class QuantizedExperts(nn.Module):
             y = y + self.down_bias[flat].to(y.dtype)
         return weighted_sum_of_pairs(y, weight)
 
+    def grouped_banks(self, x: torch.Tensor) -> tuple[grouped_moe.GroupedBank, grouped_moe.GroupedBank] | None:
+        """Both banks as :mod:`~.kernels.grouped_moe` reads them, for activations like x (CUDA),
+        or None where a bank's format has no grouped kernel."""
+        self.gate_up.prepare_for(x)
+        self.down.prepare_for(x)
+        gate_up, down = grouped_bank(self.gate_up, x), grouped_bank(self.down, x)
+        return None if gate_up is None or down is None else (gate_up, down)
+
     def quantized_weights(self) -> dict[str, QuantizedWeight]:
         return {"gate_up": self.gate_up, "down": self.down}
+
+
+def grouped_bank(weight: QuantizedWeight, x: torch.Tensor) -> grouped_moe.GroupedBank | None:
+    """A prepared CUDA expert bank in the grouped kernel's terms (int4, int4_sym, mxfp4 in their
+    nibble-major order; int8; a plain bank in x's dtype), or None."""
+    if weight.device != x.device or weight.num_experts is None:
+        return None
+    if isinstance(weight, Int8Weight):
+        return grouped_moe.GroupedBank(grouped_moe.FMT_INT8, weight.codes, weight.scales)
+    if isinstance(weight, PlainWeight):
+        plain = weight.weight.dtype == x.dtype and weight.weight.stride(-1) == 1
+        return grouped_moe.GroupedBank(grouped_moe.FMT_PLAIN, weight.weight) if plain else None
+    packed = weight.fused_bank()
+    if packed is None or packed.codes.stride(-1) != 1:
+        return None
+    fmt = grouped_moe.FMT_MXFP4 if packed.mxfp4 else grouped_moe.FMT_INT4
+    return grouped_moe.GroupedBank(fmt, packed.codes, packed.scales, packed.zeros)
 
 
 class QuantizedEmbedding(nn.Module):

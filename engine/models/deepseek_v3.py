@@ -24,6 +24,7 @@ from torch import nn
 
 from ..cache_layout import LayerCache
 from ..errors import ConfigError
+from ..frame import Segment
 from ..kvcache import LayerKV
 from ..layers import (
     DecoderLayer,
@@ -33,7 +34,9 @@ from ..layers import (
     GatedMLP,
     RMSNorm,
     SparseMoE,
+    _attention_core,
     attend,
+    write_static_decode,
 )
 from ..rope import Rotary, _yarn_mscale
 from ..spec import ModelSpec
@@ -92,6 +95,7 @@ class LatentAttention(nn.Module):
     """MLA over a latent cache; see the module docstring for the absorbed form."""
 
     window: int | None = None  # full attention: every position stays cached
+    static_decode = True  # runs static decode frames (ctx.segments None)
 
     def __init__(
         self,
@@ -131,17 +135,36 @@ class LatentAttention(nn.Module):
         w_up = self.kv_up.weight.view(heads, self.nope_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_up[:, : self.nope_dim], w_up[:, self.nope_dim :]
         query = torch.cat([torch.einsum("nhd,hdc->nhc", q_nope, w_uk), q_pe], dim=-1)  # [R, H, r + rope]
-        out = x.new_empty(rows, heads, self.kv_rank)
-        # static decode frames are never built for this family (engine.static_decode checks)
-        assert ctx.segments is not None, "latent attention runs general frames only"
-        for seg in ctx.segments:
+        if ctx.segments is None:
+            out = self._attend_static_decode(kv, ctx, query, latent)
+        else:
+            out = self._attend_segments(kv, ctx.segments, query, latent)
+        out_v = torch.einsum("nhc,hvc->nhv", out, w_uv)
+        projected: torch.Tensor = self.o_proj(out_v.reshape(rows, heads * self.v_dim))
+        return projected
+
+    def _attend_static_decode(
+        self, kv: LayerKV, ctx: FrameContext, query: torch.Tensor, latent: torch.Tensor
+    ) -> torch.Tensor:
+        """One row per slot over the whole latent capacity under the visibility mask:
+        query [B, H, r + rope] -> [B, H, r]."""
+        assert ctx.slots is not None
+        write_static_decode(kv, ctx, {"latent": latent})
+        past = kv.tensors["latent"][ctx.slots][:, None]  # [B, 1, cap, r + rope]: one head shared by all
+        visible = ctx.static_mask(kv.capacity, kv.ring, None)
+        out = _attention_core(query[:, :, None, :], past, past[..., : self.kv_rank], visible, self.scale, None)
+        return out[:, :, 0, :]
+
+    def _attend_segments(
+        self, kv: LayerKV, segments: list[Segment], query: torch.Tensor, latent: torch.Tensor
+    ) -> torch.Tensor:
+        out = query.new_empty(query.shape[0], self.num_heads, self.kv_rank)
+        for seg in segments:
             rs = slice(seg.row_start, seg.row_end)
             kv.write(seg.slot, seg.pos_start, {"latent": latent[rs]})
             past = kv.read(seg.slot, 0, seg.pos_end, ("latent",))["latent"].unsqueeze(1)  # [L, 1, r + rope]
             out[rs] = attend(query[rs], past, past[..., : self.kv_rank], seg.pos_start, 0, self.scale)
-        out_v = torch.einsum("nhc,hvc->nhv", out, w_uv)
-        projected: torch.Tensor = self.o_proj(out_v.reshape(rows, heads * self.v_dim))
-        return projected
+        return out
 
 
 def cache_layout(spec: ModelSpec, i: int) -> LayerCache:
