@@ -219,6 +219,7 @@ app.command()(__import__("modelfleet.commands.fetch", fromlist=["fetch"]).fetch)
 app.add_typer(__import__("modelfleet.commands.phrases", fromlist=["app"]).app, name="phrases")
 
 app.command()(quantize_command)
+app.command()(__import__("modelfleet.commands.export", fromlist=["export"]).export)
 
 if __name__ == "__main__":
     app()
