@@ -61,7 +61,7 @@ def probe_source(
 ) -> TensorDict:
     """Float tensors hold digit ``shift`` of their elements' global indices (+ 0.5); others as stored."""
     tensors = {}
-    for name, (dtype, shape) in index.items():
+    for name, (_, shape) in index.items():
         if name in offsets:
             ids = torch.arange(offsets[name], offsets[name] + math.prod(shape), dtype=torch.int64)
             tensors[name] = (((ids >> shift) & ((1 << DIGIT_BITS) - 1)).to(torch.float32) + 0.5).reshape(shape)
