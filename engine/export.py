@@ -115,7 +115,8 @@ def real_value(root: nn.Module, path: str) -> torch.Tensor:
         module, name = value, "weight"
     quantized = getattr(module, "quantized_weights", None)
     if quantized is not None and name in quantized():
-        return quantized()[name].dequantize().to(torch.float32)
+        decoded: torch.Tensor = quantized()[name].dequantize()
+        return decoded.to(torch.float32)
     if not isinstance(value, torch.Tensor):
         raise CheckpointError(f"export cannot read {path!r} of the loaded model ({type(value).__name__})")
     return value.detach().to(torch.float32)
