@@ -67,3 +67,41 @@ def test_export_refuses_to_overwrite_a_checkpoint_or_its_source(tmp_path: Path) 
     assert same.exit_code == 2 and "must differ" in same.output
     bad = runner.invoke(app, ["export", "--model", str(source), "--out", str(tmp_path / "o"), "--dtype", "int4"])
     assert bad.exit_code == 2 and "--dtype must be one of float32, bfloat16" in bad.output
+
+
+def _gguf_convert():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "gguf_convert.py"
+    spec = importlib.util.spec_from_file_location("gguf_convert", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_tokenizer_splits_text_exactly_as_gpt2s_pre_tokenizer_that_llama_cpp_names_gpt_2() -> None:
+    import regex
+    from tokenizers import Tokenizer
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo" / "tokenizer.json"
+    assert _gguf_convert().llama_cpp_pre_tokenizer(json.loads(demo.read_text())) == "gpt-2"
+    gpt2 = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    to_bytes = ByteLevel(add_prefix_space=False, use_regex=False)
+    text = (
+        "\n \n\n \t\t \t\n   \n🚀 (normal) 😶\u200d🌫️ ✅ 3 33 3.3 3..3 我想在apple工作1314151天～ ------======= "
+        "нещо на Български ''''''```\"\"\"\"......!!!!!!?? I've been 'told he's there, 'RE you sure?\n"
+        "def read_lines(path):\n    with open(path) as f:\n        return [l.rstrip() for l in f]  \n\n"
+    )
+    ours = [piece for piece, _ in Tokenizer.from_file(str(demo)).pre_tokenizer.pre_tokenize_str(text)]
+    assert ours == [piece for part in gpt2.findall(text) for piece, _ in to_bytes.pre_tokenize_str(part)]
+
+
+def test_gguf_conversion_refuses_a_pre_tokenizer_it_cannot_name() -> None:
+    convert = _gguf_convert()
+    metaspace = {"model": {"type": "BPE"}, "normalizer": None, "pre_tokenizer": {"type": "Metaspace"}}
+    with pytest.raises(ValueError, match="is not GPT-2's ByteLevel split"):
+        convert.llama_cpp_pre_tokenizer(metaspace)
+    with pytest.raises(ValueError, match="only BPE is mapped"):
+        convert.llama_cpp_pre_tokenizer({"model": {"type": "Unigram"}})
