@@ -168,6 +168,18 @@ def time_reference(model, prompts: list[list[int]], tokens: int, repeats: int = 
     return decode_rate(run, len(prompts), tokens, repeats)
 
 
+def llama_cpp_peer(bench: Path | None, gguf: Path | None, tokens: int):  # type: ignore[no-untyped-def]
+    """llama-bench's batch-1 decode rate with as many threads as torch uses, or None without a peer."""
+    if (bench is None) != (gguf is None):
+        sys.exit("error: --peer-llama-bench and --peer-gguf go together")
+    if bench is None or gguf is None:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llama_peer import llama_bench_decode
+
+    return llama_bench_decode(bench, gguf, threads=torch.get_num_threads(), tokens=tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu-0.8b")
@@ -181,7 +193,10 @@ def main() -> None:
     parser.add_argument("--experts", default=None, help="the engine's experts format (int4, int8, mxfp4, ...)")
     parser.add_argument("--attention", default=None, help="the engine's attention format (int8, int4, ...)")
     parser.add_argument("--head", default=None, help="the engine's head format (int8, ...)")
+    parser.add_argument("--peer-llama-bench", type=Path, help="llama.cpp's llama-bench: its decode rate joins batch 1")
+    parser.add_argument("--peer-gguf", type=Path, help="GGUF of the same shape and formats for llama-bench")
     args = parser.parse_args()
+    peer = llama_cpp_peer(args.peer_llama_bench, args.peer_gguf, args.tokens)
 
     from rich.console import Console
     from rich.table import Table
@@ -219,6 +234,8 @@ def main() -> None:
     columns = ["batch", "modelfleet", "transformers", "ratio", "bound", "of bound", "same tokens"]
     if plain_lm is not None:
         columns[2:2] = [f"modelfleet {args.dtype}", "formats speedup"]
+    if peer is not None:
+        columns.append(f"llama.cpp ({peer.threads} threads)")
     for col in columns:
         table.add_column(col, justify="right")
     rows = []
@@ -251,8 +268,10 @@ def main() -> None:
                 fraction_of_bound=round(ours / bound, 3),
                 token_agreement=round(agree, 3),
                 bandwidth_gb_s=round(bandwidth / 1e9, 1),
+                llama_cpp_tok_s=round(peer.tokens_per_second, 2) if peer is not None and batch == 1 else None,
             )
         )
+        peer_cells = [] if peer is None else [f"{peer.tokens_per_second:.1f}" if batch == 1 else "-"]
         plain_cells = [] if unquantized is None else [f"{unquantized:.1f}", f"{ours / unquantized:.2f}x"]
         table.add_row(
             str(batch),
@@ -263,6 +282,7 @@ def main() -> None:
             f"{bound:.0f}",
             f"{100 * ours / bound:.1f}%",
             f"{100 * agree:.0f}%",
+            *peer_cells,
         )
     console.print(table)
     console.print(
