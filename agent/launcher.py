@@ -115,7 +115,7 @@ class LocalFleet:
                     command = self.stage_command(stage.stage_index, group.group_index, rank)
                     cpus = next(cores)
                     self.spawn(name, command, {**env, "OMP_NUM_THREADS": str(len(cpus))},
-                               f"http://{stage.host}:{rank_http_port(stage, rank)}/status", cpus)  # fmt: skip
+                               f"http://{stage.host}:{rank_http_port(stage, rank)}/status", cpus=cpus)  # fmt: skip
 
     def spawn(
         self,
