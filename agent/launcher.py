@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from ..engine.errors import ModelfleetError
 from ..plan import FleetPlan, StagePlan
+from .cores import available_cpus, core_sets
 
 PR_SET_PDEATHSIG = 1
 
@@ -104,20 +105,36 @@ class LocalFleet:
         several groups, ``stage S rank R`` for ranks R > 0)."""
         env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
         processes = sum(s.tp_size for g in self.plan.groups for s in g.stages)
-        if processes > sum(len(g.stages) for g in self.plan.groups):  # tensor ranks: share the cores out
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
+        # every stage process (tensor ranks too) pinned to its own share of the cores, as many threads
+        cores = iter(core_sets(available_cpus(), processes))
         for group in self.plan.groups:
             prefix = f"g{group.group_index} " if len(self.plan.groups) > 1 else ""
             for stage in group.stages:
                 for rank in range(stage.tp_size):
                     name = f"{prefix}stage {stage.stage_index}" + (f" rank {rank}" if rank else "")
                     command = self.stage_command(stage.stage_index, group.group_index, rank)
-                    self.spawn(name, command, env, f"http://{stage.host}:{rank_http_port(stage, rank)}/status")
+                    cpus = next(cores)
+                    self.spawn(name, command, {**env, "OMP_NUM_THREADS": str(len(cpus))},
+                               f"http://{stage.host}:{rank_http_port(stage, rank)}/status", cpus=cpus)  # fmt: skip
 
-    def spawn(self, name: str, command: list[str], env: dict[str, str], status_url: str | None = None) -> Child:
+    def spawn(
+        self,
+        name: str,
+        command: list[str],
+        env: dict[str, str],
+        status_url: str | None = None,
+        cpus: tuple[int, ...] | None = None,
+    ) -> Child:
+        """Start a child process (``cpus``: pinned to those cores)."""
+
+        def in_child() -> None:  # between fork and exec
+            _die_with_parent()
+            if cpus and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, cpus)
+
         process = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=in_child if sys.platform == "linux" else None,
         )  # fmt: skip
         child = Child(name, process, status_url)
         self.children.append(child)

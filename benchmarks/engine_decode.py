@@ -193,6 +193,18 @@ def time_reference(model, prompts: list[list[int]], tokens: int, device: str) ->
     return len(prompts) * (tokens - 2) / seconds, torch.cat(got, dim=1).tolist()
 
 
+def llama_cpp_peer(bench: Path | None, gguf: Path | None, tokens: int):  # type: ignore[no-untyped-def]
+    """llama-bench's batch-1 decode rate with as many threads as torch uses, or None without a peer."""
+    if (bench is None) != (gguf is None):
+        sys.exit("error: --peer-llama-bench and --peer-gguf go together")
+    if bench is None or gguf is None:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llama_peer import llama_bench_decode
+
+    return llama_bench_decode(bench, gguf, threads=torch.get_num_threads(), tokens=tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu-0.8b")
@@ -206,7 +218,10 @@ def main() -> None:
     parser.add_argument("--experts", default=None, help="the engine's experts format (int4, int8, mxfp4, ...)")
     parser.add_argument("--attention", default=None, help="the engine's attention format (int8, int4, ...)")
     parser.add_argument("--head", default=None, help="the engine's head format (int8, ...)")
+    parser.add_argument("--peer-llama-bench", type=Path, help="llama.cpp's llama-bench: its decode rate joins batch 1")
+    parser.add_argument("--peer-gguf", type=Path, help="GGUF of the same shape and formats for llama-bench")
     args = parser.parse_args()
+    peer = llama_cpp_peer(args.peer_llama_bench, args.peer_gguf, args.tokens)
 
     from rich.console import Console
     from rich.table import Table
@@ -240,6 +255,8 @@ def main() -> None:
     columns = ["batch", "modelfleet", "transformers", "ratio", "same tokens"]
     if bandwidth is not None:
         columns[4:4] = ["bound", "of bound", "transformers of bound"]
+    if peer is not None:
+        columns.append(f"llama.cpp ({peer.threads} threads)")
     for col in columns:
         table.add_column(col, justify="right")
     rows, errors = [], []
@@ -267,11 +284,13 @@ def main() -> None:
                 transformers_fraction_of_bound=None if bound is None else round(theirs / bound, 3),
                 token_agreement=round(agree, 3),
                 copy_bandwidth_gb_s=None if bandwidth is None else round(bandwidth / 1e9, 1),
+                llama_cpp_tok_s=round(peer.tokens_per_second, 2) if peer is not None and batch == 1 else None,
             )
         )  # fmt: skip
         bound_cells = (
             [] if bound is None else [f"{bound:.0f}", f"{100 * ours / bound:.1f}%", f"{100 * theirs / bound:.1f}%"]
         )
+        peer_cells = [] if peer is None else [f"{peer.tokens_per_second:.1f}" if batch == 1 else "-"]
         cells = [
             str(batch),
             f"{ours:.1f}",
@@ -279,6 +298,7 @@ def main() -> None:
             f"{ours / theirs:.2f}x",
             *bound_cells,
             f"{100 * agree:.0f}%",
+            *peer_cells,
         ]
         table.add_row(*cells)
         console.print(f"batch {batch}: modelfleet {ours:.1f} tok/s, transformers {theirs:.1f} tok/s")

@@ -200,6 +200,15 @@ class GenerationResult:
         return (len(self.token_ids) - 1) / decode_s if len(self.token_ids) > 1 and decode_s > 0 else 0.0
 
 
+def batch_decode_tokens_per_s(results: Sequence[GenerationResult]) -> float:
+    """The batch's decode rate: every token after each stream's first (the first closes its
+    prefill), over the time from the earliest first token to the last token of any stream."""
+    tokens = sum(max(len(r.token_ids) - 1, 0) for r in results)
+    started = [r.time_to_first_token_s for r in results if r.token_ids]
+    decode_s = max((r.total_s for r in results), default=0.0) - min(started, default=0.0)
+    return tokens / decode_s if tokens and decode_s > 0 else 0.0
+
+
 def scheduler_for(model: LocalModel, streams: int, speculator: Speculator | None = None) -> Scheduler:
     """One process's scheduler: every stream seated at once (as the model's slots allow), whole
     prompts in one window, one microbatch, one step at a time."""

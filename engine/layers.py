@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_moe
 from .frame import Segment
 from .kernels import cpu_linear, expert_gemv, grouped_moe, route_top_k
 from .kvcache import LayerKV
@@ -240,13 +241,57 @@ class Attention(nn.Module):
             out = attend_static_decode(kv, ctx, q, {"k": k, "v": v}, self.scale, self.window, self.sinks)
         else:
             out = torch.empty_like(q)
-            for seg in ctx.segments:
+            batched = decode_rows_to_batch(ctx.segments, x, kv)
+            if batched:  # CPU decode rows of several streams: one attention call, not one per stream
+                picked = torch.tensor([seg.row_start for seg in batched])
+                out[picked] = attend_decode_rows(kv, batched, q[picked], {"k": k[picked], "v": v[picked]}, self)
+            for seg in ctx.segments if not batched else [s for s in ctx.segments if s.rows > 1]:
                 rs = slice(seg.row_start, seg.row_end)
                 out[rs] = attend_with_cache(
                     kv, seg, q[rs], {"k": k[rs], "v": v[rs]}, self.scale, self.window, self.sinks
                 )
         y: torch.Tensor = self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
         return y
+
+
+def decode_rows_to_batch(segments: list[Segment], x: torch.Tensor, kv: LayerKV) -> list[Segment]:
+    """The one-row (decode) segments of a CPU frame's general path to attend as one batch: at least
+    two, of distinct slots, over a cache kept at every position (not a ring); else none."""
+    if x.device.type != "cpu" or kv.ring:
+        return []
+    decode = [seg for seg in segments if seg.rows == 1]
+    return decode if len(decode) > 1 and len({seg.slot for seg in decode}) == len(decode) else []
+
+
+def attend_decode_rows(
+    kv: LayerKV,
+    segments: list[Segment],
+    q: torch.Tensor,
+    new: dict[str, torch.Tensor],
+    attn: Attention,
+) -> torch.Tensor:
+    """One decode row per stream: store each row's k/v, then attend every row over its slot's
+    history [0, pos] at once (histories padded to the longest, the padding masked).
+    q: [B, Hq, D] -> [B, Hq, D]."""
+    slots = torch.tensor([seg.slot for seg in segments])
+    positions = torch.tensor([seg.pos_start for seg in segments])
+    for name, rows in new.items():
+        kv.tensors[name].index_put_((slots, positions), rows)
+    length = int(positions.max()) + 1
+    keys, values = kv.tensors["k"][slots, :length], kv.tensors["v"][slots, :length]  # [B, L, Hkv, D]
+    j = torch.arange(length)[None, :]
+    visible = j <= positions[:, None]
+    if attn.window is not None:
+        visible &= (positions[:, None] - j) < attn.window
+    out = _attention_core(
+        q[:, :, None, :],
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        visible[:, None, None, :],
+        attn.scale,
+        attn.sinks,
+    )
+    return out[:, :, 0, :]
 
 
 def attend_with_cache(
@@ -433,6 +478,8 @@ def forward_grouped(
 ) -> torch.Tensor:
     """Sort (token, expert) pairs by expert and run each used expert once over its tokens:
     ``expert(e, rows)`` -> rows' outputs. Any bank (plain or quantized) runs through this."""
+    if x.device.type == "cpu":  # fewer ops around the experts: host time is the CPU's decode cost
+        return cpu_moe.grouped_cpu(expert, num_experts, x, index, weight)
     top_k = index.shape[1]
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)

@@ -230,6 +230,29 @@ def _files(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return files
 
 
+def write_tensor_files(
+    tensors: dict[str, torch.Tensor], out: Path, on_file: Callable[[int, int], None] | None = None
+) -> list[Path]:
+    """``tensors`` as ``model-XXXXX-of-YYYYY.safetensors`` files of at most FILE_BYTES (one larger
+    tensor gets a file alone) plus ``model.safetensors.index.json``, in ``out``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = _files(tensors)
+    written, weight_map = [], {}
+    for i, group in enumerate(files):
+        path = out / f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file(group, path, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, path.name))
+        written.append(path)
+        if on_file is not None:
+            on_file(i + 1, len(files))
+    total_size = sum(t.numel() * t.element_size() for t in tensors.values())  # transformers reads it
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return written
+
+
 def save_quantized(
     root: nn.Module,
     source_dir: str | Path,
@@ -239,20 +262,8 @@ def save_quantized(
     on_file: Callable[[int, int], None] | None = None,
 ) -> list[Path]:
     """Write a whole-model shard quantized by ``plan`` as a quantized checkpoint in ``out_dir``."""
-    from safetensors.torch import save_file
-
     source, out = Path(source_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = _files(shard_tensors(root))
-    written, weight_map = [], {}
-    for i, tensors in enumerate(files):
-        path = out / f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file(tensors, path, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, path.name))
-        written.append(path)
-        if on_file is not None:
-            on_file(i + 1, len(files))
-    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=1))
+    written = write_tensor_files(shard_tensors(root), out, on_file)
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD,

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -17,6 +18,10 @@ from rich.console import Console
 from modelfleet import __version__
 from modelfleet.commands.quantize import quantize as quantize_command
 from modelfleet.engine.format_names import WEIGHT_FORMATS
+
+if TYPE_CHECKING:
+    from modelfleet.engine.generate import GenerationResult, LocalModel
+    from modelfleet.engine.tokenizer import TextTokenizer
 
 app = typer.Typer(
     name="modelfleet",
@@ -51,7 +56,7 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        _fail(f"--prompt-ids must be comma-separated integers, got {text!r}")
+        _fail(f"--prompt-ids must be comma-separated integers (prompts separated by ';'), got {text!r}")
         return []
 
 
@@ -65,11 +70,49 @@ def _store_options(q: float | None, policy: str, workers: int):  # type: ignore[
     return StoreOptions(EvictionPolicy(policy), q, workers)
 
 
+def _prompt_batch(
+    prompt: str | None, prompt_ids: str | None, prompts_file: Path | None, tokenizer: TextTokenizer | None
+) -> list[list[int]]:
+    """The prompts to decode as one batch, as token ids: one --prompt, the ';'-separated
+    --prompt-ids, or one prompt per non-blank line of --prompts-file (tokenized)."""
+    if sum(option is not None for option in (prompt, prompt_ids, prompts_file)) != 1:
+        _fail("give exactly one of --prompt TEXT, --prompt-ids 1,2,3[;4,5] or --prompts-file FILE")
+    if prompt_ids is not None:
+        batch = [_parse_ids(part) for part in prompt_ids.split(";") if part.strip()]
+        if not batch or any(not ids for ids in batch):
+            _fail(f"--prompt-ids needs at least one token id per prompt (prompts separated by ';'), got {prompt_ids!r}")
+        return batch
+    texts = [prompt] if prompt is not None else _prompt_lines(prompts_file)
+    if tokenizer is None:
+        option = "--prompt" if prompt is not None else "--prompts-file"
+        _fail(f"the model has no tokenizer.json, so {option} cannot be tokenized; use --prompt-ids")
+        return []
+    return [tokenizer.encode(text) for text in texts]
+
+
+def _prompt_lines(path: Path | None) -> list[str]:
+    assert path is not None
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(f"--prompts-file {path} cannot be read as UTF-8 text: {exc}")
+    if not lines:
+        _fail(f"--prompts-file {path} holds no prompt (one prompt per non-blank line)")
+    return lines
+
+
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", help="Hugging Face checkpoint directory (config.json + *.safetensors)."),
     prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs tokenizer.json in the checkpoint)."),
-    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
+    prompt_ids: str | None = typer.Option(
+        None,
+        "--prompt-ids",
+        help="Prompt as comma-separated token ids; several prompts separated by ';' run as one batch.",
+    ),
+    prompts_file: Path | None = typer.Option(
+        None, "--prompts-file", help="A text file with one prompt per line, decoded as one batch (blank lines skipped)."
+    ),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
@@ -107,26 +150,26 @@ def generate(
     cpu_expert_workers: int = typer.Option(
         1, "--cpu-expert-workers", min=1, help="Threads computing experts on the CPU."
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (tokens, text, timings) last."),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON object (tokens, text, timings) last; for a batch, token_ids per prompt and the aggregate decode rate.",
+    ),
 ) -> None:
-    """Generate a continuation with the single-process engine, streaming text as it comes."""
+    """Generate continuations with the single-process engine: one prompt streams its text as it comes;
+    several prompts decode as one batch and print when done."""
     from modelfleet.engine.errors import ModelfleetError
     from modelfleet.engine.formats.plan import plan_from_options
-    from modelfleet.engine.generate import LocalModel
-    from modelfleet.engine.generate import generate as run_generate
+    from modelfleet.engine.generate import LocalModel, generate_batch
     from modelfleet.engine.sampling import SamplingParams
     from modelfleet.engine.speculative.build import build_proposer
     from modelfleet.engine.speculative.config import SpeculativeConfig
     from modelfleet.engine.speculative.speculator import Speculator
     from modelfleet.engine.tokenizer import IncrementalDecoder, TextTokenizer
 
-    if (prompt is None) == (prompt_ids is None):
-        _fail("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     try:
         tokenizer = TextTokenizer(model) if TextTokenizer.exists(model) else None
-        if prompt is not None and tokenizer is None:
-            _fail(f"{model} has no tokenizer.json, so --prompt cannot be tokenized; use --prompt-ids")
-        ids = tokenizer.encode(prompt) if prompt is not None and tokenizer else _parse_ids(prompt_ids or "")
+        batch = _prompt_batch(prompt, prompt_ids, prompts_file, tokenizer)
         params = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens
         )
@@ -135,46 +178,63 @@ def generate(
         started = time.perf_counter()
         store = _store_options(expert_q, expert_cache_policy, cpu_expert_workers)
         lm = LocalModel.load(
-            model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=1, formats=formats,
+            model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=len(batch), formats=formats,
             device_memory_bytes=gpu_memory_bytes, store_options=store,
         )  # fmt: skip
         load_s = time.perf_counter() - started
-        decoder = IncrementalDecoder(tokenizer) if tokenizer else None
+        decoder = IncrementalDecoder(tokenizer) if tokenizer and len(batch) == 1 else None
         stream = sys.stdout if not as_json else sys.stderr
 
-        def on_token(token: int) -> None:
+        def on_token(_index: int, token: int) -> None:
             stream.write(decoder.push(token) if decoder else f"{token} ")
             stream.flush()
 
         speculator = None
         if config is not None:
-            speculator = Speculator(config, build_proposer(config, model, 1, device))
-        result = run_generate(lm, ids, params, on_token, speculator)
+            speculator = Speculator(config, build_proposer(config, model, len(batch), device))
+        results = generate_batch(lm, batch, params, on_token if len(batch) == 1 else None, speculator)
         if decoder:
             stream.write(decoder.flush())
+        for result in results if len(batch) > 1 else []:
+            stream.write(tokenizer.decode(result.token_ids) if tokenizer else " ".join(map(str, result.token_ids)))
+            stream.write("\n---")
         stream.write("\n")
     except ModelfleetError as exc:
         _fail(str(exc))
         return
     if as_json:
-        out = {
-            "prompt_tokens": result.prompt_tokens,
-            "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-            "load_seconds": round(load_s, 4),
-            "time_to_first_token_seconds": round(result.time_to_first_token_s, 6),
-            "total_seconds": round(result.total_s, 6),
-            "decode_tokens_per_second": round(result.decode_tokens_per_s, 3),
-            "weights_bytes": lm.weights_bytes,
-            "bytes_by_role": lm.bytes_by_role,
-        }
+        out = _generate_json(results, tokenizer, lm, load_s)
         if lm.expert_placement:
             out["expert_placement"] = lm.expert_placement
         if speculator is not None:
             out["speculative"] = speculator.stats.as_dict()
-        if tokenizer:
-            out["text"] = tokenizer.decode(result.token_ids)
         typer.echo(json.dumps(out))
+
+
+def _generate_json(
+    results: list[GenerationResult], tokenizer: TextTokenizer | None, lm: LocalModel, load_s: float
+) -> dict[str, object]:
+    """``generate --json``'s object: per-prompt fields as lists for a batch (plain values for one
+    prompt), and the batch's timings with the aggregate decode rate."""
+    from modelfleet.engine.generate import batch_decode_tokens_per_s
+
+    per_prompt: dict[str, list[object]] = {
+        "prompt_tokens": [r.prompt_tokens for r in results],
+        "token_ids": [r.token_ids for r in results],
+        "finish_reason": [r.finish_reason for r in results],
+    }
+    if tokenizer is not None:
+        per_prompt["text"] = [tokenizer.decode(r.token_ids) for r in results]
+    out: dict[str, object] = {k: v[0] for k, v in per_prompt.items()} if len(results) == 1 else dict(per_prompt)
+    return out | {
+        "prompts": len(results),
+        "load_seconds": round(load_s, 4),
+        "time_to_first_token_seconds": round(min(r.time_to_first_token_s for r in results), 6),
+        "total_seconds": round(max(r.total_s for r in results), 6),
+        "decode_tokens_per_second": round(batch_decode_tokens_per_s(results), 3),
+        "weights_bytes": lm.weights_bytes,
+        "bytes_by_role": lm.bytes_by_role,
+    }
 
 
 def _register() -> None:
@@ -192,6 +252,7 @@ app.add_typer(__import__("modelfleet.commands.phrases", fromlist=["app"]).app, n
 
 app.command()(quantize_command)
 app.command("profile-bandwidth")(__import__("modelfleet.commands.profile", fromlist=["x"]).profile_bandwidth)
+app.command()(__import__("modelfleet.commands.export", fromlist=["export"]).export)
 
 if __name__ == "__main__":
     app()

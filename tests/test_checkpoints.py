@@ -138,3 +138,57 @@ def test_generate_cli_reports_bad_input_without_a_traceback(tmp_path: Path, mult
     assert no_tok.exit_code == 2 and "no tokenizer.json" in no_tok.output
     bad_temp = runner.invoke(app, ["generate", "--model", str(multi_file), "--prompt-ids", "1", "--top-p", "0"])
     assert bad_temp.exit_code == 2 and "top_p" in bad_temp.output
+
+
+def test_generate_cli_decodes_several_prompts_as_one_batch_with_each_prompts_greedy_tokens(multi_file: Path) -> None:
+    runner = CliRunner()
+    prompts = [[3, 4, 5], [9, 8], [1, 2, 3, 4, 5, 6]]
+    batch = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(multi_file),
+            "--prompt-ids",
+            "3,4,5; 9,8 ;1,2,3,4,5,6",
+            "--max-tokens",
+            "6",
+            "--json",
+        ],
+    )
+    assert batch.exit_code == 0, batch.output
+    out = json.loads(batch.stdout.strip().splitlines()[-1])
+    assert out["prompts"] == 3 and out["prompt_tokens"] == [3, 2, 6] and out["decode_tokens_per_second"] > 0
+    for ids, tokens in zip(prompts, out["token_ids"], strict=True):
+        alone = runner.invoke(
+            app,
+            [
+                "generate",
+                "--model",
+                str(multi_file),
+                "--prompt-ids",
+                ",".join(map(str, ids)),
+                "--max-tokens",
+                "6",
+                "--json",
+            ],
+        )
+        assert tokens == json.loads(alone.stdout.strip().splitlines()[-1])["token_ids"]
+
+
+def test_generate_cli_reads_one_prompt_per_line_and_refuses_an_empty_prompt_list(tmp_path: Path) -> None:
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\n\nimport os\n")
+    runner = CliRunner()
+    out = runner.invoke(
+        app, ["generate", "--model", str(demo), "--prompts-file", str(prompts), "--max-tokens", "4", "--json"]
+    )
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["prompts"] == 2 and len(got["token_ids"]) == 2 and len(got["text"]) == 2
+    prompts.write_text("\n  \n")
+    empty = runner.invoke(app, ["generate", "--model", str(demo), "--prompts-file", str(prompts)])
+    assert empty.exit_code == 2 and "holds no prompt" in empty.output
+    both = runner.invoke(app, ["generate", "--model", str(demo), "--prompt", "x", "--prompt-ids", "1"])
+    assert both.exit_code == 2 and "exactly one of" in both.output

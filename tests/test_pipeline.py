@@ -357,7 +357,7 @@ def test_a_local_fleet_of_two_replicas_starts_every_stage_of_both_groups(tiny_ch
     plan = make_plan(path, 2, groups=2, base_port=free_base_port(4))
     fleet = LocalFleet(plan, tmp_path / "plan.json")
     spawned: list[tuple[str, list[str]]] = []
-    fleet.spawn = lambda name, command, env, status_url=None: spawned.append((name, command))  # type: ignore[method-assign,assignment,misc,return-value]
+    fleet.spawn = lambda name, command, env, status_url=None, cpus=None: spawned.append((name, command))  # type: ignore[method-assign,assignment,misc,return-value]
     fleet.start()
     assert [name for name, _ in spawned] == ["g0 stage 0", "g0 stage 1", "g1 stage 0", "g1 stage 1"]
     assert [command[-3:] for _, command in spawned] == [["0", "--group", "0"], ["1", "--group", "0"],

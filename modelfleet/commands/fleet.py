@@ -231,6 +231,7 @@ def agent(
     import logging
 
     from modelfleet.agent import transport
+    from modelfleet.agent.cores import size_threads
     from modelfleet.agent.follower import FollowerAgent
     from modelfleet.agent.stage import AgentConfig, StageAgent
     from modelfleet.engine.backend import backend_refusal
@@ -238,6 +239,7 @@ def agent(
     from modelfleet.plan import load
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    size_threads()  # torch's threads = the cores this stage is allotted (pinning, a pod's CPU limit)
     try:
         fleet_plan = load(plan_path)
         if group >= len(fleet_plan.groups) or stage >= len(fleet_plan.groups[group].stages):
