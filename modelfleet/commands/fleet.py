@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from modelfleet.engine.format_names import PACKED_FORMATS, PLAIN_FORMATS
+from modelfleet.planner import DEFAULT_CONTEXT_CAP
 
 err = Console(stderr=True, soft_wrap=True)
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "demo"  # the repository's bundled model
@@ -62,24 +63,18 @@ def _load_nodes(path: Path) -> list[dict[str, Any]]:
     return nodes
 
 
-# without --context-length: the model's positions, at most this many (vLLM caps by memory)
-DEFAULT_CONTEXT_CAP = 4096
-CONTEXT_HELP = f"Positions per stream (default: the model's max_position_embeddings, at most {DEFAULT_CONTEXT_CAP})."
+CONTEXT_HELP = (
+    f"Positions per stream (default: the model's max_position_embeddings, at most {DEFAULT_CONTEXT_CAP}; "
+    "more than the model's is refused)."
+)
 
 
 def context_length_for(model: Path, asked: int | None) -> int:
-    """The plan's context length: what was asked, if the model has that many positions, else
-    (nothing asked) the model's max_position_embeddings capped at DEFAULT_CONTEXT_CAP."""
+    """The plan's context length for ``model`` (planner.context_length_for on its config)."""
     from modelfleet.engine.spec import load_spec
-    from modelfleet.plan import PlanError
+    from modelfleet.planner import context_length_for as for_positions
 
-    limit = load_spec(model).max_position_embeddings
-    if asked is None:
-        return min(limit, DEFAULT_CONTEXT_CAP)
-    if asked > limit:
-        raise PlanError(f"--context-length {asked} is over the model's max_position_embeddings={limit}; "
-                        f"ask for at most {limit}, or leave --context-length out to get {min(limit, DEFAULT_CONTEXT_CAP)}")  # fmt: skip
-    return asked
+    return for_positions(load_spec(model).max_position_embeddings, asked)
 
 
 def make_plan(
@@ -87,9 +82,11 @@ def make_plan(
     window_rows: int = 8, microbatches: int | None = None, max_queue: int = 64, dtype: str = "float32",
     device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
     formats: Any = None, backend: str = "torch", speculative: dict[str, Any] | None = None,
+    cuda_devices: int | None = None,
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
-    ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group."""
+    ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group.
+    ``cuda_devices``: this machine's, when the stages will run here (``up``)."""
     from modelfleet.plan import ServingLimits
     from modelfleet.planner import build_plan, local_address
 
@@ -101,6 +98,7 @@ def make_plan(
         model, stages, _load_nodes(nodes) if nodes else None, groups=groups, tensor=tensor, dtype=dtype,
         device=device, backend=backend, serving=serving, served_name=served_name or model.resolve().name,
         model_path=str(model.resolve()), address_of=local_address(base_port, stages, tensor), formats=formats,
+        cuda_devices=cuda_devices,
     )  # fmt: skip
 
 
@@ -294,6 +292,7 @@ def up(
 
     from modelfleet.agent.launcher import LaunchError, LocalFleet, check_ports
     from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.planner import local_cuda_devices
 
     if model is None:
         model = DEMO_MODEL
@@ -310,7 +309,8 @@ def up(
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, microbatches=microbatches, max_queue=max_queue, dtype=dtype,
                                device=device, base_port=base_port, groups=groups, tensor=tensor, formats=formats,
-                               backend=backend, speculative=speculative_option(speculative_config))  # fmt: skip
+                               backend=backend, speculative=speculative_option(speculative_config),
+                               cuda_devices=local_cuda_devices() if device.startswith("cuda") else None)  # fmt: skip
         check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
         fail(str(exc))
