@@ -283,6 +283,9 @@ def up(
         help="Plain TCP between stages, the gateway and clients: any local process may submit.",
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
+    plan_dir: Path | None = typer.Option(
+        None, "--plan-dir", help="Folder for this run's plan.json, kept on exit (default: a temporary one, removed)."
+    ),
 ) -> None:
     """Run a whole fleet on this machine: plan, start every stage and the gateway, wait until ready.
 
@@ -315,9 +318,8 @@ def up(
     except ModelfleetError as exc:
         fail(str(exc))
     out.print(plan_table(fleet_plan))
-    workdir = Path(tempfile.mkdtemp(prefix="modelfleet-"))  # mode 0700
-    plan_path = workdir / "plan.json"
-    plan_path.write_text(fleet_plan.to_json())
+    workdir = _run_dir(plan_dir)
+    plan_path = _write_plan(fleet_plan, workdir, kept=plan_dir is not None)
     wire_keys = _wire_keys(keys_dir, insecure_wire, workdir)
     fleet = LocalFleet(fleet_plan, plan_path, keys_dir=wire_keys)
     stop_requested = _trap_signals()
@@ -330,6 +332,8 @@ def up(
             tasks = [progress.add_task(c.name, total=n) for c, n in zip(fleet.children, layers, strict=True)]
 
             def show(statuses: list[dict[str, Any] | None]) -> None:
+                if stop_requested():
+                    raise _Stopped
                 for task, status in zip(tasks, statuses, strict=False):
                     if status is not None:
                         progress.update(task, completed=status.get("layers_loaded", 0))
@@ -345,14 +349,46 @@ def up(
         _print_endpoint(fleet_plan, host, port, keyed=api_keys_file is not None or bool(os.environ.get("MF_API_KEYS")))
         while not stop_requested() and all(c.process.poll() is None for c in fleet.children):
             time.sleep(0.2)
+    except _Stopped:
+        pass  # Ctrl-C or SIGTERM while loading: a stop, not a failure
     except LaunchError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(code=1) from exc
+        if not stop_requested():  # children that died of the terminal's Ctrl-C are a stop too
+            err.print(f"[bold red]error:[/] {exc}")
+            raise typer.Exit(code=1) from exc
     finally:
         err.print("stopping the fleet...")
         fleet.stop()
         if keys_dir is None and wire_keys is not None:  # this run's pair: no use once its fleet is gone
             shutil.rmtree(wire_keys, ignore_errors=True)
+        if plan_dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+class _Stopped(Exception):
+    """A stop was asked for (SIGINT, SIGTERM) before the fleet was ready."""
+
+
+def _run_dir(plan_dir: Path | None) -> Path:
+    """Where ``up`` writes this run's plan (and keys): ``plan_dir``, made if missing, or a new
+    temporary folder (mode 0700) that ``up`` removes on exit."""
+    if plan_dir is None:
+        return Path(tempfile.mkdtemp(prefix="modelfleet-"))
+    try:
+        plan_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        fail(f"--plan-dir {plan_dir}: {exc}")
+    if (plan_dir / "keys").exists():
+        fail(f"--plan-dir {plan_dir} holds keys/ from another run; remove it or choose another folder")
+    return plan_dir
+
+
+def _write_plan(plan: Any, workdir: Path, kept: bool) -> Path:
+    """Write the plan into ``workdir`` and say where (``modelfleet complete --plan`` reads it)."""
+    plan_path = workdir / "plan.json"
+    plan_path.write_text(plan.to_json())
+    lifetime = "kept" if kept else "removed when up stops; --plan-dir keeps it"
+    out.print(f"plan: {plan_path} (for `modelfleet complete --plan`; {lifetime})", markup=False)
+    return plan_path
 
 
 def _wire_keys(keys_dir: Path | None, insecure: bool, workdir: Path) -> Path | None:
