@@ -110,3 +110,22 @@ def test_the_operator_refuses_from_the_summary_what_the_command_line_refuses():
     assert tensor.message.startswith("parallelism.tensor 3 does not divide the model's num_attention_heads=8")
     context = placed(serving={"contextLength": 8192})
     assert isinstance(context, Infeasible) and "serving.contextLength 8192 is over" in context.message
+
+
+@pytest.mark.parametrize("command", ["up", "plan"])
+def test_every_option_of_up_and_plan_says_what_it_does(command):
+    from typer.main import get_command
+
+    params = get_command(app).commands[command].params  # type: ignore[attr-defined]
+    assert [p.opts for p in params if not p.help and not p.hidden] == []
+
+
+def test_served_name_is_the_model_name_the_plan_gives_the_gateway(tmp_path):
+    import json
+
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", "--model", str(DEMO), "--served-name", "py-demo", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["model"]["served_name"] == "py-demo"
+    bad = CliRunner().invoke(app, ["plan", "--model", str(DEMO), "--served-name", "two words", "--out", str(out)])
+    assert bad.exit_code == 2 and "served_name" in bad.output

@@ -108,6 +108,13 @@ FORMAT_HELP = (
 BACKEND_HELP = "What executes the stages: torch (CPU or CUDA devices); openvino is not built yet."
 MICROBATCHES_HELP = "Sets of streams whose frames the head keeps in flight separately (default: one per stage)."
 GROUPS_HELP = "Pipeline replicas (groups); the gateway balances requests over them."
+STAGES_HELP = "Pipeline stages per group; the layers are split evenly over them."
+WINDOW_HELP = "Rows of one stream's prefill window per frame."
+STREAMS_HELP = "Streams served at once over all groups (each stage reserves KV for its group's share)."
+QUEUE_HELP = "Requests the head holds waiting for a stream slot before refusing more."
+DTYPE_HELP = "Compute dtype: float32, bfloat16 or float16 (what activations and plain weights use)."
+DEVICE_HELP = "Where the stages run: cpu, cuda or cuda:N."
+SERVED_NAME_HELP = "The model name the gateway serves (the `model` field of requests; default: the folder's name)."
 SPECULATIVE_HELP = (
     'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid", '
     '"num_speculative_tokens": K, ...} (serving.speculative in the plan); the output is unchanged.'
@@ -144,13 +151,14 @@ def plan_formats(experts: str | None, attention: str | None, head: str | None, e
 
 def plan(
     model: Path = typer.Option(..., "--model", help="Checkpoint directory."),
-    stages: int = typer.Option(2, "--stages", min=1, help="Pipeline stages."),
+    stages: int = typer.Option(2, "--stages", min=1, help=STAGES_HELP),
     nodes: Path | None = typer.Option(None, "--nodes", help="YAML of Kubernetes Node objects: split by their memory."),
     out_path: Path = typer.Option(Path("plan.json"), "--out", help="Where to write the plan."),
-    max_streams: int = typer.Option(16, "--max-streams", min=1),
+    max_streams: int = typer.Option(16, "--max-streams", min=1, help=STREAMS_HELP),
     context_length: int | None = typer.Option(None, "--context-length", min=1, help=CONTEXT_HELP),
-    window_rows: int = typer.Option(8, "--window-rows", min=1, help="Rows of one stream's prefill window per frame."),
-    dtype: str = typer.Option("float32", "--dtype"),
+    window_rows: int = typer.Option(8, "--window-rows", min=1, help=WINDOW_HELP),
+    dtype: str = typer.Option("float32", "--dtype", help=DTYPE_HELP),
+    served_name: str | None = typer.Option(None, "--served-name", help=SERVED_NAME_HELP),
     tensor: int = typer.Option(1, "--tensor", min=1, help="Tensor-parallel ranks per stage (tp_size)."),
     groups: int = typer.Option(1, "--groups", min=1, help=GROUPS_HELP),
     microbatches: int | None = typer.Option(None, "--microbatches", min=1, help=MICROBATCHES_HELP),
@@ -171,7 +179,7 @@ def plan(
     try:
         fleet_plan = make_plan(model, stages, nodes=nodes, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, dtype=dtype, tensor=tensor, formats=formats, groups=groups,
-                               microbatches=microbatches, backend=backend,
+                               microbatches=microbatches, backend=backend, served_name=served_name,
                                speculative=speculative_option(speculative_config))  # fmt: skip
     except ModelfleetError as exc:
         fail(str(exc))
@@ -245,17 +253,18 @@ def up(
     model: Path | None = typer.Option(
         None, "--model", help="Checkpoint directory (default: the bundled demo model, models/demo)."
     ),
-    stages: int = typer.Option(2, "--stages", min=1),
+    stages: int = typer.Option(2, "--stages", min=1, help=STAGES_HELP),
     groups: int = typer.Option(1, "--groups", min=1, help=GROUPS_HELP),
     replicas: int | None = typer.Option(None, "--replicas", min=1, hidden=True, help="Deprecated: --groups."),
     microbatches: int | None = typer.Option(None, "--microbatches", min=1, help=MICROBATCHES_HELP),
     backend: str = typer.Option("torch", "--backend", help=BACKEND_HELP),
-    window_rows: int = typer.Option(8, "--window-rows", min=1),
-    max_streams: int = typer.Option(16, "--max-streams", min=1),
-    max_queue: int = typer.Option(64, "--max-queue", min=0),
+    window_rows: int = typer.Option(8, "--window-rows", min=1, help=WINDOW_HELP),
+    max_streams: int = typer.Option(16, "--max-streams", min=1, help=STREAMS_HELP),
+    max_queue: int = typer.Option(64, "--max-queue", min=0, help=QUEUE_HELP),
     context_length: int | None = typer.Option(None, "--context-length", min=2, help=CONTEXT_HELP),
-    dtype: str = typer.Option("float32", "--dtype"),
-    device: str = typer.Option("cpu", "--device"),
+    dtype: str = typer.Option("float32", "--dtype", help=DTYPE_HELP),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    served_name: str | None = typer.Option(None, "--served-name", help=SERVED_NAME_HELP),
     tensor: int = typer.Option(
         1, "--tensor", min=1, help="Tensor-parallel ranks (processes) per stage; each gets its share of the cores."
     ),
@@ -312,6 +321,7 @@ def up(
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, microbatches=microbatches, max_queue=max_queue, dtype=dtype,
                                device=device, base_port=base_port, groups=groups, tensor=tensor, formats=formats,
+                               served_name=served_name,
                                backend=backend, speculative=speculative_option(speculative_config),
                                cuda_devices=local_cuda_devices() if device.startswith("cuda") else None)  # fmt: skip
         check_ports(fleet_plan, extra=[port])
