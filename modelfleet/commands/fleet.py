@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -300,8 +301,6 @@ def up(
 
     The stages, the gateway and their clients speak CURVE (authenticated, encrypted) with a key
     pair made for this run, unless --keys-dir brings one or --insecure-wire turns it off."""
-    from rich.progress import BarColumn, Progress, TextColumn
-
     from modelfleet.agent.launcher import LaunchError, LocalFleet, check_ports
     from modelfleet.engine.errors import ModelfleetError
     from modelfleet.planner import local_cuda_devices
@@ -331,24 +330,11 @@ def up(
     workdir = _run_dir(plan_dir)
     plan_path = _write_plan(fleet_plan, workdir, kept=plan_dir is not None)
     wire_keys = _wire_keys(keys_dir, insecure_wire, workdir)
-    fleet = LocalFleet(fleet_plan, plan_path, keys_dir=wire_keys)
+    fleet = LocalFleet(fleet_plan, plan_path, keys_dir=wire_keys, out=ConsoleLines(out))
     stop_requested = _trap_signals()
     try:
         fleet.start()
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
-                      console=err, transient=True) as progress:  # fmt: skip
-            # one bar per child, in the order LocalFleet.start spawned them (every rank of every stage)
-            layers = [s.num_layers for g in fleet_plan.groups for s in g.stages for _ in range(s.tp_size)]
-            tasks = [progress.add_task(c.name, total=n) for c, n in zip(fleet.children, layers, strict=True)]
-
-            def show(statuses: list[dict[str, Any] | None]) -> None:
-                if stop_requested():
-                    raise _Stopped
-                for task, status in zip(tasks, statuses, strict=False):
-                    if status is not None:
-                        progress.update(task, completed=status.get("layers_loaded", 0))
-
-            fleet.wait_ready(ready_timeout, show)
+        _wait_loaded(fleet, ready_timeout, stop_requested)
         head = fleet_plan.groups[0].stages[0]
         out.print(f"[bold green]fleet ready[/]: head at {head.address} (clients on port {head.client_port}), "
                   f"status at http://{head.host}:{head.http_port}/status")  # fmt: skip
@@ -372,6 +358,49 @@ def up(
             shutil.rmtree(wire_keys, ignore_errors=True)
         if plan_dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+class ConsoleLines(io.TextIOBase):
+    """A text stream that prints each whole line through a rich console, so that the children's
+    log lines (the launcher pumps them here) appear above the console's live display while one is
+    shown instead of tearing it."""
+
+    def __init__(self, console: Console):
+        self.console, self.partial = console, ""
+
+    def write(self, text: str) -> int:
+        self.partial += text
+        *lines, self.partial = self.partial.split("\n")
+        for line in lines:
+            self.console.print(line, markup=False, highlight=False, emoji=False)
+        return len(text)
+
+
+def load_progress(console: Console) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"))
+    return Progress(*columns, console=console)
+
+
+def _wait_loaded(fleet: Any, timeout: float, stop_requested: Any) -> None:
+    """Wait for the fleet with one live bar per child (every rank of every stage, in the order
+    LocalFleet.start spawned them) fed by their /status; the children's log lines go above it
+    (ConsoleLines on the same console). Ready means every stage loaded: every bar finishes."""
+    layers = [s.num_layers for g in fleet.plan.groups for s in g.stages for _ in range(s.tp_size)]
+    with load_progress(out) as progress:
+        tasks = [progress.add_task(c.name, total=n) for c, n in zip(fleet.children, layers, strict=True)]
+
+        def show(statuses: list[dict[str, Any] | None]) -> None:
+            if stop_requested():
+                raise _Stopped
+            for task, status in zip(tasks, statuses, strict=False):
+                if status is not None:
+                    progress.update(task, completed=status.get("layers_loaded", 0))
+
+        fleet.wait_ready(timeout, show)
+        for task, total in zip(tasks, layers, strict=True):
+            progress.update(task, completed=total)
 
 
 class _Stopped(Exception):
