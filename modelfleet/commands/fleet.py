@@ -501,11 +501,22 @@ def _print_endpoint(plan: Any, host: str, port: int, keyed: bool) -> None:
     from modelfleet.engine.tokenizer import TextTokenizer
 
     base = f"http://{_local(host)}:{port}/v1"
-    prompt = '"Hello, my name is"' if TextTokenizer.exists(plan.model.path) else "[1, 2, 3]"
-    body = f'{{"model": "{plan.model.served_name}", "prompt": {prompt}, "max_tokens": 16}}'
+    prompt = json.dumps(starter_prompt(plan.model.path)) if TextTokenizer.exists(plan.model.path) else "[1, 2, 3]"
+    body = f'{{"model": "{plan.model.served_name}", "prompt": {prompt}, "max_tokens": 48}}'
     auth = ' -H "Authorization: Bearer $API_KEY"' if keyed else ""
     out.print(f"[bold green]serving[/] {plan.model.served_name} at {base} (OpenAI-compatible; Ctrl-C stops)")
     out.print(f"try: curl {base}/completions -H 'Content-Type: application/json'{auth} -d '{body}'", markup=False)
+
+
+# The bundled model writes Python and nothing else: what to ask it first (the README's and the model
+# card's examples use it). A prompt that stops before a newline lets the model choose the indentation,
+# which its tokenizer merges with the newline ("\n    " is one token).
+DEMO_PROMPT = "def read_lines(path):"
+
+
+def starter_prompt(model_path: str | Path) -> str:
+    """A first prompt to suggest for ``model_path``: code for the bundled demo model, prose for others."""
+    return DEMO_PROMPT if Path(model_path).resolve() == DEMO_MODEL.resolve() else "Hello, my name is"
 
 
 def _trap_signals():  # type: ignore[no-untyped-def]
