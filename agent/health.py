@@ -165,7 +165,12 @@ def serve_http(host: str, port: int, status: AgentStatus, metrics: StageMetrics)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                # the prober gave up first (a stage busy loading answers late): its loss, not ours,
+                # and not worth a traceback in the stage's log
+                return
 
         def log_message(self, format: str, *args: Any) -> None:  # quiet: probes arrive every second
             return

@@ -135,6 +135,9 @@ class LocalFleet:
         process = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             preexec_fn=in_child if sys.platform == "linux" else None,
+            # a group of its own: a terminal's Ctrl-C reaches only the launcher, which stops its
+            # children (SIGTERM) in order, rather than every child dying mid-load with a traceback
+            process_group=0,
         )  # fmt: skip
         child = Child(name, process, status_url)
         self.children.append(child)

@@ -131,17 +131,24 @@ def close_tensor_group() -> None:
         dist.destroy_process_group()
 
 
+def tensor_split_fields(spec: ModelSpec) -> list[tuple[str, int]]:
+    """The config fields (name, value) a tensor size must divide: the heads, or what the family
+    names instead (``tensor_split_fields``), and Inkling's sliding layers' heads where present."""
+    fields = getattr(family_module(spec.family), "tensor_split_fields", None)  # a family that splits otherwise
+    pairs = [("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads)]
+    split = list(pairs if fields is None else fields(spec))
+    for field in ("swa_num_attention_heads", "swa_num_key_value_heads"):  # Inkling's sliding layers
+        if spec.get(field) is not None:
+            split.append((field, int(spec.raw[field])))
+    return split
+
+
 def check_tensor_split(spec: ModelSpec, size: int) -> None:
     """Refuse, before any weight is read, a model whose heads do not split over ``size`` ranks."""
     if size == 1:
         return
-    fields = getattr(family_module(spec.family), "tensor_split_fields", None)  # a family that splits otherwise
-    pairs = [("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads)]
-    for field, value in pairs if fields is None else fields(spec):
+    for field, value in tensor_split_fields(spec):
         per_rank(value, field, size, "config.json")
-    for field in ("swa_num_attention_heads", "swa_num_key_value_heads"):  # Inkling's sliding layers
-        if spec.get(field) is not None:
-            per_rank(int(spec.raw[field]), field, size, "config.json")
 
 
 def per_rank(value: int, field: str, size: int, where: str) -> int:
@@ -362,6 +369,7 @@ def _quantized_columns(weight: QuantizedWeight, start: int, length: int, path: s
 __all__ = [
     "TensorGroup",
     "check_tensor_split",
+    "tensor_split_fields",
     "close_tensor_group",
     "init_tensor_group",
     "is_split",

@@ -512,6 +512,70 @@ def expert_placements(
     return out
 
 
+# ---- combinations refused at plan time --------------------------------------------------------
+# Each returns one line naming the option, the limit and the fix (or None), so ``plan``, ``up`` and the
+# operator refuse a fleet before any stage starts rather than inside every stage with a traceback.
+
+# without an asked context length: the model's positions, at most this many (vLLM caps by memory)
+DEFAULT_CONTEXT_CAP = 4096
+TORCH_DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
+
+
+def context_length_for(max_positions: int, asked: int | None, option: str = "--context-length") -> int:
+    """The plan's context length: ``asked`` if the model has that many positions (``max_positions``,
+    config.json's max_position_embeddings), else (nothing asked) ``max_positions`` capped at
+    DEFAULT_CONTEXT_CAP. Raises PlanError naming both when ``asked`` is over the model's limit."""
+    if asked is None:
+        return min(max_positions, DEFAULT_CONTEXT_CAP)
+    if (why := context_refusal(max_positions, asked, option)) is not None:
+        raise PlanError(f"{why}, or leave {option} out to get {min(max_positions, DEFAULT_CONTEXT_CAP)}")
+    return asked
+
+
+def context_refusal(max_positions: int, asked: int, option: str) -> str | None:
+    """Why ``asked`` positions per stream are more than the model has (or None)."""
+    if asked <= max_positions:
+        return None
+    return (
+        f"{option} {asked} is over the model's max_position_embeddings={max_positions}; ask for at most {max_positions}"
+    )
+
+
+def device_refusal(device: str, cuda_devices: int | None, option: str = "--device") -> str | None:
+    """Why torch stages cannot run on ``device`` (or None). ``cuda_devices``: the CUDA devices this
+    machine has, or None where the stages run elsewhere (then only the name is checked)."""
+    if TORCH_DEVICE.match(device) is None:
+        return f"{option} {device!r} is not a device; choose cpu, cuda or cuda:N (N counts from 0)"
+    if cuda_devices is None or device == "cpu":
+        return None
+    if cuda_devices == 0:
+        return f"{option} {device}: this machine has no CUDA device (torch sees none); use {option} cpu"
+    index = int(device.partition(":")[2] or 0)
+    if index >= cuda_devices:
+        return f"{option} {device}: this machine has {cuda_devices} CUDA device(s), cuda:0..cuda:{cuda_devices - 1}"
+    return None
+
+
+def tensor_refusal(split_fields: Sequence[tuple[str, int]], tensor: int, option: str = "--tensor") -> str | None:
+    """Why ``tensor`` ranks cannot split a model whose config has ``split_fields`` (name, value),
+    the counts tensor parallelism divides (engine.tensor_parallel.tensor_split_fields), or None."""
+    for name, value in split_fields:
+        if value % tensor:
+            sizes = [n for n in range(1, value + 1) if all(v % n == 0 for _, v in split_fields)]
+            return (
+                f"{option} {tensor} does not divide the model's {name}={value}; "
+                f"choose a tensor size from {', '.join(map(str, sizes))}"
+            )
+    return None
+
+
+def local_cuda_devices() -> int:
+    """CUDA devices this machine's torch sees (0 without a GPU or without a CUDA build)."""
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
 # ---- the whole plan -------------------------------------------------------------------------
 
 
@@ -569,6 +633,7 @@ def build_plan(
     serving: ServingLimits | None = None,
     address_of: Callable[[int, int], str] | None = None,
     runtime_reserve_bytes: int = RUNTIME_RESERVE_BYTES,
+    cuda_devices: int | None = None,
 ) -> FleetPlan:
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, ``tensor`` ranks a stage.
 
@@ -577,7 +642,10 @@ def build_plan(
     layers are split by the nodes' usable memory and each stage runs on its node's device. Each
     group's stages reserve KV for its share of ``serving.max_streams`` (rounded up) at
     ``serving.context_length``. Only the torch backend can be planned here (the OpenVINO backend
-    is not built yet).
+    is not built yet). ``cuda_devices`` (this machine's, when the stages run here) lets a CUDA
+    ``device`` be checked against what exists; combinations the stages would refuse (a device, a
+    tensor size that does not divide the heads, a context past the model's positions) raise
+    PlanError in one line.
     """
     from .engine.spec import load_spec
 
@@ -588,8 +656,10 @@ def build_plan(
     if groups < 1:
         raise PlanError(f"groups={groups} must be >= 1")
     spec = load_spec(model_dir)
+    limits = serving or ServingLimits(context_length=context_length_for(spec.max_position_embeddings, None))
+    # with nodes, each stage's device is its node's (node_device), named by the planner itself
+    _refuse_combinations(spec, limits, tensor, [device] if nodes is None else [], cuda_devices)
     sizes = layer_bytes(model_dir, dtype).in_formats(formats)
-    limits = serving or ServingLimits()
     kv = kv_bytes_per_layer(spec, -(-limits.max_streams // groups), limits.context_length, dtype)
     if nodes is not None and len(nodes) != stages * groups:
         raise PlanError(f"{len(nodes)} nodes given for {groups} group(s) of {stages} stages; need {stages * groups}")
@@ -609,6 +679,21 @@ def build_plan(
     hosts = None if nodes is None else [usable_memory(node, runtime_reserve_bytes) for node in nodes]
     expert_placements(plan, model_dir, hosts)  # a stage neither side can hold fails here, at plan time
     return plan
+
+
+def _refuse_combinations(
+    spec: ModelSpec, serving: ServingLimits, tensor: int, devices: Sequence[str], cuda_devices: int | None
+) -> None:
+    """build_plan's one-line refusals (device_refusal, tensor_refusal, context_length_for)."""
+    for device in dict.fromkeys(devices):
+        if (why := device_refusal(device, cuda_devices)) is not None:
+            raise PlanError(why)
+    if tensor > 1:
+        from .engine.tensor_parallel import tensor_split_fields  # imports torch: only when ranks split
+
+        if (why := tensor_refusal(tensor_split_fields(spec), tensor)) is not None:
+            raise PlanError(why)
+    context_length_for(spec.max_position_embeddings, serving.context_length, "serving.context_length")
 
 
 def _group_ranges(

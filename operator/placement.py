@@ -40,9 +40,11 @@ from modelfleet.plan import FleetPlan, PlanError
 from modelfleet.planner import (
     InfeasiblePlan,
     assemble_plan,
+    context_refusal,
     node_name,
     parse_quantity,
     split_by_memory,
+    tensor_refusal,
     usable_memory,
 )
 
@@ -192,6 +194,8 @@ def place(
         return Infeasible(
             "InvalidForModel", f"parallelism.pipeline={stages} exceeds the model's {summary.num_layers} layers"
         )
+    if (why := model_refusal(spec, summary)) is not None:
+        return Infeasible("InvalidForModel", why, 0, considered, rejected)
     affinity = spec.placement.affinity
     chosen = sorted(matching, key=lambda n: (-preference_score(n, affinity), -usable_memory(n), node_name(n)))
     chosen = sorted(chosen[: stages * width], key=node_name)
@@ -204,6 +208,17 @@ def place(
         return Infeasible("InsufficientCapacity", str(exc), exc.missing_bytes, considered, rejected)
     except PlanError as exc:
         return Infeasible("InvalidForModel", str(exc), 0, considered, rejected)
+
+
+def model_refusal(spec: ModelFleetSpec, summary: ModelSummary) -> str | None:
+    """Why the model cannot be served as ``spec`` asks (the planner's refusals, in the spec's
+    field names), where the summary records what they need."""
+    split = tuple(summary.tensor_split.items())
+    if (why := tensor_refusal(split, spec.parallelism.tensor, "parallelism.tensor")) is not None:
+        return why
+    if summary.max_position_embeddings is None:
+        return None
+    return context_refusal(summary.max_position_embeddings, spec.serving.context_length, "serving.contextLength")
 
 
 def _ranks_apart(spec: ModelFleetSpec, summary: ModelSummary, fleet: str, namespace: str) -> str | None:

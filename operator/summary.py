@@ -58,6 +58,10 @@ class ModelSummary(BaseModel):
     # packed checkpoints
     layer_role_bytes: tuple[dict[StrictStr, NonNegativeInt], ...] = ()
     outer_role_bytes: dict[StrictStr, NonNegativeInt] = Field(default_factory=dict)
+    # what the planner refuses with (planner.tensor_refusal, planner.context_length_for); absent in
+    # summaries written before they were recorded, which are then not checked for them
+    max_position_embeddings: PositiveInt | None = None
+    tensor_split: dict[StrictStr, PositiveInt] = Field(default_factory=dict)  # config field: count ranks divide
 
     @model_validator(mode="after")
     def _check_lengths(self) -> ModelSummary:
@@ -123,6 +127,7 @@ def _tensor_index(spec: ModelSpec, directory: Path) -> TensorIndex:
 
 def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSummary:
     from modelfleet.engine.cache_layout import cache_layouts
+    from modelfleet.engine.tensor_parallel import tensor_split_fields
 
     sizes = layer_bytes_of(spec, checkpoint, dtype)
     itemsize = dtype_itemsize(dtype)
@@ -136,4 +141,5 @@ def _summarise(spec: ModelSpec, checkpoint: TensorIndex, dtype: str) -> ModelSum
         embed_bytes=sizes.embed_bytes, norm_bytes=sizes.norm_bytes, head_matrix_bytes=sizes.head_matrix_bytes,
         tied=sizes.tied, kv_entries=kv_entries,
         layer_role_bytes=tuple(dict(t) for t in sizes.role_bytes), outer_role_bytes=dict(sizes.outer_role_bytes),
+        max_position_embeddings=spec.max_position_embeddings, tensor_split=dict(tensor_split_fields(spec)),
     )  # fmt: skip

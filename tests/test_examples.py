@@ -96,3 +96,26 @@ def test_mixed_fleet_gives_bigger_nodes_more_layers() -> None:
 
 def test_local_cpu_serves_the_demo_model_in_two_stages() -> None:
     assert [(s["layer_start"], s["layer_end"]) for s in stages(render("local-cpu"))] in ([(0, 3), (3, 6)],)
+
+
+def _summaries_tool():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("summaries", EXAMPLES.parent / "tools" / "summaries.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_example_summary_is_what_inspect_makes_of_its_checkpoint_as_tools_summaries_writes_it() -> None:
+    from modelfleet.cli import app as cli
+
+    tool = _summaries_tool()
+    assert sorted([*tool.SOURCES, *tool.HAND_WRITTEN]) == NAMES
+    for name, source in tool.SOURCES.items():
+        written = (EXAMPLES / "summaries" / f"{name}.json").read_text()
+        assert written == tool.render(name), f"{name}.json is stale: run python tools/summaries.py"
+        inspected = CliRunner().invoke(cli, ["inspect", str(EXAMPLES.parent / source)])
+        assert inspected.exit_code == 0, inspected.output
+        assert json.loads(inspected.stdout) == json.loads(written)

@@ -499,7 +499,7 @@ def test_every_object_of_an_hf_fleet_passes_strict_kubernetes_schema_validation(
 
 def test_render_of_an_hf_fleet_with_a_local_stand_in_for_inspection(tmp_path, tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3_moe")
-    body = fleet(model=HF_GATED)
+    body = fleet(model=HF_GATED, serving={"contextLength": 512})  # the tiny model's positions
     del body["metadata"]["uid"]
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(body))
     (tmp_path / "nodes.yaml").write_text(yaml.safe_dump({"kind": "List", "items": [node("a")]}))

@@ -361,7 +361,8 @@ def test_the_operator_writes_the_specs_backend_into_every_stage_and_no_backend_v
     nodes = [{"metadata": {"name": f"n{i}"}, "status": {"allocatable": {"memory": "64Gi", "cpu": "8",
               "gpu.intel.com/xe": "1"}}} for i in range(2)]  # fmt: skip
     spec = parse_spec({"model": {"uri": "hostpath:///m", "servedName": "m"}, "backend": "openvino",
-                       "accelerator": {"profile": "intel-igpu"}, "parallelism": {"pipeline": 2}})  # fmt: skip
+                       "accelerator": {"profile": "intel-igpu"}, "parallelism": {"pipeline": 2},
+                       "serving": {"contextLength": 512}})  # fmt: skip
     placement = place(spec, inspect_checkpoint(path, "bfloat16"), nodes, "f", "ns")
     assert isinstance(placement, Placement)
     assert {(s.backend, s.device) for s in placement.plan.groups[0].stages} == {("openvino", "GPU")}

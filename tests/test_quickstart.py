@@ -102,3 +102,20 @@ def test_the_first_quickstart_command_serves_the_bundled_model_to_the_openai_cli
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in children if alive(pid)], "no process outlives the fleet"
+
+
+def test_the_readme_test_command_installs_the_pinned_helm_and_ci_runs_only_that_command() -> None:
+    # a newcomer's `bash scripts/test.sh` runs the chart tests too: helm is installed by it, not by CI alone
+    test_sh = (ROOT / "scripts" / "test.sh").read_text()
+    assert "bash tools/helm/install.sh" in test_sh
+    assert test_sh.index("tools/helm/install.sh") < test_sh.index("pytest")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci[-1] == "bash scripts/test.sh" and not any("helm" in line for line in ci)
+
+
+def test_setup_installs_the_cpu_torch_from_pytorchs_index_with_a_short_timeout_and_falls_back_to_pypi() -> None:
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "https://download.pytorch.org/whl/cpu" in setup and "--timeout 5 --retries 0" in setup
+    cpu_try, fallback = setup.index('--index-url "$CPU_INDEX"'), setup.index("did not answer: installing")
+    assert cpu_try < fallback
+    assert '"${PIP[@]}" "$TORCH"' in setup and '"${PIP[@]}" -e .' in setup, "pip shows its progress"

@@ -153,6 +153,9 @@ def train_one(
     model.to(torch.bfloat16).save_pretrained(out, max_shard_size="12MB")
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
+        # tokenizer_class: transformers' AutoTokenizer would otherwise pick Qwen2's tokenizer from
+        # config.json's model_type, whose pre-tokenizer splits differently from tokenizer.json's
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
         "model_max_length": 4096,
     }, indent=2))  # fmt: skip

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import typer
 from rich.console import Console
 
+from modelfleet.commands.fleet import DEMO_MODEL, DEMO_PROMPT
+
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -51,8 +53,11 @@ def _model_name(url: str, api_key: str | None, timeout: float) -> str:
 def chat(
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The gateway (what `modelfleet up` printed)."),
     model: str | None = typer.Option(None, "--model", help="Served model name (default: the gateway's first)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", min=1),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Most tokens an answer may have."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy (the same answer each time)."),
+    stop: str = typer.Option(
+        "\n\n\n", "--stop", help="An answer ends at this text (default: two blank lines); empty: no stop text."
+    ),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="MF_API_KEY", help="Bearer key, if the gateway has keys."
     ),
@@ -68,6 +73,10 @@ def chat(
         raise typer.Exit(code=2) from exc
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
+    if interactive:
+        err.print(f"chatting with {name} at {url} (Ctrl-D ends)")
+        if name == DEMO_MODEL.name:
+            err.print(f"the demo model writes Python and knows no prose: start some code, e.g. {DEMO_PROMPT}")
     while True:
         if interactive:
             err.print("[bold cyan]you>[/] ", end="")
@@ -83,6 +92,7 @@ def chat(
             "stream": True,
             "max_tokens": max_tokens,
             "temperature": temperature,
+            **({"stop": [stop]} if stop else {}),
         }
         answer = []
         try:

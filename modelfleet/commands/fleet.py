@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from modelfleet.engine.format_names import PACKED_FORMATS, PLAIN_FORMATS
+from modelfleet.planner import DEFAULT_CONTEXT_CAP
 
 err = Console(stderr=True, soft_wrap=True)
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "demo"  # the repository's bundled model
@@ -85,24 +87,18 @@ def _load_nodes(path: Path) -> list[dict[str, Any]]:
     return nodes
 
 
-# without --context-length: the model's positions, at most this many (vLLM caps by memory)
-DEFAULT_CONTEXT_CAP = 4096
-CONTEXT_HELP = f"Positions per stream (default: the model's max_position_embeddings, at most {DEFAULT_CONTEXT_CAP})."
+CONTEXT_HELP = (
+    f"Positions per stream (default: the model's max_position_embeddings, at most {DEFAULT_CONTEXT_CAP}; "
+    "more than the model's is refused)."
+)
 
 
 def context_length_for(model: Path, asked: int | None) -> int:
-    """The plan's context length: what was asked, if the model has that many positions, else
-    (nothing asked) the model's max_position_embeddings capped at DEFAULT_CONTEXT_CAP."""
+    """The plan's context length for ``model`` (planner.context_length_for on its config)."""
     from modelfleet.engine.spec import load_spec
-    from modelfleet.plan import PlanError
+    from modelfleet.planner import context_length_for as for_positions
 
-    limit = load_spec(model).max_position_embeddings
-    if asked is None:
-        return min(limit, DEFAULT_CONTEXT_CAP)
-    if asked > limit:
-        raise PlanError(f"--context-length {asked} is over the model's max_position_embeddings={limit}; "
-                        f"ask for at most {limit}, or leave --context-length out to get {min(limit, DEFAULT_CONTEXT_CAP)}")  # fmt: skip
-    return asked
+    return for_positions(load_spec(model).max_position_embeddings, asked)
 
 
 def make_plan(
@@ -111,9 +107,11 @@ def make_plan(
     device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
     formats: Any = None, backend: str = "torch", speculative: dict[str, Any] | None = None,
     gpu_memory_bytes: int | None = None,
+    cuda_devices: int | None = None,
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
-    ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group."""
+    ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group.
+    ``cuda_devices``: this machine's, when the stages will run here (``up``)."""
     from modelfleet.plan import ServingLimits
     from modelfleet.planner import build_plan, local_address
 
@@ -125,6 +123,7 @@ def make_plan(
         model, stages, _load_nodes(nodes) if nodes else None, groups=groups, tensor=tensor, dtype=dtype,
         device=device, backend=backend, serving=serving, served_name=served_name or model.resolve().name,
         model_path=str(model.resolve()), address_of=local_address(base_port, stages, tensor), formats=formats,
+        cuda_devices=cuda_devices,
     )  # fmt: skip
 
 
@@ -134,6 +133,13 @@ FORMAT_HELP = (
 BACKEND_HELP = "What executes the stages: torch (CPU or CUDA devices); openvino is not built yet."
 MICROBATCHES_HELP = "Sets of streams whose frames the head keeps in flight separately (default: one per stage)."
 GROUPS_HELP = "Pipeline replicas (groups); the gateway balances requests over them."
+STAGES_HELP = "Pipeline stages per group; the layers are split evenly over them."
+WINDOW_HELP = "Rows of one stream's prefill window per frame."
+STREAMS_HELP = "Streams served at once over all groups (each stage reserves KV for its group's share)."
+QUEUE_HELP = "Requests the head holds waiting for a stream slot before refusing more."
+DTYPE_HELP = "Compute dtype: float32, bfloat16 or float16 (what activations and plain weights use)."
+DEVICE_HELP = "Where the stages run: cpu, cuda or cuda:N."
+SERVED_NAME_HELP = "The model name the gateway serves (the `model` field of requests; default: the folder's name)."
 SPECULATIVE_HELP = (
     'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid", '
     '"num_speculative_tokens": K, ...} (serving.speculative in the plan); the output is unchanged.'
@@ -170,13 +176,14 @@ def plan_formats(experts: str | None, attention: str | None, head: str | None, e
 
 def plan(
     model: Path = typer.Option(..., "--model", help="Checkpoint directory."),
-    stages: int = typer.Option(2, "--stages", min=1, help="Pipeline stages."),
+    stages: int = typer.Option(2, "--stages", min=1, help=STAGES_HELP),
     nodes: Path | None = typer.Option(None, "--nodes", help="YAML of Kubernetes Node objects: split by their memory."),
     out_path: Path = typer.Option(Path("plan.json"), "--out", help="Where to write the plan."),
-    max_streams: int = typer.Option(16, "--max-streams", min=1),
+    max_streams: int = typer.Option(16, "--max-streams", min=1, help=STREAMS_HELP),
     context_length: int | None = typer.Option(None, "--context-length", min=1, help=CONTEXT_HELP),
-    window_rows: int = typer.Option(8, "--window-rows", min=1, help="Rows of one stream's prefill window per frame."),
-    dtype: str = typer.Option("float32", "--dtype"),
+    window_rows: int = typer.Option(8, "--window-rows", min=1, help=WINDOW_HELP),
+    dtype: str = typer.Option("float32", "--dtype", help=DTYPE_HELP),
+    served_name: str | None = typer.Option(None, "--served-name", help=SERVED_NAME_HELP),
     tensor: int = typer.Option(1, "--tensor", min=1, help="Tensor-parallel ranks per stage (tp_size)."),
     groups: int = typer.Option(1, "--groups", min=1, help=GROUPS_HELP),
     microbatches: int | None = typer.Option(None, "--microbatches", min=1, help=MICROBATCHES_HELP),
@@ -198,7 +205,7 @@ def plan(
     try:
         fleet_plan = make_plan(model, stages, nodes=nodes, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, dtype=dtype, tensor=tensor, formats=formats, groups=groups,
-                               microbatches=microbatches, backend=backend,
+                               microbatches=microbatches, backend=backend, served_name=served_name,
                                speculative=speculative_option(speculative_config),
                                gpu_memory_bytes=gpu_memory_bytes)  # fmt: skip
         placements = placement_table(fleet_plan, model)
@@ -278,17 +285,18 @@ def up(
     model: Path | None = typer.Option(
         None, "--model", help="Checkpoint directory (default: the bundled demo model, models/demo)."
     ),
-    stages: int = typer.Option(2, "--stages", min=1),
+    stages: int = typer.Option(2, "--stages", min=1, help=STAGES_HELP),
     groups: int = typer.Option(1, "--groups", min=1, help=GROUPS_HELP),
     replicas: int | None = typer.Option(None, "--replicas", min=1, hidden=True, help="Deprecated: --groups."),
     microbatches: int | None = typer.Option(None, "--microbatches", min=1, help=MICROBATCHES_HELP),
     backend: str = typer.Option("torch", "--backend", help=BACKEND_HELP),
-    window_rows: int = typer.Option(8, "--window-rows", min=1),
-    max_streams: int = typer.Option(16, "--max-streams", min=1),
-    max_queue: int = typer.Option(64, "--max-queue", min=0),
+    window_rows: int = typer.Option(8, "--window-rows", min=1, help=WINDOW_HELP),
+    max_streams: int = typer.Option(16, "--max-streams", min=1, help=STREAMS_HELP),
+    max_queue: int = typer.Option(64, "--max-queue", min=0, help=QUEUE_HELP),
     context_length: int | None = typer.Option(None, "--context-length", min=2, help=CONTEXT_HELP),
-    dtype: str = typer.Option("float32", "--dtype"),
-    device: str = typer.Option("cpu", "--device"),
+    dtype: str = typer.Option("float32", "--dtype", help=DTYPE_HELP),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    served_name: str | None = typer.Option(None, "--served-name", help=SERVED_NAME_HELP),
     tensor: int = typer.Option(
         1, "--tensor", min=1, help="Tensor-parallel ranks (processes) per stage; each gets its share of the cores."
     ),
@@ -317,15 +325,17 @@ def up(
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
     gpu_memory_bytes: int | None = typer.Option(None, "--gpu-memory-bytes", min=1, help=GPU_MEMORY_HELP),
+    plan_dir: Path | None = typer.Option(
+        None, "--plan-dir", help="Folder for this run's plan.json, kept on exit (default: a temporary one, removed)."
+    ),
 ) -> None:
     """Run a whole fleet on this machine: plan, start every stage and the gateway, wait until ready.
 
     The stages, the gateway and their clients speak CURVE (authenticated, encrypted) with a key
     pair made for this run, unless --keys-dir brings one or --insecure-wire turns it off."""
-    from rich.progress import BarColumn, Progress, TextColumn
-
     from modelfleet.agent.launcher import LaunchError, LocalFleet, check_ports
     from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.planner import local_cuda_devices
 
     if model is None:
         model = DEMO_MODEL
@@ -342,32 +352,22 @@ def up(
         fleet_plan = make_plan(model, stages, max_streams=max_streams, context_length=context_length,
                                window_rows=window_rows, microbatches=microbatches, max_queue=max_queue, dtype=dtype,
                                device=device, base_port=base_port, groups=groups, tensor=tensor, formats=formats,
+                               served_name=served_name,
                                backend=backend, speculative=speculative_option(speculative_config),
-                               gpu_memory_bytes=gpu_memory_bytes)  # fmt: skip
+                               gpu_memory_bytes=gpu_memory_bytes,
+                               cuda_devices=local_cuda_devices() if device.startswith("cuda") else None)  # fmt: skip
         check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
         fail(str(exc))
     out.print(plan_table(fleet_plan))
-    workdir = Path(tempfile.mkdtemp(prefix="modelfleet-"))  # mode 0700
-    plan_path = workdir / "plan.json"
-    plan_path.write_text(fleet_plan.to_json())
+    workdir = _run_dir(plan_dir)
+    plan_path = _write_plan(fleet_plan, workdir, kept=plan_dir is not None)
     wire_keys = _wire_keys(keys_dir, insecure_wire, workdir)
-    fleet = LocalFleet(fleet_plan, plan_path, keys_dir=wire_keys)
+    fleet = LocalFleet(fleet_plan, plan_path, keys_dir=wire_keys, out=ConsoleLines(out))
     stop_requested = _trap_signals()
     try:
         fleet.start()
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
-                      console=err, transient=True) as progress:  # fmt: skip
-            # one bar per child, in the order LocalFleet.start spawned them (every rank of every stage)
-            layers = [s.num_layers for g in fleet_plan.groups for s in g.stages for _ in range(s.tp_size)]
-            tasks = [progress.add_task(c.name, total=n) for c, n in zip(fleet.children, layers, strict=True)]
-
-            def show(statuses: list[dict[str, Any] | None]) -> None:
-                for task, status in zip(tasks, statuses, strict=False):
-                    if status is not None:
-                        progress.update(task, completed=status.get("layers_loaded", 0))
-
-            fleet.wait_ready(ready_timeout, show)
+        _wait_loaded(fleet, ready_timeout, stop_requested)
         head = fleet_plan.groups[0].stages[0]
         out.print(f"[bold green]fleet ready[/]: head at {head.address} (clients on port {head.client_port}), "
                   f"status at http://{head.host}:{head.http_port}/status")  # fmt: skip
@@ -378,14 +378,89 @@ def up(
         _print_endpoint(fleet_plan, host, port, keyed=api_keys_file is not None or bool(os.environ.get("MF_API_KEYS")))
         while not stop_requested() and all(c.process.poll() is None for c in fleet.children):
             time.sleep(0.2)
+    except _Stopped:
+        pass  # Ctrl-C or SIGTERM while loading: a stop, not a failure
     except LaunchError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(code=1) from exc
+        if not stop_requested():  # children that died of the terminal's Ctrl-C are a stop too
+            err.print(f"[bold red]error:[/] {exc}")
+            raise typer.Exit(code=1) from exc
     finally:
         err.print("stopping the fleet...")
         fleet.stop()
         if keys_dir is None and wire_keys is not None:  # this run's pair: no use once its fleet is gone
             shutil.rmtree(wire_keys, ignore_errors=True)
+        if plan_dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+class ConsoleLines(io.TextIOBase):
+    """A text stream that prints each whole line through a rich console, so that the children's
+    log lines (the launcher pumps them here) appear above the console's live display while one is
+    shown instead of tearing it."""
+
+    def __init__(self, console: Console):
+        self.console, self.partial = console, ""
+
+    def write(self, text: str) -> int:
+        self.partial += text
+        *lines, self.partial = self.partial.split("\n")
+        for line in lines:
+            self.console.print(line, markup=False, highlight=False, emoji=False)
+        return len(text)
+
+
+def load_progress(console: Console) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"))
+    return Progress(*columns, console=console)
+
+
+def _wait_loaded(fleet: Any, timeout: float, stop_requested: Any) -> None:
+    """Wait for the fleet with one live bar per child (every rank of every stage, in the order
+    LocalFleet.start spawned them) fed by their /status; the children's log lines go above it
+    (ConsoleLines on the same console). Ready means every stage loaded: every bar finishes."""
+    layers = [s.num_layers for g in fleet.plan.groups for s in g.stages for _ in range(s.tp_size)]
+    with load_progress(out) as progress:
+        tasks = [progress.add_task(c.name, total=n) for c, n in zip(fleet.children, layers, strict=True)]
+
+        def show(statuses: list[dict[str, Any] | None]) -> None:
+            if stop_requested():
+                raise _Stopped
+            for task, status in zip(tasks, statuses, strict=False):
+                if status is not None:
+                    progress.update(task, completed=status.get("layers_loaded", 0))
+
+        fleet.wait_ready(timeout, show)
+        for task, total in zip(tasks, layers, strict=True):
+            progress.update(task, completed=total)
+
+
+class _Stopped(Exception):
+    """A stop was asked for (SIGINT, SIGTERM) before the fleet was ready."""
+
+
+def _run_dir(plan_dir: Path | None) -> Path:
+    """Where ``up`` writes this run's plan (and keys): ``plan_dir``, made if missing, or a new
+    temporary folder (mode 0700) that ``up`` removes on exit."""
+    if plan_dir is None:
+        return Path(tempfile.mkdtemp(prefix="modelfleet-"))
+    try:
+        plan_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        fail(f"--plan-dir {plan_dir}: {exc}")
+    if (plan_dir / "keys").exists():
+        fail(f"--plan-dir {plan_dir} holds keys/ from another run; remove it or choose another folder")
+    return plan_dir
+
+
+def _write_plan(plan: Any, workdir: Path, kept: bool) -> Path:
+    """Write the plan into ``workdir`` and say where (``modelfleet complete --plan`` reads it)."""
+    plan_path = workdir / "plan.json"
+    plan_path.write_text(plan.to_json())
+    lifetime = "kept" if kept else "removed when up stops; --plan-dir keeps it"
+    out.print(f"plan: {plan_path} (for `modelfleet complete --plan`; {lifetime})", markup=False)
+    return plan_path
 
 
 def _wire_keys(keys_dir: Path | None, insecure: bool, workdir: Path) -> Path | None:
@@ -459,11 +534,22 @@ def _print_endpoint(plan: Any, host: str, port: int, keyed: bool) -> None:
     from modelfleet.engine.tokenizer import TextTokenizer
 
     base = f"http://{_local(host)}:{port}/v1"
-    prompt = '"Hello, my name is"' if TextTokenizer.exists(plan.model.path) else "[1, 2, 3]"
-    body = f'{{"model": "{plan.model.served_name}", "prompt": {prompt}, "max_tokens": 16}}'
+    prompt = json.dumps(starter_prompt(plan.model.path)) if TextTokenizer.exists(plan.model.path) else "[1, 2, 3]"
+    body = f'{{"model": "{plan.model.served_name}", "prompt": {prompt}, "max_tokens": 48}}'
     auth = ' -H "Authorization: Bearer $API_KEY"' if keyed else ""
     out.print(f"[bold green]serving[/] {plan.model.served_name} at {base} (OpenAI-compatible; Ctrl-C stops)")
     out.print(f"try: curl {base}/completions -H 'Content-Type: application/json'{auth} -d '{body}'", markup=False)
+
+
+# The bundled model writes Python and nothing else: what to ask it first (the README's and the model
+# card's examples use it). A prompt that stops before a newline lets the model choose the indentation,
+# which its tokenizer merges with the newline ("\n    " is one token).
+DEMO_PROMPT = "def read_lines(path):"
+
+
+def starter_prompt(model_path: str | Path) -> str:
+    """A first prompt to suggest for ``model_path``: code for the bundled demo model, prose for others."""
+    return DEMO_PROMPT if Path(model_path).resolve() == DEMO_MODEL.resolve() else "Hello, my name is"
 
 
 def _trap_signals():  # type: ignore[no-untyped-def]
