@@ -243,6 +243,7 @@ HEAD_FAILURES: dict[ErrorCode, HeadFailure] = {
     ErrorCode.NOT_READY: HeadFailure(503, "head_refused", retry_after_seconds=1),
     ErrorCode.STAGE_LOST: HeadFailure(503, "stream_failed", "the fleet is not ready: ", retry_after_seconds=1),
     ErrorCode.UNAVAILABLE: HeadFailure(503, "stream_failed", "the fleet is not ready: ", retry_after_seconds=1),
+    ErrorCode.REPLAY_TIMEOUT: HeadFailure(503, "stream_failed", "the fleet is not ready: ", retry_after_seconds=1),
     ErrorCode.CAPACITY: HeadFailure(500, "stream_failed", "the fleet failed the request: "),
     ErrorCode.MALFORMED: HeadFailure(500, "stream_failed", "the fleet failed the request: "),
     ErrorCode.INTERNAL: HeadFailure(500, "stream_failed", "the fleet failed the request: "),
