@@ -86,6 +86,23 @@ class StageMetrics:
         self.chain_ready = gauge(
             "chain_ready", "1 while every stage beats and chain probes answer in time (head)."
         ).labels(**labels)
+        # replay after a lost stage (head): see agent.head
+        def head_counter(name: str, doc: str) -> Counter:
+            return Counter(f"modelfleet_head_{name}", doc, names, registry=self.registry)
+
+        self.replays = head_counter("replays_total", "Times the pipeline healed and its streams were replayed.").labels(
+            **labels
+        )
+        self.replayed_tokens = head_counter(
+            "replayed_tokens_total", "Prompt and committed tokens prefilled again by replays."
+        ).labels(**labels)
+        self.paused_seconds = head_counter(
+            "paused_seconds_total", "Seconds the pipeline was paused for a lost stage, until it healed."
+        ).labels(**labels)
+        self.waiting_for_replay = Gauge(
+            "modelfleet_head_streams_waiting_for_replay", "Streams holding a slot while the pipeline is paused.",
+            names, registry=self.registry,
+        ).labels(**labels)  # fmt: skip
         link_names = [*names, "link", "direction"]
         self._bytes = Counter("modelfleet_stage_bytes_total", "Bytes per link.", link_names, registry=self.registry)
         self._labels = labels

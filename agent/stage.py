@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -123,6 +124,7 @@ class StageAgent:
         self.head: Head | None = None  # stage 0
         self.heart: threading.Thread | None = None  # stages after the head: heartbeats to it
         self.heart_stop = threading.Event()
+        self.incarnation = secrets.randbits(63)  # this process's: see wire.HeartbeatMsg
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -156,6 +158,7 @@ class StageAgent:
         head_config = HeadConfig(
             f"{self.stage.host}:{self.stage.client_port}", config.probe_interval_seconds,
             config.unready_after_seconds, config.keys, stages=len(self.stages),
+            replay_timeout_seconds=self.plan.serving.replay_timeout_seconds,
         )  # fmt: skip
         scheduler = Scheduler(scheduler_config(self.plan, self.backend, len(self.stages)), self._speculator())
         return Head(
@@ -232,7 +235,7 @@ class StageAgent:
                 beat = wire.HeartbeatMsg(
                     sent_ns=time.monotonic_ns(), group_index=self.config.group_index,
                     stage_index=self.stage.stage_index, ready=self.status.phase == Phase.READY,
-                    plan_hash=plan_hash,
+                    plan_hash=plan_hash, incarnation=self.incarnation,
                 )  # fmt: skip
                 with contextlib.suppress(zmq.Again):
                     sock.send_multipart(wire.encode(beat), zmq.NOBLOCK)
@@ -421,7 +424,7 @@ class StageAgent:
         its own and has no token."""
         assert self.sampler is not None
         for start in starts:
-            self.sampler.start(start.slot, start.sampling_params())
+            self.sampler.start(start.slot, start.sampling_params(), start.drawn)
         tokens, errors = sample_step(self.sampler, slots, output_tokens, logits)
         for slot, exc in errors.items():
             self._refuse(msg, exc, slot)
