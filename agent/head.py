@@ -232,6 +232,12 @@ class Head:
         self._speculation_seen = copy.deepcopy(stats)
         self.status.head["speculative"] = stats.as_dict()
 
+    def shutdown(self, why: str) -> None:
+        """The process is stopping: every stream, seated or queued, ends with ``unavailable``."""
+        streams = [*self.scheduler.queue, *(s for m in self.scheduler.microbatches for s in m)]
+        message = f"the fleet stopped: {why}; retry the request when it serves again"
+        self.deliver([self.scheduler.fail(s, ErrorCode.UNAVAILABLE, message) for s in streams])
+
     # ---- clients --------------------------------------------------------------------------
 
     def drain_clients(self) -> None:

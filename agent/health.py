@@ -40,6 +40,7 @@ class AgentStatus:
     tensor_rank: int = 0  # this process's rank in its stage's tensor group, of tensor_size
     tensor_size: int = 1
     reason: str = ""
+    restarts: int = 0  # times `modelfleet up` restarted this process (agent.supervisor)
     peers: dict[str, str] = field(default_factory=dict)
     head: dict[str, Any] = field(default_factory=dict)  # head only: chain readiness, streams, queue
 
@@ -81,6 +82,7 @@ class StageMetrics:
         self.errors = counter("frame_errors_total", "Frames refused by the engine (capacity, input).").labels(**labels)
         self.active_slots = gauge("active_slots", "KV slots in use.").labels(**labels)
         self.layers_loaded = gauge("layers_loaded", "Layers loaded so far.").labels(**labels)
+        self.restarts = gauge("restarts", "Times this stage's process was restarted by its supervisor.").labels(**labels)
         self.streams_active = gauge("streams_active", "Streams admitted (head).").labels(**labels)
         self.queue_depth = gauge("queue_depth", "Requests waiting for a slot (head).").labels(**labels)
         self.chain_ready = gauge(

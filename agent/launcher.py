@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -80,6 +80,8 @@ class Child:
     name: str
     process: subprocess.Popen[str]
     status_url: str | None = None
+    command: list[str] = field(default_factory=list)  # what started it, to start it again (.supervisor)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class LocalFleet:
@@ -115,12 +117,23 @@ class LocalFleet:
                     self.spawn(name, command, env, f"http://{stage.host}:{rank_http_port(stage, rank)}/status")
 
     def spawn(self, name: str, command: list[str], env: dict[str, str], status_url: str | None = None) -> Child:
+        child = self._start(name, command, env, status_url)
+        self.children.append(child)
+        return child
+
+    def respawn(self, index: int, extra_env: dict[str, str]) -> Child:
+        """Start child ``index`` again, as it was started, in its place (its old process has exited)."""
+        old = self.children[index]
+        child = self._start(old.name, old.command, {**old.env, **extra_env}, old.status_url)
+        self.children[index] = child
+        return child
+
+    def _start(self, name: str, command: list[str], env: dict[str, str], status_url: str | None) -> Child:
         process = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
-        child = Child(name, process, status_url)
-        self.children.append(child)
+        child = Child(name, process, status_url, command, env)
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
         return child
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import signal
 import threading
@@ -50,6 +51,7 @@ from . import transport as wire
 from .head import Head, HeadConfig, scheduler_config
 from .health import AgentStatus, Phase, StageMetrics, serve_http
 from .liveness import HEARTBEAT_INTERVAL_SECONDS
+from .supervisor import RESTARTS_ENV
 from .tensor_group import DistChannel, TensorGroupLost, TensorStage, rendezvous_namespace
 
 log = logging.getLogger("modelfleet.agent")
@@ -113,6 +115,8 @@ class StageAgent:
             layers_total=self.stage.num_layers, tensor_rank=config.tp_rank, tensor_size=self.stage.tp_size,
         )  # fmt: skip
         self.metrics = StageMetrics(config.group_index, config.stage_index)
+        self.status.restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
+        self.metrics.restarts.set(self.status.restarts)
         self.stopping = threading.Event()
         self.backend: StageBackend | None = None
         self.sampler: TailSampler | None = None  # the tail's
@@ -144,6 +148,8 @@ class StageAgent:
                 "stage %d ready: layers [%d, %d)", self.stage.stage_index, self.stage.layer_start, self.stage.layer_end
             )
             self.loop()
+            if self.head is not None:
+                self.head.shutdown("its head stage was asked to stop")
         except Exception as exc:
             self.status.phase, self.status.reason = Phase.FAILED, f"{type(exc).__name__}: {exc}"
             log.exception("stage %d failed", self.stage.stage_index)
@@ -250,9 +256,11 @@ class StageAgent:
             self.heart.join(5)
         if isinstance(self.backend, TensorStage):
             self.backend.close()
-        for sock in (self.inbox, self.outbox, getattr(self.head, "clients", None)):
+        for sock in (self.inbox, self.outbox):
             if sock is not None:
                 sock.close(linger=0)
+        if self.head is not None:  # the last answers to clients (a stopping fleet's errors) may still leave
+            self.head.clients.close(linger=500)
         if self.authenticator is not None:
             self.authenticator.stop()
         self.context.term()

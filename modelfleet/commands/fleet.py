@@ -285,6 +285,11 @@ def up(
         help="Plain TCP between stages, the gateway and clients: any local process may submit.",
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
+    max_stage_restarts: int = typer.Option(
+        3, "--max-stage-restarts", min=0,
+        help="Times a stage or the gateway that exits is restarted (with backoff) before the fleet fails, per "
+        "process (as restartPolicy.maxStageRestarts); the head replays its streams into a restarted stage.",
+    ),
 ) -> None:
     """Run a whole fleet on this machine: plan, start every stage and the gateway, wait until ready.
 
@@ -343,8 +348,9 @@ def up(
             out.print(f"the fleet's wire is CURVE with the keys in {wire_keys} (clients of the head, such as "
                       f"`modelfleet complete`, need --keys-dir {wire_keys})")  # fmt: skip
         _print_endpoint(fleet_plan, host, port, keyed=api_keys_file is not None or bool(os.environ.get("MF_API_KEYS")))
-        while not stop_requested() and all(c.process.poll() is None for c in fleet.children):
-            time.sleep(0.2)
+        failed = _supervise(fleet, max_stage_restarts, stop_requested)
+        if failed is not None:
+            raise LaunchError(f"the fleet failed: {failed}")
     except LaunchError as exc:
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(code=1) from exc
@@ -353,6 +359,17 @@ def up(
         fleet.stop()
         if keys_dir is None and wire_keys is not None:  # this run's pair: no use once its fleet is gone
             shutil.rmtree(wire_keys, ignore_errors=True)
+
+
+def _supervise(fleet: Any, max_stage_restarts: int, stop_requested: Any) -> str | None:
+    """Restart children that exit (agent.supervisor) until asked to stop; the reason the fleet failed, or None."""
+    from modelfleet.agent.supervisor import RestartPolicy, Supervisor
+
+    supervisor = Supervisor(fleet, RestartPolicy(max_stage_restarts), lambda line: err.print(f"[yellow]{line}[/]"))
+    while not stop_requested() and supervisor.failed is None:
+        supervisor.poll(time.monotonic())
+        time.sleep(0.2)
+    return supervisor.failed
 
 
 def _wire_keys(keys_dir: Path | None, insecure: bool, workdir: Path) -> Path | None:
