@@ -82,12 +82,15 @@ class StageMetrics:
         self.errors = counter("frame_errors_total", "Frames refused by the engine (capacity, input).").labels(**labels)
         self.active_slots = gauge("active_slots", "KV slots in use.").labels(**labels)
         self.layers_loaded = gauge("layers_loaded", "Layers loaded so far.").labels(**labels)
-        self.restarts = gauge("restarts", "Times this stage's process was restarted by its supervisor.").labels(**labels)
+        self.restarts = gauge("restarts", "Times this stage's process was restarted by its supervisor.").labels(
+            **labels
+        )
         self.streams_active = gauge("streams_active", "Streams admitted (head).").labels(**labels)
         self.queue_depth = gauge("queue_depth", "Requests waiting for a slot (head).").labels(**labels)
         self.chain_ready = gauge(
             "chain_ready", "1 while every stage beats and chain probes answer in time (head)."
         ).labels(**labels)
+
         # replay after a lost stage (head): see agent.head
         def head_counter(name: str, doc: str) -> Counter:
             return Counter(f"modelfleet_head_{name}", doc, names, registry=self.registry)

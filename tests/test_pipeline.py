@@ -380,7 +380,9 @@ def test_a_pipeline_that_does_not_heal_within_the_replay_deadline_fails_its_stre
     try:
         with fleet.client() as client:
             request = client.submit([1, 2, 3], SamplingParams(max_tokens=200, stop_token_ids=()))
-            wait_until(lambda: (client.poll(0.01) or True) and len(client.results[request].token_ids) >= 1, 10, "tokens")
+            wait_until(
+                lambda: (client.poll(0.01) or True) and len(client.results[request].token_ids) >= 1, 10, "tokens"
+            )
             fleet.local.children[1].process.send_signal(signal.SIGKILL)
             result = client.wait([request])[0]
             assert result.finish_reason == "error" and result.code == "replay_timeout", result.error

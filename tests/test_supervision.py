@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_quickstart import ROOT, descendants, free_port, start_up
 
 from modelfleet.agent.client import FleetClient
 from modelfleet.agent.supervisor import GiveUp, Restart, RestartPolicy, Supervisor, exit_description, on_exit
 from modelfleet.engine.generate import LocalModel, generate_batch
 from modelfleet.engine.sampling import SamplingParams
-from test_quickstart import ROOT, descendants, free_port, start_up
 
 
 @pytest.mark.parametrize(

@@ -286,7 +286,9 @@ def up(
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
     max_stage_restarts: int = typer.Option(
-        3, "--max-stage-restarts", min=0,
+        3,
+        "--max-stage-restarts",
+        min=0,
         help="Times a stage or the gateway that exits is restarted (with backoff) before the fleet fails, per "
         "process (as restartPolicy.maxStageRestarts); the head replays its streams into a restarted stage.",
     ),
