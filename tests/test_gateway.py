@@ -777,9 +777,22 @@ def test_a_request_its_head_fails_before_any_token_is_retried_on_another_head_wi
         failing.close()
 
 
-def test_a_streamed_request_that_fails_after_its_first_token_ends_in_the_error_and_is_not_retried(
+def by_reason(served: Served, metric: str) -> dict[str, float]:
+    text = httpx.get(served.url + "/metrics", timeout=5).text
+    prefix = metric + '{reason="'
+    return {line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}  # fmt: skip
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def test_a_streamed_request_that_fails_after_its_first_token_continues_on_another_head_from_where_it_was(
     fleet, reference, tokenizer
 ) -> None:
+    """Issue 34: the gateway resubmits prompt + the tokens already sent as a continuation to
+    another ready head; the client sees one stream with the tokens an undisturbed run gives."""
     token = tokenizer.token_id("x")
     assert token is not None
     failing = FailingHead(tokens=(token,))
@@ -789,17 +802,25 @@ def test_a_streamed_request_that_fails_after_its_first_token_ends_in_the_error_a
         with gateway_before_fleet(fleet, failing) as retrying:
             model = retrying.gateway.model_name
             response = retrying.post("/v1/completions", {"model": model, **body, "stream": True})
-            events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
-            first, error = json.loads(events[0]), json.loads(events[1])
-            assert first["choices"][0]["text"] == "x" and first["choices"][0]["token_ids"] == [token]
-            assert BROKEN_CHAIN in error["error"]["message"] and events[2:] == ["[DONE]"]
+            events = sse_events(response)
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert events[-1] == "[DONE]" and all("error" not in c for c in chunks)
+            streamed = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+            assert streamed == [token, *reference([*prompt, token], max_tokens=7)]
             assert len(failing.submitted) == 1 and retries(retrying) == {}
+            assert by_reason(retrying, "modelfleet_gateway_failovers_total") == {"stream_failed": 1.0}
             # not streamed, nothing of it was sent when it failed: the same failure is retried
             result = retrying.post("/v1/completions", {"model": model, **body})
             assert result.status_code == 200 and result.json()["choices"][0]["token_ids"] == reference(
                 prompt, max_tokens=8
             )
             assert len(failing.submitted) == 2 and retries(retrying) == {"stream_failed": 1.0}
+        with Served(GatewayConfig.of(plan_with_head_at(fleet.plan, failing.port))) as alone:  # no other head
+            wait_until(lambda: alone.gateway.ready, 10, "ready")
+            events = sse_events(alone.post("/v1/completions", {"model": model, **body, "stream": True}))
+            first, error = json.loads(events[0]), json.loads(events[1])
+            assert first["choices"][0]["token_ids"] == [token] and BROKEN_CHAIN in error["error"]["message"]
+            assert events[2:] == ["[DONE]"]
     finally:
         failing.close()
 
