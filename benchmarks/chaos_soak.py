@@ -71,7 +71,9 @@ def stream(client: httpx.Client, model: str, prompt: list[int], max_tokens: int)
     return tokens
 
 
-def load(url: str, model: str, cases: list[tuple[list[int], int, list[int]]], end: float, tally: Tally, seed: int) -> None:
+def load(
+    url: str, model: str, cases: list[tuple[list[int], int, list[int]]], end: float, tally: Tally, seed: int
+) -> None:
     rng = random.Random(seed)
     with httpx.Client(base_url=url, timeout=300) as client:
         while time.monotonic() < end:
@@ -109,7 +111,7 @@ def chaos(fleet, supervisor, plan, end: float, args: argparse.Namespace, tally: 
             while fleet.children[index] is child and time.monotonic() < deadline:
                 supervisor.poll(time.monotonic())
                 time.sleep(0.1)
-            while time.monotonic() < deadline and not (fleet.statuses()[index] or {}).get("phase") == "Ready":
+            while time.monotonic() < deadline and (fleet.statuses()[index] or {}).get("phase") != "Ready":
                 supervisor.poll(time.monotonic())
                 time.sleep(0.2)
         else:
@@ -217,7 +219,7 @@ def report(tally: Tally, replays: float, failovers: float, args: argparse.Namesp
     width = max(map(len, row))
     for key, value in row.items():
         print(f"{key:<{width}}  {value}")
-    for start, end, what in tally.faults:
+    for _, _, what in tally.faults:
         print(f"  fault: {what}")
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as out:
