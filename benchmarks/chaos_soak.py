@@ -42,6 +42,7 @@ class Tally:
     results: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, correct|wrong|failed)
     faults: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, what)
     replays_before_kill: float = 0.0
+    failures: dict[str, int] = field(default_factory=dict)  # why, and how often
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -53,20 +54,21 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def stream(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) -> list[int] | None:
-    """One streamed request's token ids, or None if it ended in an error."""
+def stream(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) -> list[int] | str:
+    """One streamed request's token ids, or why it failed."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
             "stream": True}  # fmt: skip
     tokens: list[int] = []
     with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
-            return None
+            response.read()
+            return f"HTTP {response.status_code}: {response.text[:160]}"
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                return None
+                return f"error event: {chunk['error'].get('message', '')[:160]}"
             tokens += chunk["choices"][0].get("token_ids") or []
     return tokens
 
@@ -81,12 +83,14 @@ def load(
             started = time.monotonic()
             try:
                 got = stream(client, model, prompt, max_tokens)
-            except httpx.HTTPError:
-                got = None
-            outcome = "failed" if got is None else "correct" if got == expected else "wrong"
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                got = f"{type(exc).__name__}: {exc}"[:160]
+            outcome = "failed" if isinstance(got, str) else "correct" if got == expected else "wrong"
             with tally.lock:
                 tally.results.append((started, time.monotonic(), outcome))
-            if got is None:
+                if isinstance(got, str):
+                    tally.failures[got] = tally.failures.get(got, 0) + 1
+            if isinstance(got, str):
                 time.sleep(0.5)
 
 
@@ -132,7 +136,7 @@ def references(cases: int, seed: int) -> list[tuple[list[int], int, list[int]]]:
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(4, 40))] for _ in range(cases)]
     lengths = [rng.randrange(24, 96) for _ in range(cases)]
     lm = LocalModel.load(DEMO, max_slots=cases, max_context=512)
-    params = [SamplingParams(max_tokens=n, stop_token_ids=()) for n in lengths]
+    params = [SamplingParams(max_tokens=n) for n in lengths]  # the model's EOS stops, as over HTTP
     outputs = generate_batch(lm, prompts, params)
     return [(p, n, o.token_ids) for p, n, o in zip(prompts, lengths, outputs, strict=True)]
 
@@ -221,6 +225,8 @@ def report(tally: Tally, replays: float, failovers: float, args: argparse.Namesp
         print(f"{key:<{width}}  {value}")
     for _, _, what in tally.faults:
         print(f"  fault: {what}")
+    for why, count in sorted(tally.failures.items(), key=lambda item: -item[1]):
+        print(f"  failed {count}x: {why}")
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as out:
         writer = csv.DictWriter(out, fieldnames=list(row))
