@@ -18,9 +18,14 @@ Invariants:
   loop, so one huge prompt does not stall other streams or ``/healthz``; a token or a few are
   detokenized in the loop (a short window each: a thread hop would cost more than the decode);
 - a request its head fails (a broken chain, a head gone silent) is tried again on another ready
-  head, at most ``retries`` times and never twice on one head, but only while nothing of it has
-  reached the client: a streamed request until its first token, a non-streamed one until it
-  finishes. Once text was streamed, a retry would send it again, so the stream ends in the error.
+  head, at most ``retries`` times and never twice on one head, while nothing of it has reached
+  the client: a streamed request until its first token, a non-streamed one until it finishes.
+- a streamed request whose head fails it after text was sent (the head died, or its pipeline
+  stayed paused for a lost stage over ``FAILOVER_SECONDS`` while another head is ready) fails
+  over: the prompt plus every token the head sent is submitted as a continuation to another
+  ready head (at most ``MAX_FAILOVERS`` times), and the client's stream goes on from where it
+  was, through the same detokenizer. A head paused for a lost stage with no other head ready is
+  waited for: its replay deadline ends the stream if it does not heal.
 
 One module over 400 lines because a request's life (checks, admission, the head's stream, the
 response's two shapes) shares :class:`Job` and the invariants above; the parts that stand alone
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -68,6 +74,10 @@ DISCONNECT_CHECK_SECONDS = 0.2
 # A request whose head has not reported ready for this long fails: the head itself may be gone,
 # and then no answer (not even an error) would ever come.
 HEAD_SILENCE_SECONDS = 5.0
+# A stream whose head is alive but paused (a lost stage, see agent.head) this long moves to another
+# ready head, if there is one: shorter than the head's replay deadline, longer than a quick restart.
+FAILOVER_SECONDS = 15.0
+MAX_FAILOVERS = 3
 TEXT_THREADS = 2  # tokenizing threads: prompts beyond these wait their turn, off the event loop
 DETOKENIZE_INLINE_TOKENS = 16
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
@@ -252,6 +262,7 @@ HEAD_FAILURES: dict[ErrorCode, HeadFailure] = {
     ErrorCode.NOT_READY: HeadFailure(503, "head_refused", retry_after_seconds=1),
     ErrorCode.STAGE_LOST: HeadFailure(503, "stream_failed", "the fleet is not ready: ", retry_after_seconds=1),
     ErrorCode.UNAVAILABLE: HeadFailure(503, "stream_failed", "the fleet is not ready: ", retry_after_seconds=1),
+    ErrorCode.REPLAY_TIMEOUT: HeadFailure(503, "stream_failed", "the fleet is not ready: ", retry_after_seconds=1),
     ErrorCode.CAPACITY: HeadFailure(500, "stream_failed", "the fleet failed the request: "),
     ErrorCode.MALFORMED: HeadFailure(500, "stream_failed", "the fleet failed the request: "),
     ErrorCode.INTERNAL: HeadFailure(500, "stream_failed", "the fleet failed the request: "),
@@ -308,6 +319,9 @@ class GatewayMetrics:
         self.retries = Counter("modelfleet_gateway_retries_total",
                                "Requests a head failed before any of their text was sent, tried on another head.",
                                ["reason"], registry=r)  # fmt: skip
+        self.failovers = Counter("modelfleet_gateway_failovers_total",
+                                 "Streams whose head failed them after text was sent, continued on another head.",
+                                 ["reason"], registry=r)  # fmt: skip
         queue = Gauge("modelfleet_gateway_queue_depth", "Requests waiting for a free stream.", registry=r)
         queue.set_function(lambda: len(admission.waiting))
         active = Gauge("modelfleet_gateway_active_streams", "Requests streaming (admitted).", registry=r)
@@ -334,7 +348,9 @@ class Job:
     chat: bool
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    token_ids: list[int] = field(default_factory=list)  # the current attempt's
+    token_ids: list[int] = field(default_factory=list)  # sent to the client (a fresh retry starts over)
+    generated: list[int] = field(default_factory=list)  # every token the heads sent (a continuation's prompt tail)
+    failovers: int = 0
     heads_tried: list[int] = field(default_factory=list)  # head indices, in the order of the attempts
     first_token_seen: bool = False  # by any attempt: time to first token is observed once
     checked_at: float = 0.0  # time.monotonic() when the client and head were last checked
@@ -387,6 +403,10 @@ class ClientGone(Exception):
 
 class HeadSilent(Exception):
     """The head stopped reporting ready while a request waited for it (it may be gone)."""
+
+
+class HeadPaused(HeadSilent):
+    """The head is alive but its pipeline has been paused for a lost stage too long, and another head is ready."""
 
 
 class Gateway:
@@ -620,9 +640,14 @@ class Gateway:
         it reached the client: a streamed attempt's pieces pass on at once, a non-streamed one's
         once it succeeds, so the client never sees a part of a failed attempt."""
         failure: Finish | None = None
+        text: TextStream | None = None  # kept by a continuation, new for a fresh try
         while True:
             held: list[Text] = []
-            async with contextlib.aclosing(self._attempt(request, job, failure)) as events:
+            continuing = bool(job.body.stream and job.generated)
+            if not continuing:
+                text = TextStream(self.prompts.tokenizer, job.body.stop_strings)
+            assert text is not None
+            async with contextlib.aclosing(self._attempt(request, job, failure, text)) as events:
                 async for event in events:
                     if isinstance(event, Text):
                         if job.body.stream:
@@ -630,7 +655,8 @@ class Gateway:
                         else:
                             held.append(event)
                         continue
-                    if event.retry is None or (job.body.stream and job.token_ids) or not self._may_retry(job):
+                    streamed = bool(job.body.stream and job.generated)
+                    if event.retry is None or not (self._may_fail_over(job) if streamed else self._may_retry(job)):
                         for piece in held:
                             yield piece
                         yield event
@@ -638,38 +664,63 @@ class Gateway:
                     failure = event
                     break
             assert failure is not None and failure.retry is not None
-            self.metrics.retries.labels(reason=failure.retry).inc()
+            if job.body.stream and job.generated:
+                job.failovers += 1
+                self.metrics.failovers.labels(reason=failure.retry).inc()
+            else:
+                self.metrics.retries.labels(reason=failure.retry).inc()
+
+    def _may_fail_over(self, job: Job) -> bool:
+        """A continuation is left, and a head other than the last one reports ready."""
+        others = [h for h, head in enumerate(self.heads) if head.ready and h != job.heads_tried[-1]]
+        return job.failovers < MAX_FAILOVERS and bool(others)
 
     def _may_retry(self, job: Job) -> bool:
         """Retries are left, and some head the request has not been on reports ready."""
         untried = [h for h, head in enumerate(self.heads) if head.ready and h not in job.heads_tried]
         return len(job.heads_tried) <= self.config.retries and bool(untried)
 
-    async def _attempt(self, request: Request, job: Job, after: Finish | None) -> AsyncGenerator[Text | Finish, None]:
+    async def _attempt(
+        self, request: Request, job: Job, after: Finish | None, text: TextStream
+    ) -> AsyncGenerator[Text | Finish, None]:
         """One try on one head (not one tried before; ``after``: the last try's failure): text
-        pieces, then one Finish; the slot and the head's stream are released in every case."""
+        pieces, then one Finish; the slot and the head's stream are released in every case. A
+        streamed request with tokens sent goes on as a continuation (prompt + those tokens)."""
         waited = time.perf_counter() - job.arrived
-        async with self.admission.slot(request.is_disconnected, frozenset(job.heads_tried), waited) as h:
+        continuing = bool(job.body.stream and job.generated)
+        avoid = frozenset(job.heads_tried[-1:] if continuing else job.heads_tried)
+        async with self.admission.slot(request.is_disconnected, avoid, waited) as h:
             head = self.heads[h]
             if after is not None and after.error is not None:
-                log.warning("request %s: head %s failed it before any of it was sent (%s: %s); retried on head %s",
-                            job.id, self.heads[job.heads_tried[-1]].address, after.retry, after.error.message,
+                what = (
+                    f"after {len(job.generated)} tokens; continued"
+                    if continuing
+                    else "before any of it was sent; retried"
+                )
+                log.warning("request %s: head %s failed it %s (%s: %s) on head %s", job.id,
+                            self.heads[job.heads_tried[-1]].address, what, after.retry, after.error.message,
                             head.address)  # fmt: skip
             job.heads_tried.append(h)
-            job.token_ids = []
-            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-            request_id, inbox = head.submit(job.prompt_ids, job.params)
-            text = TextStream(self.prompts.tokenizer, job.body.stop_strings)
+            prompt, params = job.prompt_ids, job.params
+            if continuing:
+                prompt = [*job.prompt_ids, *job.generated]
+                params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - len(job.generated))
+            else:
+                job.token_ids, job.generated = [], []
+            self.metrics.prompt_tokens.inc(len(prompt))
+            request_id, inbox = head.submit(prompt, params)
             done, last_token_at = False, None
             try:
                 while True:
                     try:
                         msg = await self._next(request, job, inbox, head)
                     except HeadSilent as exc:
-                        yield Finish("error", ApiError(503, str(exc), retry_after_seconds=1), "head_silent")
+                        reason = "head_paused" if isinstance(exc, HeadPaused) else "head_silent"
+                        yield Finish("error", ApiError(503, str(exc), retry_after_seconds=1), reason)
                         return
                     if msg.token_ids:
                         last_token_at = self._observe_tokens(job, len(msg.token_ids), last_token_at)
+                        job.generated += msg.token_ids
                         piece = await self._detokenize(text, msg.token_ids)
                         job.token_ids += piece.token_ids
                         self.metrics.generation_tokens.inc(len(piece.token_ids))
@@ -728,12 +779,20 @@ class Gateway:
                 job.checked_at = now
                 if not job.disconnect_watched and await request.is_disconnected():
                     raise ClientGone()
-                if head.silent_for() > HEAD_SILENCE_SECONDS:
-                    raise HeadSilent(f"the head at {head.address} has not reported ready for over "
-                                     f"{HEAD_SILENCE_SECONDS:g} s")  # fmt: skip
+                self._check_head(head)
             if inbox.items:
                 return inbox.items.popleft()
             woken = await inbox.wait()
+
+    def _check_head(self, head: HeadLink) -> None:
+        """A head gone (no /status answer) fails its requests; a paused one only once another head is ready."""
+        if head.paused:
+            if head.silent_for() > FAILOVER_SECONDS and any(h.ready for h in self.heads if h is not head):
+                raise HeadPaused(f"the pipeline of the head at {head.address} has been paused for a lost stage "
+                                 f"over {FAILOVER_SECONDS:g} s")  # fmt: skip
+            return
+        if head.silent_for() > HEAD_SILENCE_SECONDS:
+            raise HeadSilent(f"the head at {head.address} has not reported ready for over {HEAD_SILENCE_SECONDS:g} s")
 
     async def _collect(self, job: Job, events: AsyncIterator[Text | Finish]) -> dict[str, Any]:
         pieces: list[str] = []

@@ -10,9 +10,16 @@ Clients (the gateway, or :class:`FleetClient`) send ``submit``/``cancel`` on a R
 the stage's client port and get ``output`` messages back; a request that fails ends with an
 error code from :class:`~modelfleet.engine.errors.ErrorCode`. The head is ready only while every
 stage's heartbeats arrive and full-chain probes come back within a step's deadline (the decisions
-and their deadlines: :mod:`.liveness`); a stage whose heartbeats stop fails every step in flight
-with ``stage_lost``, a step over its deadline fails alone, and new requests are refused
-(``not_ready``) until the chain heals.
+and their deadlines: :mod:`.liveness`), and new requests are refused (``not_ready``) until the
+chain heals.
+
+A lost stage does not fail the streams: a stage whose heartbeats stop, a step over its deadline
+(its frames were lost on the way), or a stage that beats with a new incarnation (restarted, so
+empty) pauses the pipeline (:meth:`Scheduler.pause`): the streams keep their committed tokens.
+Once every stage beats again and a chain probe sent after the loss came back, the head releases
+every slot on every stage and prefills each stream's prompt plus committed output again
+(:meth:`Scheduler.resume`), then decodes on; the client sees one uninterrupted stream. A pause
+longer than ``replay_timeout_seconds`` fails its streams with ``replay_timeout``.
 The head knows its stage only through what it is given (a backend, a ``send`` toward the next
 stage, metrics and status), never the stage agent itself.
 """
@@ -56,6 +63,7 @@ class HeadConfig:
     keys: wire.KeyPair | None = None
     stages: int = 1  # of the head's pipeline group, the head included
     round_trips_kept: int = 32  # recent step round trips a step's deadline is derived from
+    replay_timeout_seconds: float = 120.0  # a paused pipeline's streams fail after this long (the plan's)
 
 
 def scheduler_config(plan: FleetPlan, backend: StageBackend, stages: int) -> SchedulerConfig:
@@ -93,12 +101,15 @@ class Head:
         self.last_probe = 0.0
         self.liveness = LivenessPolicy(heartbeat_seconds=config.unready_after_seconds)
         self.started_at = time.monotonic()
+        self.replays = 0
         self.heartbeats: dict[int, float] = {}  # stage index -> when its last ready heartbeat arrived
         self.heartbeat_gaps: dict[int, deque[float]] = {}  # stage index -> recent gaps between its heartbeats
         self.probes: dict[int, float] = {}  # nonce -> sent (monotonic), of probes not answered yet
         self.last_answered: float | None = None  # when a chain probe last came back
         self.round_trips: deque[float] = deque(maxlen=config.round_trips_kept)
         self.lost: list[int] = []
+        self.incarnations: dict[int, int] = {}  # stage index -> the incarnation its heartbeats carry
+        self.pause_reason = ""
         self.clients = context.socket(zmq.ROUTER)
         wire.limit_message_bytes(self.clients)
         if config.keys is not None:
@@ -147,21 +158,51 @@ class Head:
         send(wire.ProbeMsg(nonce=self.nonce, sent_ns=time.monotonic_ns(), plan_hash=self.plan_hash))
 
     def _check_liveness(self, now: float) -> None:
-        """A stage whose heartbeats stopped fails every step in flight; a step over its deadline fails alone."""
+        """A stage whose heartbeats stopped, or a step over its deadline, pauses the pipeline; a
+        paused one replays once healed, or fails its streams past the replay deadline."""
         lost = self._lost(now)
         if lost and lost != self.lost:
             log.warning("stage(s) %s: no heartbeat for over %g s (not started yet, stopped or gone)", lost,
                         self.liveness.heartbeat_seconds)  # fmt: skip
         self.lost = lost
-        silent = self.liveness.heartbeat_seconds
         if lost:
-            message = f"pipeline stage {lost[0]} stopped answering (no heartbeat for over {silent:g} s)"
-            self.deliver(self.scheduler.fail_stalled(now, 0.0, ErrorCode.STAGE_LOST, message))
-            return
+            self._pause(now, f"stage {lost[0]} stopped answering (no heartbeat)")
         deadline = self.step_deadline()
-        message = (f"a pipeline stage stopped answering: a step was in flight over {deadline:.1f} s (its deadline "
-                   "from recent round trips and load), so its frames were lost on the way")  # fmt: skip
-        self.deliver(self.scheduler.fail_stalled(now, deadline, ErrorCode.STAGE_LOST, message))
+        if any(now - step.sent_at > deadline for step in self.scheduler.in_flight.values()):
+            self._pause(now, f"a step was in flight over {deadline:.1f} s (its deadline), so its frames were lost")
+        if self.scheduler.paused:
+            self.deliver(self.scheduler.expire_paused(now, self.config.replay_timeout_seconds))
+            if self._healed():
+                self._replay(now)
+
+    def _pause(self, now: float, why: str) -> None:
+        if not self.scheduler.paused:
+            log.warning("pipeline paused: %s; %d stream(s) wait for replay", why, self.scheduler.active)
+            self.pause_reason = why
+        self.scheduler.pause(now)
+
+    def _healed(self) -> bool:
+        """Every stage beats and a chain probe sent after the pause began came back."""
+        since = self.scheduler.paused_since
+        answered = self.last_answered is not None and since is not None and self.last_answered > since
+        return answered and self.chain_ready
+
+    def _replay(self, now: float) -> None:
+        """Release every slot everywhere (in order ahead of the replayed frames), then prefill again."""
+        replay = self.scheduler.resume(now)
+        for slot in replay.slots:
+            self.backend.release(slot)
+            if self.sampler is not None:
+                self.sampler.release(slot)
+        if self.send_next is not None:
+            self.send_next(wire.ReleaseMsg(slots=replay.slots))
+        log.warning("pipeline healed after %.1f s paused (%s): replaying %d stream(s), %d tokens",
+                    replay.paused_seconds, self.pause_reason, replay.streams, replay.tokens)  # fmt: skip
+        self.metrics.replays.inc()
+        self.metrics.replayed_tokens.inc(replay.tokens)
+        self.metrics.paused_seconds.inc(replay.paused_seconds)
+        self.replays += 1
+        self.pause_reason = ""
 
     def _publish(self) -> None:
         scheduler = self.scheduler
@@ -169,8 +210,11 @@ class Head:
             "chain_ready": self.chain_ready, "streams_active": scheduler.active, "queue_depth": len(scheduler.queue),
             "microbatches": len(scheduler.microbatches), "free_slots": len(scheduler.free_slots),
             "steps_in_flight": len(scheduler.in_flight), "step_deadline_seconds": round(self.step_deadline(), 3),
-            "stages_lost": self.lost,
+            "stages_lost": self.lost, "paused": scheduler.paused, "pause_reason": self.pause_reason,
+            "streams_waiting_for_replay": scheduler.waiting_for_replay, "replays": self.replays,
+            "replay_timeout_seconds": self.config.replay_timeout_seconds,
         }  # fmt: skip
+        self.metrics.waiting_for_replay.set(scheduler.waiting_for_replay)
         self.metrics.streams_active.set(scheduler.active)
         self.metrics.queue_depth.set(len(scheduler.queue))
         self.metrics.chain_ready.set(1 if self.chain_ready else 0)
@@ -187,6 +231,12 @@ class Head:
                 self.metrics.verify_width.observe(width)
         self._speculation_seen = copy.deepcopy(stats)
         self.status.head["speculative"] = stats.as_dict()
+
+    def shutdown(self, why: str) -> None:
+        """The process is stopping: every stream, seated or queued, ends with ``unavailable``."""
+        streams = [*self.scheduler.queue, *(s for m in self.scheduler.microbatches for s in m)]
+        message = f"the fleet stopped: {why}; retry the request when it serves again"
+        self.deliver([self.scheduler.fail(s, ErrorCode.UNAVAILABLE, message) for s in streams])
 
     # ---- clients --------------------------------------------------------------------------
 
@@ -267,7 +317,9 @@ class Head:
         if self.send_next is None:
             self._sample_here(step, [slots[r] for r in output_rows], output_ids, out)
             return
-        starts = tuple(wire.StreamStart.of(s.slot, s.params) for s in step.new_streams if s.slot in set(slots))
+        starts = tuple(
+            wire.StreamStart.of(s.slot, s.params, len(s.generated)) for s in step.new_streams if s.slot in set(slots)
+        )
         self.send_next(wire.FrameMsg(
             microbatch=step.microbatch, step=step.id, slots=frame.slots, positions=frame.positions, hidden=out,
             token_ids=frame.token_ids, output_rows=tuple(output_rows), new_streams=starts,
@@ -276,7 +328,7 @@ class Head:
     def _sample_here(self, step: Step, slots: list[int], output_ids: list[int], logits: torch.Tensor) -> None:
         assert self.sampler is not None
         for stream in step.new_streams:
-            self.sampler.start(stream.slot, stream.params)
+            self.sampler.start(stream.slot, stream.params, len(stream.generated))
         tokens, errors = sample_step(self.sampler, slots, output_ids, logits)
         self.deliver([self._fail_slot(step, slot, exc.code, str(exc)) for slot, exc in errors.items()])
         self.deliver(self.scheduler.complete(step.id, tokens, time.monotonic()))
@@ -299,7 +351,7 @@ class Head:
             self.pump()
         elif isinstance(msg, wire.HeartbeatMsg):
             if msg.plan_hash == self.plan_hash and msg.ready:
-                self._heard(msg.stage_index, time.monotonic())
+                self._heard(msg.stage_index, time.monotonic(), msg.incarnation)
         elif isinstance(msg, wire.ProbeAckMsg):
             if msg.plan_hash == self.plan_hash and msg.ready and msg.nonce in self.probes:
                 now = time.monotonic()
@@ -313,9 +365,14 @@ class Head:
         else:
             self.metrics.malformed.inc()
 
-    def _heard(self, stage: int, now: float) -> None:
+    def _heard(self, stage: int, now: float, incarnation: int) -> None:
         """A heartbeat; the gap since the last one counts toward the stage's deadline unless the
-        stage was lost meanwhile (a stop is not a measure of how late a living stage beats)."""
+        stage was lost meanwhile (a stop is not a measure of how late a living stage beats). A
+        new incarnation is a restarted stage, empty however soon it came back: replay."""
+        known = self.incarnations.setdefault(stage, incarnation)
+        if known != incarnation:
+            self.incarnations[stage] = incarnation
+            self._pause(now, f"stage {stage} restarted (a new incarnation)")
         last = self.heartbeats.get(stage)
         gaps = self.heartbeat_gaps.setdefault(stage, deque(maxlen=self.config.round_trips_kept))
         if last is not None and stage not in self.lost:

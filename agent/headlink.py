@@ -118,6 +118,11 @@ class HeadLink:
         """The request finished at the head; stop routing its outputs."""
         self.queues.pop(request_id, None)
 
+    @property
+    def paused(self) -> bool:
+        """The head answers but waits for a lost stage to come back (its streams wait for replay)."""
+        return bool(self.head_status and (self.head_status.get("head") or {}).get("paused"))
+
     def silent_for(self) -> float:
         """Seconds the head has not reported ready (0 while it does)."""
         return 0.0 if self.unready_since is None else time.monotonic() - self.unready_since

@@ -40,6 +40,7 @@ class AgentStatus:
     tensor_rank: int = 0  # this process's rank in its stage's tensor group, of tensor_size
     tensor_size: int = 1
     reason: str = ""
+    restarts: int = 0  # times `modelfleet up` restarted this process (agent.supervisor)
     peers: dict[str, str] = field(default_factory=dict)
     head: dict[str, Any] = field(default_factory=dict)  # head only: chain readiness, streams, queue
     numa: dict[str, Any] = field(default_factory=dict)  # this rank's binding and where its pages are (agent.numa)
@@ -83,6 +84,9 @@ class StageMetrics:
         self.errors = counter("frame_errors_total", "Frames refused by the engine (capacity, input).").labels(**labels)
         self.active_slots = gauge("active_slots", "KV slots in use.").labels(**labels)
         self.layers_loaded = gauge("layers_loaded", "Layers loaded so far.").labels(**labels)
+        self.restarts = gauge("restarts", "Times this stage's process was restarted by its supervisor.").labels(
+            **labels
+        )
         self.streams_active = gauge("streams_active", "Streams admitted (head).").labels(**labels)
         self.queue_depth = gauge("queue_depth", "Requests waiting for a slot (head).").labels(**labels)
         self.chain_ready = gauge(
@@ -105,6 +109,24 @@ class StageMetrics:
             **labels
         )
         self._expert_seen = {"hits": 0, "misses": 0, "fetch_bytes": 0, "cpu_bytes": 0}
+
+        # replay after a lost stage (head): see agent.head
+        def head_counter(name: str, doc: str) -> Counter:
+            return Counter(f"modelfleet_head_{name}", doc, names, registry=self.registry)
+
+        self.replays = head_counter("replays_total", "Times the pipeline healed and its streams were replayed.").labels(
+            **labels
+        )
+        self.replayed_tokens = head_counter(
+            "replayed_tokens_total", "Prompt and committed tokens prefilled again by replays."
+        ).labels(**labels)
+        self.paused_seconds = head_counter(
+            "paused_seconds_total", "Seconds the pipeline was paused for a lost stage, until it healed."
+        ).labels(**labels)
+        self.waiting_for_replay = Gauge(
+            "modelfleet_head_streams_waiting_for_replay", "Streams holding a slot while the pipeline is paused.",
+            names, registry=self.registry,
+        ).labels(**labels)  # fmt: skip
         link_names = [*names, "link", "direction"]
         self._bytes = Counter("modelfleet_stage_bytes_total", "Bytes per link.", link_names, registry=self.registry)
         self._labels = labels

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -81,6 +81,9 @@ class Child:
     name: str
     process: subprocess.Popen[str]
     status_url: str | None = None
+    command: list[str] = field(default_factory=list)  # what started it, to start it again (.supervisor)
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] | None = None  # the cores it is pinned to
 
 
 class LocalFleet:
@@ -126,7 +129,20 @@ class LocalFleet:
         cpus: tuple[int, ...] | None = None,
     ) -> Child:
         """Start a child process (``cpus``: pinned to those cores)."""
+        child = self._start(name, command, env, status_url, cpus)
+        self.children.append(child)
+        return child
 
+    def respawn(self, index: int, extra_env: dict[str, str]) -> Child:
+        """Start child ``index`` again, as it was started, in its place (its old process has exited)."""
+        old = self.children[index]
+        child = self._start(old.name, old.command, {**old.env, **extra_env}, old.status_url, old.cpus)
+        self.children[index] = child
+        return child
+
+    def _start(
+        self, name: str, command: list[str], env: dict[str, str], status_url: str | None, cpus: tuple[int, ...] | None
+    ) -> Child:
         def in_child() -> None:  # between fork and exec
             _die_with_parent()
             if cpus and hasattr(os, "sched_setaffinity"):
@@ -139,8 +155,7 @@ class LocalFleet:
             # children (SIGTERM) in order, rather than every child dying mid-load with a traceback
             process_group=0,
         )  # fmt: skip
-        child = Child(name, process, status_url)
-        self.children.append(child)
+        child = Child(name, process, status_url, command, env, cpus)
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
         return child
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import secrets
 import signal
 import threading
 import time
@@ -53,6 +55,7 @@ from . import transport as wire
 from .head import Head, HeadConfig, scheduler_config
 from .health import AgentStatus, Phase, StageMetrics, serve_http
 from .liveness import HEARTBEAT_INTERVAL_SECONDS
+from .supervisor import RESTARTS_ENV
 from .tensor_group import DistChannel, TensorGroupLost, TensorStage, rendezvous_namespace
 
 log = logging.getLogger("modelfleet.agent")
@@ -156,6 +159,8 @@ class StageAgent:
             layers_total=self.stage.num_layers, tensor_rank=config.tp_rank, tensor_size=self.stage.tp_size,
         )  # fmt: skip
         self.metrics = StageMetrics(config.group_index, config.stage_index)
+        self.status.restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
+        self.metrics.restarts.set(self.status.restarts)
         self.stopping = threading.Event()
         self.backend: StageBackend | None = None
         self.sampler: TailSampler | None = None  # the tail's
@@ -167,6 +172,7 @@ class StageAgent:
         self.head: Head | None = None  # stage 0
         self.heart: threading.Thread | None = None  # stages after the head: heartbeats to it
         self.heart_stop = threading.Event()
+        self.incarnation = secrets.randbits(63)  # this process's: see wire.HeartbeatMsg
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -186,6 +192,8 @@ class StageAgent:
                 "stage %d ready: layers [%d, %d)", self.stage.stage_index, self.stage.layer_start, self.stage.layer_end
             )
             self.loop()
+            if self.head is not None:
+                self.head.shutdown("its head stage was asked to stop")
         except Exception as exc:
             self.status.phase, self.status.reason = Phase.FAILED, f"{type(exc).__name__}: {exc}"
             log.exception("stage %d failed", self.stage.stage_index)
@@ -200,6 +208,7 @@ class StageAgent:
         head_config = HeadConfig(
             f"{self.stage.host}:{self.stage.client_port}", config.probe_interval_seconds,
             config.unready_after_seconds, config.keys, stages=len(self.stages),
+            replay_timeout_seconds=self.plan.serving.replay_timeout_seconds,
         )  # fmt: skip
         scheduler = Scheduler(scheduler_config(self.plan, self.backend, len(self.stages)), self._speculator())
         return Head(
@@ -278,7 +287,7 @@ class StageAgent:
                 beat = wire.HeartbeatMsg(
                     sent_ns=time.monotonic_ns(), group_index=self.config.group_index,
                     stage_index=self.stage.stage_index, ready=self.status.phase == Phase.READY,
-                    plan_hash=plan_hash,
+                    plan_hash=plan_hash, incarnation=self.incarnation,
                 )  # fmt: skip
                 with contextlib.suppress(zmq.Again):
                     sock.send_multipart(wire.encode(beat), zmq.NOBLOCK)
@@ -293,9 +302,11 @@ class StageAgent:
             self.heart.join(5)
         if isinstance(self.backend, TensorStage):
             self.backend.close()
-        for sock in (self.inbox, self.outbox, getattr(self.head, "clients", None)):
+        for sock in (self.inbox, self.outbox):
             if sock is not None:
                 sock.close(linger=0)
+        if self.head is not None:  # the last answers to clients (a stopping fleet's errors) may still leave
+            self.head.clients.close(linger=500)
         if self.authenticator is not None:
             self.authenticator.stop()
         self.context.term()
@@ -467,7 +478,7 @@ class StageAgent:
         its own and has no token."""
         assert self.sampler is not None
         for start in starts:
-            self.sampler.start(start.slot, start.sampling_params())
+            self.sampler.start(start.slot, start.sampling_params(), start.drawn)
         tokens, errors = sample_step(self.sampler, slots, output_tokens, logits)
         for slot, exc in errors.items():
             self._refuse(msg, exc, slot)

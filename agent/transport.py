@@ -329,10 +329,11 @@ class StreamStart(Checked):
     seed: int | None = wire(Optional(Int(0, UINT64_MAX)), None)
     max_tokens: int = wire(Int(1, MAX_POSITION), 16)
     stop_token_ids: tuple[int, ...] | None = wire(Optional(IntList(MAX_STOP_IDS, Int(0, MAX_TOKEN_ID))), None)
+    drawn: int = wire(Int(0, MAX_POSITION), 0)  # tokens sampled before: a replayed stream's sampler skips them
 
     @classmethod
-    def of(cls, slot: int, params: SamplingParams) -> StreamStart:
-        return cls(slot=slot, **{name: getattr(params, name) for name in _SAMPLING_FIELDS})
+    def of(cls, slot: int, params: SamplingParams, drawn: int = 0) -> StreamStart:
+        return cls(slot=slot, drawn=drawn, **{name: getattr(params, name) for name in _SAMPLING_FIELDS})
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})
@@ -466,6 +467,9 @@ class HeartbeatMsg(Message):
     stage_index: int = wire(Int(0, MAX_SLOTS))
     ready: bool = wire(Bool())
     plan_hash: str = wire(PLAN_HASH, "")
+    # drawn at random when the process starts: a new one is a restarted stage, empty of the
+    # streams it held (the head replays them), told apart from a slow one that kept them
+    incarnation: int = wire(Int(0, UINT64_MAX), 0)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ class ErrorCode(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # the request waited for a slot longer than the queue allows
     NOT_READY = "not_ready"  # the pipeline is not whole (a stage not answering); nothing was started
     STAGE_LOST = "stage_lost"  # a stage stopped answering while the stream was in flight
+    REPLAY_TIMEOUT = "replay_timeout"  # a stage was lost and the pipeline did not heal within its deadline
     CAPACITY = "capacity"  # a stage's KV slots or budget ran out for this stream
     UNAVAILABLE = "unavailable"  # a stage cannot compute (its tensor group is lost) until restarted
     INTERNAL = "internal"  # a bug: the stage or head failed where it should not have

@@ -65,20 +65,36 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class StreamSampler:
-    """Samples one stream's tokens; the same seed gives the same tokens."""
+    """Samples one stream's tokens; the same seed gives the same tokens.
 
-    def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...] = ()):
+    ``drawn``: tokens the stream sampled before this sampler (a stream prefilled again after a
+    lost stage): the generator first skips that many draws, so a seeded stream goes on with the
+    tokens an undisturbed run would draw. A draw consumes the generator alike whatever the
+    probabilities (``torch.multinomial`` of one sample draws one exponential per vocabulary
+    entry), so skipping is drawing from a uniform distribution of the same size."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...] = (), drawn: int = 0):
         self.params = params
         self.stop_ids = set(params.stop_token_ids if params.stop_token_ids is not None else eos_token_ids)
         self.generator: torch.Generator | None = None
+        self.skip = 0 if params.greedy else drawn  # draws still to skip, once the vocabulary's size is known
         if not params.greedy:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def catch_up(self, vocab_size: int) -> None:
+        """Skip the draws made before this sampler started (see the class)."""
+        uniform = torch.ones(vocab_size)
+        for _ in range(self.skip):
+            torch.multinomial(uniform, 1, generator=self.generator)
+        self.skip = 0
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits: [V] for this stream's last position."""
         if self.params.greedy:
             return int(torch.argmax(logits))
+        if self.skip:
+            self.catch_up(logits.shape[-1])
         probs = filter_logits(logits.to("cpu", torch.float32), self.params)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
@@ -95,8 +111,9 @@ class TailSampler:
         self.eos_token_ids = eos_token_ids
         self.samplers: dict[int, StreamSampler] = {}
 
-    def start(self, slot: int, params: SamplingParams) -> None:
-        self.samplers[slot] = StreamSampler(params, self.eos_token_ids)
+    def start(self, slot: int, params: SamplingParams, drawn: int = 0) -> None:
+        """``drawn``: tokens the stream sampled before (a replay; see :class:`StreamSampler`)."""
+        self.samplers[slot] = StreamSampler(params, self.eos_token_ids, drawn)
 
     def release(self, slot: int) -> None:
         self.samplers.pop(slot, None)

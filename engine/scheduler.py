@@ -30,6 +30,15 @@ Invariants:
 - Tokens are matched to streams through the step that carried their rows, never through slots
   alone, so a token computed for a stream that has since finished (and whose slot was reused)
   is dropped. A step is in flight until its tokens come back, it fails, or all its streams end.
+
+Replay (a pipeline stage lost): :meth:`Scheduler.pause` drops every step in flight and keeps
+every stream with its committed tokens; nothing is scheduled while paused. :meth:`Scheduler.resume`
+(the chain is whole again) names every slot to release on every stage, and each seated stream
+prefills again its prompt plus its committed output (:attr:`StreamState.prefill`), the last
+row's token due, then decodes on: the next token is the one an undisturbed run would sample
+next. A stream's ``replays`` and ``generated`` say where its sampler stands (a seeded sampler
+skips the draws already made). :meth:`Scheduler.expire_paused` fails the streams of a pause that
+outlived its deadline; their slots are released everywhere when the chain heals.
 """
 
 from __future__ import annotations
@@ -94,6 +103,13 @@ class StreamState:
     generated: list[int] = field(default_factory=list)  # committed output tokens
     awaiting: bool = False  # a sample row of this stream is in flight
     finish: FinishReason | None = None
+    prefill: list[int] = field(default_factory=list)  # rows to prefill: the prompt, or after a replay
+    # the prompt and the output committed before it (the last row's token is due)
+    replays: int = 0  # times the stream was prefilled again after a lost stage
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            self.prefill = list(self.prompt)
 
     @property
     def done(self) -> bool:
@@ -106,7 +122,7 @@ class StreamState:
 
     @property
     def prefilling(self) -> bool:
-        return self.scheduled < len(self.prompt)
+        return self.scheduled < len(self.prefill)
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,17 @@ class Rewind:
 
 
 Event = Token | Finish | Rewind
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What :meth:`Scheduler.resume` decided: release ``slots`` on every stage before the next
+    step; ``streams`` prefill again ``tokens`` rows in all after ``paused_seconds`` paused."""
+
+    slots: tuple[int, ...]
+    streams: int
+    tokens: int
+    paused_seconds: float
 
 
 @dataclass(frozen=True)
@@ -184,6 +211,7 @@ class Scheduler:
         self.microbatches: list[list[StreamState]] = [[] for _ in range(config.microbatches)]
         self.in_flight: dict[int, Step] = {}
         self._ids = itertools.count()
+        self.paused_since: float | None = None  # a stage was lost: nothing is scheduled until resume()
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -228,6 +256,8 @@ class Scheduler:
 
     def schedule(self, now: float) -> list[Step]:
         """Seat queued streams, then the next step of every microbatch that may send one."""
+        if self.paused:
+            return []
         self._seat()
         steps = []
         flying = {step.microbatch for step in self.in_flight.values()}
@@ -270,7 +300,7 @@ class Scheduler:
             if stream.scheduled == 0:
                 new.append(stream)
             if stream.prefilling:
-                rows = stream.prompt[stream.scheduled : stream.scheduled + self.config.window_rows]
+                rows = stream.prefill[stream.scheduled : stream.scheduled + self.config.window_rows]
                 due = 1  # the window that ends the prompt: its last row's token is due
             else:  # a decode row, and the proposals after it (a verify window): every row's token is due
                 rows = [stream.generated[-1], *drafts.get(stream, ())]
@@ -372,6 +402,50 @@ class Scheduler:
         """Every step in flight for longer than ``silent_seconds`` fails with its streams."""
         stalled = [step.id for step in self.in_flight.values() if now - step.sent_at > silent_seconds]
         return [finish for step_id in stalled for finish in self.fail_step(step_id, code, message)]
+
+    # ---- replay after a lost stage ---------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_since is not None
+
+    def pause(self, now: float) -> None:
+        """A stage was lost: its frames (and so every step in flight) are gone; streams stay."""
+        if self.paused_since is None:
+            self.paused_since = now
+        self.in_flight.clear()
+        for streams in self.microbatches:
+            for stream in streams:
+                stream.awaiting = False
+
+    def resume(self, now: float) -> Replay:
+        """The chain is whole again: every slot is to be released on every stage (the surviving
+        stages still hold the old state, a replacement holds none), and every seated stream
+        prefills its prompt and committed output again."""
+        assert self.paused_since is not None, "resume() without pause()"
+        seated = [s for streams in self.microbatches for s in streams]
+        for stream in seated:
+            stream.prefill = [*stream.prompt, *stream.generated]
+            stream.scheduled, stream.awaiting = 0, False
+            stream.replays += 1
+        paused, self.paused_since = now - self.paused_since, None
+        tokens = sum(len(s.prefill) for s in seated)
+        return Replay(tuple(range(self.config.max_streams)), len(seated), tokens, paused)
+
+    def expire_paused(self, now: float, replay_timeout_seconds: float) -> list[Finish]:
+        """Seated streams of a pause longer than ``replay_timeout_seconds`` fail (the pause goes
+        on: the slots are released everywhere when the chain heals)."""
+        if self.paused_since is None or now - self.paused_since <= replay_timeout_seconds:
+            return []
+        message = (f"a pipeline stage was lost and the pipeline did not heal within {replay_timeout_seconds:g} s "
+                   "(serving.replay_timeout_seconds); retry the request")  # fmt: skip
+        seated = [s for streams in self.microbatches for s in streams]
+        return [f for s in seated if (f := self.fail(s, ErrorCode.REPLAY_TIMEOUT, message)) is not None]
+
+    @property
+    def waiting_for_replay(self) -> int:
+        """Streams that hold a slot while the pipeline is paused."""
+        return self.active if self.paused else 0
 
     def _finish(
         self, stream: StreamState, reason: FinishReason, code: ErrorCode | None = None, message: str = ""

@@ -202,6 +202,10 @@ class ServingLimits(_Frozen):
     window_rows: PositiveInt = Field(default=8, description="rows of one stream's prefill window per frame")
     max_queue: NonNegativeInt = 64
     queue_timeout_seconds: Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)] = 30.0
+    replay_timeout_seconds: Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)] = Field(
+        default=120.0,
+        description="how long a pipeline that lost a stage keeps its streams for replay before they fail",
+    )
     microbatches: PositiveInt | None = Field(
         default=None,
         description="sets of streams whose frames the head keeps in flight separately (default: one per stage)",

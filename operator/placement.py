@@ -369,6 +369,7 @@ def _build(
         "max_streams": spec.serving.max_streams, "context_length": spec.serving.context_length,
         "window_rows": spec.serving.window_rows, "max_queue": spec.gateway.max_queue,
         "queue_timeout_seconds": float(spec.gateway.queue_timeout_seconds),
+        "replay_timeout_seconds": float(spec.serving.replay_timeout_seconds),
         "speculative": None if spec.serving.speculative is None else spec.serving.speculative.plan_fields(),
         "gpu_memory_bytes": spec.serving.gpu_memory_bytes,
     }  # fmt: skip

@@ -172,6 +172,7 @@ class Serving(_Spec):
     max_streams: PositiveInt = 16
     context_length: PositiveInt = 4096
     window_rows: PositiveInt = 8
+    replay_timeout_seconds: Annotated[StrictFloat | StrictInt, Field(gt=0, allow_inf_nan=False)] = 120
     speculative: Speculative | None = None
     gpu_memory_bytes: PositiveInt | None = Field(
         default=None,

@@ -777,9 +777,22 @@ def test_a_request_its_head_fails_before_any_token_is_retried_on_another_head_wi
         failing.close()
 
 
-def test_a_streamed_request_that_fails_after_its_first_token_ends_in_the_error_and_is_not_retried(
+def by_reason(served: Served, metric: str) -> dict[str, float]:
+    text = httpx.get(served.url + "/metrics", timeout=5).text
+    prefix = metric + '{reason="'
+    return {line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}  # fmt: skip
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def test_a_streamed_request_that_fails_after_its_first_token_continues_on_another_head_from_where_it_was(
     fleet, reference, tokenizer
 ) -> None:
+    """Issue 34: the gateway resubmits prompt + the tokens already sent as a continuation to
+    another ready head; the client sees one stream with the tokens an undisturbed run gives."""
     token = tokenizer.token_id("x")
     assert token is not None
     failing = FailingHead(tokens=(token,))
@@ -789,17 +802,25 @@ def test_a_streamed_request_that_fails_after_its_first_token_ends_in_the_error_a
         with gateway_before_fleet(fleet, failing) as retrying:
             model = retrying.gateway.model_name
             response = retrying.post("/v1/completions", {"model": model, **body, "stream": True})
-            events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
-            first, error = json.loads(events[0]), json.loads(events[1])
-            assert first["choices"][0]["text"] == "x" and first["choices"][0]["token_ids"] == [token]
-            assert BROKEN_CHAIN in error["error"]["message"] and events[2:] == ["[DONE]"]
+            events = sse_events(response)
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert events[-1] == "[DONE]" and all("error" not in c for c in chunks)
+            streamed = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+            assert streamed == [token, *reference([*prompt, token], max_tokens=7)]
             assert len(failing.submitted) == 1 and retries(retrying) == {}
+            assert by_reason(retrying, "modelfleet_gateway_failovers_total") == {"stream_failed": 1.0}
             # not streamed, nothing of it was sent when it failed: the same failure is retried
             result = retrying.post("/v1/completions", {"model": model, **body})
             assert result.status_code == 200 and result.json()["choices"][0]["token_ids"] == reference(
                 prompt, max_tokens=8
             )
             assert len(failing.submitted) == 2 and retries(retrying) == {"stream_failed": 1.0}
+        with Served(GatewayConfig.of(plan_with_head_at(fleet.plan, failing.port))) as alone:  # no other head
+            wait_until(lambda: alone.gateway.ready, 10, "ready")
+            events = sse_events(alone.post("/v1/completions", {"model": model, **body, "stream": True}))
+            first, error = json.loads(events[0]), json.loads(events[1])
+            assert first["choices"][0]["token_ids"] == [token] and BROKEN_CHAIN in error["error"]["message"]
+            assert events[2:] == ["[DONE]"]
     finally:
         failing.close()
 
@@ -903,10 +924,11 @@ def _complete_concurrently(served: Served, prompts: list[list[int]], max_tokens:
 
 
 def test_requests_spread_over_every_groups_head_and_the_other_group_serves_when_one_fails(
-    checkpoint, reference, tmp_path
+    checkpoint, reference, tmp_path, monkeypatch
 ) -> None:
-    """Requests already on group 1 when its tail dies fail there before their first token, and
-    are retried on group 0; later ones go to group 0 alone."""
+    """Requests already on group 1 when its tail dies wait there (its head pauses for the lost
+    stage) until they are moved to group 0, ready; later ones go to group 0 alone."""
+    monkeypatch.setattr(gateway_module, "FAILOVER_SECONDS", 1.0)
     fleet = ReplicatedFleet(checkpoint, tmp_path)
     prompts = [[3 + i, 17, 42 + i, 99 - i] for i in range(8)]
     expected = [reference(p, max_tokens=6) for p in prompts]
@@ -924,10 +946,10 @@ def test_requests_spread_over_every_groups_head_and_the_other_group_serves_when_
 
             fleet.children[1, 1].kill()  # group 1 loses its tail: its head turns unready after 3 s
             fleet.children[1, 1].wait()
-            assert all(h.ready for h in gateway.heads)  # so some of these go to group 1 and fail there
+            assert all(h.ready for h in gateway.heads)  # so some of these go to group 1 and wait there
             assert _complete_concurrently(served, prompts[4:], 6) == expected[4:]
             retried = retries(served)  # about half: each went to the then least loaded head
-            assert set(retried) == {"stream_failed"} and 1 <= retried["stream_failed"] <= 4, retried
+            assert set(retried) <= {"head_paused", "head_refused"} and 1 <= sum(retried.values()) <= 4, retried
             wait_until(lambda: not gateway.heads[1].ready, 10, "the gateway sees group 1's head unready")
             assert httpx.get(served.url + "/readyz", timeout=5).status_code == 200
             assert "modelfleet_gateway_heads_ready 1.0" in httpx.get(served.url + "/metrics", timeout=5).text
@@ -935,6 +957,57 @@ def test_requests_spread_over_every_groups_head_and_the_other_group_serves_when_
             assert _complete_concurrently(served, prompts[:4], 6) == expected[:4]
             assert fleet.frames(0) > alone[0] and fleet.frames(1) == alone[1]
             wait_until(lambda: fleet.head_status(0).get("slots_in_use") == 0, 1.0, "group 0's slots are free")
+    finally:
+        fleet.stop()
+
+
+def _stream_concurrently(served: Served, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Streamed requests at once; each one's token ids as its chunks carried them (an error chunk fails)."""
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[int]:
+        body = {"model": served.gateway.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, "stream": True}  # fmt: skip
+        response = await client.post("/v1/completions", json=body)
+        chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+        assert all("error" not in c for c in chunks), chunks[-1]
+        return [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+
+    async def every() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+            return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+    return asyncio.run(every())
+
+
+def generated_tokens(served: Served) -> float:
+    text = httpx.get(served.url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("modelfleet_gateway_generation_tokens_total "))  # fmt: skip
+
+
+def test_streams_whose_head_dies_mid_stream_continue_on_the_other_group_with_the_engines_tokens(
+    checkpoint, reference, tmp_path
+) -> None:
+    """Issue 34: the head's scheduler state is gone with it; the gateway's continuation (prompt +
+    tokens sent) on the other group's head is the recovery, and the client sees one stream."""
+    fleet = ReplicatedFleet(checkpoint, tmp_path)
+    prompts = [[3 + i, 17, 42 + i, 99 - i] for i in range(6)]
+    expected = [reference(p, max_tokens=40) for p in prompts]
+    try:
+        fleet.start()
+        with Served(GatewayConfig.of(fleet.plan)) as served:
+            gateway = served.gateway
+            wait_until(lambda: all(h.ready for h in gateway.heads), 10, "the gateway sees both heads ready")
+            results: list[list[list[int]]] = []
+            streams = threading.Thread(target=lambda: results.append(_stream_concurrently(served, prompts, 40)))
+            streams.start()
+            streaming = lambda: (fleet.head_status(0).get("head") or {}).get("streams_active", 0) >= 2  # noqa: E731
+            wait_until(lambda: streaming() and generated_tokens(served) >= 12, 30, "streams under way")
+            fleet.children[0, 0].kill()
+            streams.join(120)
+            assert results == [expected]
+            failovers = by_reason(served, "modelfleet_gateway_failovers_total")
+            assert set(failovers) == {"head_silent"} and failovers["head_silent"] >= 1, failovers
     finally:
         fleet.stop()
 

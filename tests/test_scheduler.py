@@ -248,3 +248,90 @@ def test_more_prompts_than_slots_wait_and_run_as_slots_free() -> None:
         for step in s.schedule(0.0):
             done += [e.stream.key for e in answer(s, step) if isinstance(e, Finish)]
     assert done == ["a", "b", "c", "d", "e"] and all(x.generated == [7] for x in streams)
+
+
+# ---- replay after a lost stage ----------------------------------------------------------------
+
+
+def test_a_lost_stage_pauses_the_pipeline_and_keeps_every_stream_with_its_committed_tokens() -> None:
+    s = scheduler(window_rows=4)
+    a, b = admit(s, "a", [10, 11], max_tokens=5), admit(s, "b", [20], max_tokens=5)
+    [first] = s.schedule(0.0)
+    answer(s, first, 30)
+    [second] = s.schedule(1.0)  # in flight when the stage is lost: its frames are gone
+    s.pause(2.0)
+    assert s.paused and not s.in_flight and s.schedule(3.0) == [] and s.waiting_for_replay == 2
+    assert s.complete(second.id, {a.slot: 31, b.slot: 31}) == []  # a late answer of a dropped step
+    assert a.generated == b.generated == [30] and not a.done and not b.done
+
+
+def test_resume_releases_every_slot_and_prefills_prompt_plus_committed_output_then_decodes_on() -> None:
+    s = scheduler(window_rows=4, max_streams=2)
+    a = admit(s, "a", [10, 11, 12], max_tokens=6)
+    answer(s, s.schedule(0.0)[0], 40)
+    answer(s, s.schedule(0.0)[0], 41)
+    s.pause(1.0)
+    replay = s.resume(4.0)
+    assert replay.slots == (0, 1) and replay.streams == 1 and replay.tokens == 5 and replay.paused_seconds == 3.0
+    [window, rest] = [s.schedule(5.0)[0], None]
+    assert rows(window) == [(0, 0, 10), (0, 1, 11), (0, 2, 12), (0, 3, 40)] and window.new_streams == (a,)
+    assert s.complete(window.id, {}) == []
+    [rest] = s.schedule(5.0)
+    assert rows(rest) == [(0, 4, 41)] and rest.output_rows == (0,) and rest.new_streams == ()
+    answer(s, rest, 42)
+    [decode] = s.schedule(5.0)
+    assert rows(decode) == [(0, 5, 42)] and a.generated == [40, 41, 42] and a.replays == 1
+
+
+def test_a_stream_still_prefilling_its_prompt_when_the_stage_is_lost_starts_over() -> None:
+    s = scheduler(window_rows=2)
+    a = admit(s, "a", [1, 2, 3, 4, 5])
+    s.schedule(0.0)
+    s.pause(0.5)
+    s.resume(0.6)
+    [again] = s.schedule(0.7)
+    assert rows(again) == [(0, 0, 1), (0, 1, 2)] and again.new_streams == (a,) and a.generated == []
+
+
+def test_a_pause_past_the_replay_deadline_fails_seated_streams_with_replay_timeout_and_stays_paused() -> None:
+    s = scheduler()
+    a = admit(s, "a", [1])
+    s.schedule(0.0)
+    s.pause(10.0)
+    assert s.expire_paused(100.0, 120.0) == []
+    [finish] = s.expire_paused(130.5, 120.0)
+    assert finish.stream is a and finish.code == ErrorCode.REPLAY_TIMEOUT and "replay_timeout_seconds" in finish.message
+    assert s.free_slots == [0, 1, 2, 3] and s.paused  # released everywhere once the chain heals: resume()
+    assert s.resume(131.0).slots == (0, 1, 2, 3)
+
+
+def test_a_greedy_run_through_a_replay_commits_the_tokens_of_an_undisturbed_run() -> None:
+    """The model here: the next token is the sum of the previous rows mod 97, so a row lost or
+    repeated in the replay would change every later token."""
+
+    def run(lose_at: int | None) -> list[int]:
+        s = scheduler(window_rows=3, max_streams=2, context_length=64)
+        streams = [admit(s, "a", [3, 5, 7, 9], max_tokens=12), admit(s, "b", [1], max_tokens=9)]
+        kv: dict[int, dict[int, int]] = {0: {}, 1: {}}  # slot -> position -> token: the stages' state
+        steps = 0
+        while not s.idle:
+            for step in s.schedule(0.0):
+                steps += 1
+                if steps == lose_at:
+                    s.pause(0.0)
+                    for slot in s.resume(0.0).slots:
+                        kv[slot].clear()
+                    break
+                for slot, position, token in rows(step):
+                    assert position not in kv[slot], "a position computed twice without a release"
+                    kv[slot][position] = token
+                for finish in [e for e in answer_with(s, step, kv) if isinstance(e, Finish)]:
+                    kv[finish.stream.slot].clear()
+        return [t for stream in streams for t in stream.generated]
+
+    undisturbed = run(None)
+    assert all(run(lose) == undisturbed for lose in (2, 3, 5, 9))
+
+
+def answer_with(s: Scheduler, step: Step, kv: dict[int, dict[int, int]]) -> list[Token | Finish]:
+    return s.complete(step.id, {st.slot: sum(kv[st.slot].values()) % 97 + 3 for st in step.sampled})  # type: ignore[return-value]

@@ -130,6 +130,8 @@ def sample_step(
             errors[slot] = InputError(f"slot {slot} has a verify window but the frame carries no token ids")
             continue
         drafts = [token_ids[r] for r in rows[1:]]
+        if stream.skip:  # a stream prefilled again after a lost stage: its generator catches up first
+            stream.catch_up(logits.shape[-1])
         try:
             tokens[slot] = verify(logits[rows], drafts, stream.params, stream.generator).tokens
         except RuntimeError as exc:  # a distribution that is not one (torch.multinomial)

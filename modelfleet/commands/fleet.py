@@ -328,6 +328,13 @@ def up(
     plan_dir: Path | None = typer.Option(
         None, "--plan-dir", help="Folder for this run's plan.json, kept on exit (default: a temporary one, removed)."
     ),
+    max_stage_restarts: int = typer.Option(
+        3,
+        "--max-stage-restarts",
+        min=0,
+        help="Times a stage or the gateway that exits is restarted (with backoff) before the fleet fails, per "
+        "process (as restartPolicy.maxStageRestarts); the head replays its streams into a restarted stage.",
+    ),
 ) -> None:
     """Run a whole fleet on this machine: plan, start every stage and the gateway, wait until ready.
 
@@ -376,8 +383,9 @@ def up(
             out.print(f"the fleet's wire is CURVE with the keys in {wire_keys} (clients of the head, such as "
                       f"`modelfleet complete`, need --keys-dir {wire_keys})")  # fmt: skip
         _print_endpoint(fleet_plan, host, port, keyed=api_keys_file is not None or bool(os.environ.get("MF_API_KEYS")))
-        while not stop_requested() and all(c.process.poll() is None for c in fleet.children):
-            time.sleep(0.2)
+        failed = _supervise(fleet, max_stage_restarts, stop_requested)
+        if failed is not None:
+            raise LaunchError(f"the fleet failed: {failed}")
     except _Stopped:
         pass  # Ctrl-C or SIGTERM while loading: a stop, not a failure
     except LaunchError as exc:
@@ -461,6 +469,17 @@ def _write_plan(plan: Any, workdir: Path, kept: bool) -> Path:
     lifetime = "kept" if kept else "removed when up stops; --plan-dir keeps it"
     out.print(f"plan: {plan_path} (for `modelfleet complete --plan`; {lifetime})", markup=False)
     return plan_path
+
+
+def _supervise(fleet: Any, max_stage_restarts: int, stop_requested: Any) -> str | None:
+    """Restart children that exit (agent.supervisor) until asked to stop; the reason the fleet failed, or None."""
+    from modelfleet.agent.supervisor import RestartPolicy, Supervisor
+
+    supervisor = Supervisor(fleet, RestartPolicy(max_stage_restarts), lambda line: err.print(f"[yellow]{line}[/]"))
+    while not stop_requested() and supervisor.failed is None:
+        supervisor.poll(time.monotonic())
+        time.sleep(0.2)
+    return supervisor.failed
 
 
 def _wire_keys(keys_dir: Path | None, insecure: bool, workdir: Path) -> Path | None:
