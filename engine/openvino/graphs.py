@@ -49,14 +49,15 @@ class ExpertBank:
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(w) for w in (self.gate, self.up, self.down))
+        return sum(weight_bytes(w) for w in (self.gate, self.up, self.down))
 
 
 def _shape(w: Weight) -> tuple[int, ...]:
     return tuple(w.shape)
 
 
-def _nbytes(w: Weight) -> int:
+def weight_bytes(w: Weight) -> int:
+    """Bytes the weight's storage layout holds (its compiled constant is the same size)."""
     if isinstance(w, torch.Tensor):
         return w.numel() * w.element_size()
     return sum(t.numel() * t.element_size() for t in w.tensors().values())
