@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import zmq
 
-from ..engine.backend import StageBackend, load_backend
+from ..engine.backend import StageBackend, backend_info, load_backend
 from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.formats.plain import PLAIN_DTYPES
 from ..engine.formats.plan import FormatPlan
@@ -190,6 +190,7 @@ class StageAgent:
         backend.allocate_cache(self.plan.streams_per_group, self.plan.serving.context_length, budget)
         self.status.weights_bytes, self.status.kv_bytes = backend.weights_bytes, backend.kv_bytes
         self.status.bytes_by_role = backend.bytes_by_role
+        self.status.backend = backend_info(backend)
         if self.is_tail:
             self.sampler = TailSampler(backend.spec.eos_token_ids)
 

@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from .backend import backend_info, load_backend
 from .errors import InputError, ModelfleetError
 from .formats.plan import FormatPlan
 from .frame import Frame
@@ -56,21 +57,40 @@ class LocalModel:
         static_decode: bool | None = None,
         formats: FormatPlan | None = None,
         tensor: TensorGroup | None = None,
+        backend: str = "torch",
     ) -> LocalModel:
         """``formats`` quantizes at load (None: the compute dtype, or a quantized checkpoint's own formats).
         ``tensor``: this process is one rank of a tensor-parallel group; every rank loads the same
         model with its own group rank and then runs the same frames (and gets the same outputs)."""
         spec = load_spec(model_dir)
         parts = [
-            Shard.load(
-                model_dir, start, end, device=device, dtype=dtype, progress=progress, formats=formats, tensor=tensor
-            )
+            load_backend(
+                backend,
+                model_dir,
+                start,
+                end,
+                device=device,
+                dtype=dtype,
+                progress=progress,
+                formats=formats,
+                tensor=tensor,
+            )  # fmt: skip
             for start, end in even_split(spec.num_layers, shards)
         ]
         context = max_context or min(spec.max_position_embeddings, 4096)
         for shard in parts:
             shard.allocate_cache(max_slots, context)
         return cls(parts, static_decode)
+
+    @property
+    def backend_info(self) -> dict[str, object]:
+        """The shards' backend and device; OpenVINO's MoE block and fused counts summed."""
+        infos = [backend_info(shard) for shard in self.shards]
+        merged = dict(infos[0])
+        for key in ("moe_layers", "fused_layers", "compile_seconds"):
+            if all(key in info for info in infos):
+                merged[key] = sum(info[key] for info in infos)  # type: ignore[misc]
+        return merged
 
     @property
     def max_context(self) -> int:

@@ -67,7 +67,12 @@ def generate(
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens under min_p x the top probability."),
     seed: int | None = typer.Option(None, "--seed", help="Sampling seed: the same seed gives the same output."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: str = typer.Option(
+        "cpu", "--device", help="torch: cpu or cuda[:N]; openvino: cpu (CPU) or GPU[.N] (an Intel iGPU)."
+    ),
+    backend: str = typer.Option(
+        "torch", "--backend", help="What executes the layers: torch, or openvino (fused MoE blocks; CPU or Intel GPU)."
+    ),
     shards: int = typer.Option(1, "--shards", min=1, help="Cut the model into this many layer ranges in-process."),
     quantize: bool = typer.Option(
         False, "--quantize", help="Quantize at load: experts int4, attention and head int8, embeddings as stored."
@@ -106,8 +111,9 @@ def generate(
         config = SpeculativeConfig.from_json(speculative_config) if speculative_config else None
         started = time.perf_counter()
         lm = LocalModel.load(
-            model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=1, formats=formats
-        )
+            model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=1, formats=formats,
+            backend=backend,
+        )  # fmt: skip
         load_s = time.perf_counter() - started
         decoder = IncrementalDecoder(tokenizer) if tokenizer else None
         stream = sys.stdout if not as_json else sys.stderr
@@ -137,6 +143,7 @@ def generate(
             "decode_tokens_per_second": round(result.decode_tokens_per_s, 3),
             "weights_bytes": lm.weights_bytes,
             "bytes_by_role": lm.bytes_by_role,
+            "backend": lm.backend_info,
         }
         if speculator is not None:
             out["speculative"] = speculator.stats.as_dict()

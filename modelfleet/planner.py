@@ -25,12 +25,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 from .engine.errors import InputError
 from .engine.format_names import PACKED_FORMATS
 from .engine.split import even_split
-from .plan import PORTS_PER_STAGE, FleetPlan, Formats, PlanError, ServingLimits, build, stage_port_span
+from .plan import (
+    PORTS_PER_STAGE,
+    FleetPlan,
+    Formats,
+    PlanError,
+    ServingLimits,
+    StageBackendName,
+    build,
+    stage_port_span,
+)
 
 if TYPE_CHECKING:
     from .engine.checkpoint import TensorInfo
@@ -451,18 +460,20 @@ def assemble_plan(
     device_of: Callable[[int, int], str] = lambda g, s: "cpu",
     *,
     tp_size: int = 1,
-    backend: str = "torch",
+    backend: str | Sequence[str] = "torch",
     serving: ServingLimits | Mapping[str, Any] | None = None,
 ) -> FleetPlan:
     """The FleetPlan of ``ranges`` (per group, per stage: ``(layer_start, layer_end)``), the one
     assembler. ``model``: the plan's ``model`` fields; ``sizes`` give each stage's
     ``weights_bytes`` and ``kv_bytes`` (per layer) its ``kv_budget_bytes``; ``address_of(g, s)``
     and ``device_of(g, s)`` place stage ``s`` of group ``g``; every stage gets ``tp_size`` and
-    ``backend``. Raises PlanError naming the field when the result is not a valid plan."""
+    ``backend`` (one name for all, or one per stage: a fleet may mix backends, since only float32
+    residuals cross between stages). Raises PlanError naming the field when the result is not a valid plan."""
+    per_stage = [stage_backends(backend, len(stages)) for stages in ranges]
     groups = [
         {"group_index": g, "stages": [
             {
-                "stage_index": s, "layer_start": a, "layer_end": b, "tp_size": tp_size, "backend": backend,
+                "stage_index": s, "layer_start": a, "layer_end": b, "tp_size": tp_size, "backend": per_stage[g][s],
                 "address": address_of(g, s), "device": device_of(g, s),
                 "weights_bytes": sizes.stage_bytes(a, b), "kv_budget_bytes": sum(kv_bytes[a:b]),
             }
@@ -471,6 +482,21 @@ def assemble_plan(
         for g, stages in enumerate(ranges)
     ]  # fmt: skip
     return build(model=dict(model), groups=groups, serving=serving if serving is not None else ServingLimits())
+
+
+def stage_backends(backend: str | Sequence[str], stages: int) -> list[str]:
+    """One backend name per stage from ``torch``, ``torch,openvino`` or a list; PlanError naming
+    the field when the count or a name is wrong."""
+    backends = get_args(StageBackendName)
+    names = [b.strip() for b in backend.split(",")] if isinstance(backend, str) else list(backend)
+    if len(names) == 1:
+        names = names * stages
+    if len(names) != stages:
+        raise PlanError(f"backend lists {len(names)} backends for {stages} stages; give one, or one per stage")
+    unknown = sorted({n for n in names if n not in backends})
+    if unknown:
+        raise PlanError(f"backend {', '.join(unknown)} is unknown; choose from {', '.join(backends)}")
+    return names
 
 
 def local_address(base_port: int, stages: int, tp_size: int = 1) -> Callable[[int, int], str]:
@@ -503,15 +529,11 @@ def build_plan(
     ``nodes`` (Kubernetes Node objects, ``stages`` per group, group after group) each group's
     layers are split by the nodes' usable memory and each stage runs on its node's device. Each
     group's stages reserve KV for its share of ``serving.max_streams`` (rounded up) at
-    ``serving.context_length``. Only the torch backend can be planned here (the OpenVINO backend
-    is not built yet).
+    ``serving.context_length``. ``backend``: one backend for every stage, or a comma-separated
+    list of one per stage (``torch,openvino``).
     """
     from .engine.spec import load_spec
 
-    if backend != "torch":
-        raise PlanError(
-            f"backend={backend!r}: the OpenVINO backend is not built yet; plan with backend torch (CPU or CUDA devices)"
-        )
     if groups < 1:
         raise PlanError(f"groups={groups} must be >= 1")
     spec = load_spec(model_dir)
@@ -532,7 +554,7 @@ def build_plan(
         return device if group_nodes is None else node_device(group_nodes[s])
 
     address = address_of or local_address(DEFAULT_BASE_PORT, stages, tensor)
-    return assemble_plan(model, ranges, sizes, kv, address, device_of, tp_size=tensor, serving=limits)
+    return assemble_plan(model, ranges, sizes, kv, address, device_of, tp_size=tensor, backend=backend, serving=limits)
 
 
 def _group_ranges(

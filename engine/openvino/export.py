@@ -57,7 +57,9 @@ def routed_bank(experts: nn.Module, what: str) -> ExpertBank:
     else:
         raise ConfigError(f"{what}: {type(experts).__name__} is not an expert bank the OpenVINO backend exports")
     if experts.gate_up_bias is not None or experts.down_bias is not None or experts.activation is not silu_glu:
-        raise ConfigError(f"{what}: the OpenVINO MoE graph is SwiGLU without biases; this bank has biases or another GLU")
+        raise ConfigError(
+            f"{what}: the OpenVINO MoE graph is SwiGLU without biases; this bank has biases or another GLU"
+        )
     width = int(gate_up.shape[-2]) // 2
     return ExpertBank(_rows(gate_up, 0, width), _rows(gate_up, width, 2 * width), down)
 

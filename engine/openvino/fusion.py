@@ -14,7 +14,10 @@ import openvino as ov
 from ..errors import ConfigError
 
 # the layer types that execute only the selected experts, per device kind
-FUSED_LAYER_TYPES = {"CPU": ("GatherMatmul",), "GPU": ("moe_3gemm_fused_compressed", "MOE3GemmFusedCompressed", "GatherMatmul", "moe_gemm")}
+FUSED_LAYER_TYPES = {
+    "CPU": ("GatherMatmul",),
+    "GPU": ("moe_3gemm_fused_compressed", "MOE3GemmFusedCompressed", "GatherMatmul", "moe_gemm"),
+}
 MATMULS_PER_BLOCK = 3  # gate, up, down
 
 

@@ -90,7 +90,9 @@ def weight_constant(w: Weight) -> ov.Node:
     shape = _shape(w)
     groups = shape[-1] // BLOCK
     codes = w.codes.reshape(*shape[:-1], groups, BLOCK // 2)
-    q = op.Constant(ov.Tensor(codes.contiguous().numpy(), [*shape[:-1], groups, BLOCK], ov.Type.u4), shared_memory=False)
+    q = op.Constant(
+        ov.Tensor(codes.contiguous().numpy(), [*shape[:-1], groups, BLOCK], ov.Type.u4), shared_memory=False
+    )
     z = _u4(w.zero_points()[..., None])
     decoded = ops.multiply(
         ops.subtract(ops.convert(q, "f16"), ops.convert(z, "f16")), ops.constant(w.scales[..., None].numpy())

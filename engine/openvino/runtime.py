@@ -92,7 +92,7 @@ class OVLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         y = self.block(_rows(x.reshape(-1, x.shape[-1])))
-        return y.reshape(*lead, self.out_features)
+        return y.reshape(*lead, self.out_features).to(x.dtype)
 
 
 class FusedMoE(nn.Module):

@@ -17,6 +17,7 @@ the torch weights it replaced are dropped. Fusion is asserted per MoE block (:mo
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -48,6 +49,31 @@ def family_refusal(family: str) -> str | None:
     )
 
 
+CACHE_DIR_ENV = "MF_OPENVINO_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """Where compiled blocks are cached: $MF_OPENVINO_CACHE_DIR, else ~/.cache/modelfleet/openvino."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "modelfleet" / "openvino"
+
+
+def check_device(device: str) -> None:
+    """Raise unless OpenVINO sees ``device`` here (a GPU stage on a machine without an Intel GPU)."""
+    from .runtime import core
+
+    available = core().available_devices
+    kind = device.split(".")[0]
+    if device not in available and not (device == kind and any(d.startswith(kind) for d in available)):
+        raise ConfigError(
+            f"OpenVINO device {device!r} is not available here (OpenVINO sees {', '.join(available) or 'none'}); "
+            "run the stage on a node with an Intel GPU, or set its device to cpu"
+        )
+
+
 def expert_width(spec_raw: dict[str, object]) -> int:
     return int(spec_raw["moe_intermediate_size"])  # type: ignore[call-overload]
 
@@ -71,6 +97,7 @@ class OpenVINOShard(Shard):
         layer_end: int | None = None,
         *,
         device: str = "CPU",
+        dtype: str | torch.dtype = torch.float32,
         formats: FormatPlan | None = None,
         precision: str = "f32",
         cache_dir: Path | None = None,
@@ -78,14 +105,18 @@ class OpenVINOShard(Shard):
         on_layer: Callable[[int, int], None] | None = None,
         progress: bool = False,
     ) -> OpenVINOShard:
-        """Layers [layer_start, layer_end) compiled for ``device`` (cpu/CPU, GPU[.N])."""
+        """Layers [layer_start, layer_end) compiled for ``device`` (cpu/CPU, GPU[.N]); ``dtype`` is
+        the host's (norms, attention, KV cache); the compiled blocks take and return float32."""
         spec = load_spec(model_dir)
         refusal = family_refusal(spec.family)
         if refusal is not None:
             raise ConfigError(refusal)
-        shard = cls.load(model_dir, layer_start, layer_end, device="cpu", dtype=torch.float32, formats=formats, pack=False)
+        shard = cls.load(
+            model_dir, layer_start, layer_end, device="cpu", dtype=torch.float32, formats=formats, pack=False
+        )
         assert isinstance(shard, OpenVINOShard)
         options = CompileOptions(openvino_device(device), precision, cache_dir)
+        check_device(options.device)
         shard.compile(options, attenuation_exponent, on_layer, progress)
         return shard
 
@@ -118,9 +149,7 @@ class OpenVINOShard(Shard):
         by_format = self._ov_bytes.setdefault(role, {})
         by_format[fmt] = by_format.get(fmt, 0) + nbytes
 
-    def _compile_mlp(
-        self, mlp: nn.Module, width: int, options: CompileOptions, exponent: int, name: str
-    ) -> FusedMoE:
+    def _compile_mlp(self, mlp: nn.Module, width: int, options: CompileOptions, exponent: int, name: str) -> FusedMoE:
         if isinstance(mlp, SparseMoE):
             banks = [export.routed_bank(mlp.experts, f"{name}.experts")]
             if mlp.shared is not None:
@@ -139,7 +168,9 @@ class OpenVINOShard(Shard):
             return FusedMoE(block, None, None, 0, bank.num_experts, exponent, name)
         raise ConfigError(f"{name}: feed-forward block {type(mlp).__name__} has no OpenVINO export")
 
-    def _moe_block(self, bank: ExpertBank, top_k: int, options: CompileOptions, exponent: int, name: str) -> CompiledBlock:
+    def _moe_block(
+        self, bank: ExpertBank, top_k: int, options: CompileOptions, exponent: int, name: str
+    ) -> CompiledBlock:
         self._count("experts", export.bank_format(bank), bank.nbytes)
         block = CompiledBlock(moe_graph(export.attenuate(bank, exponent), top_k, name), options)
         check_block_fused(block, name)

@@ -107,7 +107,10 @@ def make_plan(
 FORMAT_HELP = (
     f"{', '.join(PACKED_FORMATS)} (quantized at load) or {', '.join(PLAIN_FORMATS)} (as stored); default as stored"
 )
-BACKEND_HELP = "What executes the stages: torch (CPU or CUDA devices); openvino is not built yet."
+BACKEND_HELP = (
+    "What executes the stages: torch (cpu or cuda devices) or openvino (fused MoE blocks on cpu or an Intel GPU); "
+    "one for all stages, or one per stage, comma-separated (torch,openvino)."
+)
 MICROBATCHES_HELP = "Sets of streams whose frames the head keeps in flight separately (default: one per stage)."
 GROUPS_HELP = "Pipeline replicas (groups); the gateway balances requests over them."
 SPECULATIVE_HELP = (
