@@ -36,6 +36,10 @@ MODEL_MOUNT_DIR = names.MODEL_MOUNT_DIR
 SCRATCH_DIR = "/tmp"
 STARTUP_BASE_SECONDS = 300
 STARTUP_LOAD_BYTES_PER_SECOND = 50 * 10**6
+# an OpenVINO stage also compiles its blocks: ~5 s per GiB of int4 weights on 2 cores
+# (docs/results/openvino_stage.md), budgeted twice over
+STARTUP_COMPILE_BYTES_PER_SECOND = 2**30 // 10
+OPENVINO_CACHE_DIR = SCRATCH_DIR + "/openvino"  # compiled blocks: the scratch volume keeps them for the pod
 # the images run as uid 10001 (images/*/Containerfile); nothing in a pod needs root or a capability
 POD_SECURITY: Obj = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY: Obj = {
@@ -68,9 +72,11 @@ def agent_image_env(profile: str) -> str:
 
 
 def agent_image(spec: ModelFleetSpec) -> str:
-    """``spec.images.agent``, else the operator's image for the accelerator profile (its
+    """``spec.images.agent``, else the operator's image for the accelerator profile (backend
+    openvino takes the OpenVINO image, intel-igpu's, on cpu nodes too) (its
     environment, which the Helm chart fills from its values), else :data:`DEFAULT_IMAGE`."""
-    return spec.images.agent or os.environ.get(agent_image_env(spec.accelerator.profile)) or DEFAULT_IMAGE
+    profile = "intel-igpu" if spec.backend == "openvino" else spec.accelerator.profile
+    return spec.images.agent or os.environ.get(agent_image_env(profile)) or DEFAULT_IMAGE
 
 
 def gateway_image(spec: ModelFleetSpec) -> str:
@@ -136,13 +142,15 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
         {"name": "MF_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "MF_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]  # fmt: skip
+    if stage.backend == "openvino":
+        env.append(_env("MF_OPENVINO_CACHE_DIR", OPENVINO_CACHE_DIR))
     container = {
         "name": "agent", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
         "command": ["modelfleet", "agent"], "env": env, "resources": _resources(spec, member),
         "ports": _stage_ports(stage.tp_size > 1 and member.tp_rank == 0),
         # the agent answers /healthz from the start of loading and /readyz once its layers are in;
         # the startup budget covers the start of the process and loading the stage's weights
-        "startupProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=_startup_failures(stage.weights_bytes)),
+        "startupProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=_startup_failures(stage.weights_bytes, stage.backend == "openvino")),
         "readinessProbe": _probe("/readyz", names.AGENT_HTTP_PORT, period=5),
         "livenessProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=6),
         "securityContext": CONTAINER_SECURITY,
@@ -170,10 +178,13 @@ def _stage_ports(rendezvous: bool) -> list[Obj]:
     return ports + ([{"name": "tensor", "containerPort": names.TENSOR_PORT}] if rendezvous else [])
 
 
-def _startup_failures(weights_bytes: int) -> int:
+def _startup_failures(weights_bytes: int, compiles: bool = False) -> int:
     """Startup probe failures (10 s apart) allowed: 5 minutes, plus the stage's weights at
-    STARTUP_LOAD_BYTES_PER_SECOND (a slow network volume), for at most a day."""
+    STARTUP_LOAD_BYTES_PER_SECOND (a slow network volume), plus their compile time on an OpenVINO
+    stage (``compiles``), for at most a day."""
     budget_seconds = STARTUP_BASE_SECONDS + weights_bytes / STARTUP_LOAD_BYTES_PER_SECOND
+    if compiles:
+        budget_seconds += weights_bytes / STARTUP_COMPILE_BYTES_PER_SECOND
     return min(8640, max(1, -(-int(budget_seconds) // 10)))
 
 
