@@ -295,3 +295,16 @@ def _stage_status(lines: list[str], stage: int) -> dict:  # type: ignore[type-ar
     addresses = [m.group(1) for line in lines if (m := re.search(r"127\.0\.0\.1:(\d+)", line))]
     ports = sorted({int(p) for p in addresses})
     return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ports[stage] + 1}/status", timeout=5).read())
+
+
+def test_the_openvino_image_installs_the_openvino_release_the_package_pins() -> None:
+    import re
+    import tomllib
+
+    from test_quickstart import ROOT
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["openvino"]
+    containerfile = (ROOT / "images" / "agent-openvino" / "Containerfile").read_text()
+    build = (ROOT / "images" / "build.sh").read_text()
+    pinned = re.findall(r"openvino==[0-9.]+", containerfile + build)
+    assert extra == [pinned[0]] and set(pinned) == {pinned[0]}, (extra, pinned)
