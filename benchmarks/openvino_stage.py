@@ -27,6 +27,7 @@ import csv
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +114,10 @@ def moe_rows(args: argparse.Namespace, copy: float) -> list[dict[str, object]]:
         used = len(np.unique(ids))
         read = used * per_expert_bytes(bank)
         for precision, block in blocks.items():
-            ms = timed(lambda b=block: b(x, ids, weights), args.reps)  # type: ignore[misc]
+            ms = timed(partial(block, x, ids, weights), args.reps)
             rows_out.append(_row("moe", f"openvino {precision} fused", rows, ms, read, copy))
         xt, index, w = torch.from_numpy(x).to(torch.bfloat16), torch.from_numpy(ids).long(), torch.from_numpy(weights)
-        ms = timed(lambda: torch_bank(xt, index, w.to(torch.bfloat16)), args.reps)
+        ms = timed(partial(torch_bank, xt, index, w.to(torch.bfloat16)), args.reps)
         rows_out.append(_row("moe", "torch int4 (bf16)", rows, ms, read, copy))
     return rows_out
 
@@ -128,10 +129,14 @@ def dense_rows(args: argparse.Namespace, copy: float) -> list[dict[str, object]]
     down = replicated_bank(slices, HIDDEN, EXPERT_WIDTH)
     bank = ExpertBank(gate, up, down)
     width = slices * EXPERT_WIDTH
-    dense_gate = Int4Weight(gate.codes.reshape(width, -1), gate.scales.reshape(width, -1), gate.zeros.reshape(width, -1))  # type: ignore[union-attr]
+    dense_gate = Int4Weight(
+        gate.codes.reshape(width, -1), gate.scales.reshape(width, -1), gate.zeros.reshape(width, -1)
+    )  # type: ignore[union-attr]
     dense_up = Int4Weight(up.codes.reshape(width, -1), up.scales.reshape(width, -1), up.zeros.reshape(width, -1))  # type: ignore[union-attr]
     dense_down = Int4Weight(
-        torch.cat(list(down.codes), 1), torch.cat(list(down.scales), 1), torch.cat(list(down.zeros), 1)  # type: ignore[arg-type]
+        torch.cat(list(down.codes), 1),
+        torch.cat(list(down.scales), 1),
+        torch.cat(list(down.zeros), 1),  # type: ignore[arg-type]
     )
     options = CompileOptions(precision="default")
     fused, _ = compiled(lambda: moe_graph(bank, slices, "dense slices"), options)
@@ -143,9 +148,11 @@ def dense_rows(args: argparse.Namespace, copy: float) -> list[dict[str, object]]
         weights = np.ones((rows, slices), dtype=np.float32)
         a, b = fused(x, ids, weights), three(x)
         diff = float((a - b).abs().max() / b.abs().max())
-        ms = timed(lambda: fused(x, ids, weights), args.reps)
-        out.append({**_row("dense", "openvino 8 all-active slices", rows, ms, bank.nbytes, copy), "rel_diff": f"{diff:.1e}"})
-        ms = timed(lambda: three(x), args.reps)
+        ms = timed(partial(fused, x, ids, weights), args.reps)
+        out.append(
+            {**_row("dense", "openvino 8 all-active slices", rows, ms, bank.nbytes, copy), "rel_diff": f"{diff:.1e}"}
+        )
+        ms = timed(partial(three, x), args.reps)
         out.append(_row("dense", "openvino three matmuls", rows, ms, bank.nbytes, copy))
     return out
 

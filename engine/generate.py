@@ -80,7 +80,7 @@ class LocalModel:
         context = max_context or min(spec.max_position_embeddings, 4096)
         for shard in parts:
             shard.allocate_cache(max_slots, context)
-        return cls(parts, static_decode)
+        return cls(cast(list[Shard], parts), static_decode)  # both backends are Shards
 
     @property
     def backend_info(self) -> dict[str, object]:

@@ -262,7 +262,9 @@ def test_a_fleet_of_a_torch_stage_and_an_openvino_stage_serves_the_engines_greed
     tokenizer = TextTokenizer(model)
     lm = LocalModel.load(model, max_slots=len(prompts), max_context=256)
     params = [SamplingParams(max_tokens=24)] * len(prompts)
-    expected = [tokenizer.decode(r.token_ids) for r in generate_batch(lm, [tokenizer.encode(p) for p in prompts], params)]
+    expected = [
+        tokenizer.decode(r.token_ids) for r in generate_batch(lm, [tokenizer.encode(p) for p in prompts], params)
+    ]
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1",
            "MF_OPENVINO_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip

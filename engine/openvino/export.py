@@ -100,9 +100,9 @@ def _asymmetric(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def stack(parts: Sequence[Weight]) -> Weight:
     """[out, in] weights (or [e, out, in] banks) of one kind -> one bank [sum e, out, in]."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        tensors = [p if p.dim() == 3 else p[None] for p in parts]  # type: ignore[union-attr]
-        return torch.cat(tensors)
+    tensors = [p for p in parts if isinstance(p, torch.Tensor)]
+    if len(tensors) == len(parts):
+        return torch.cat([t if t.dim() == 3 else t[None] for t in tensors])
     if not all(isinstance(p, Int4Weight) for p in parts):
         raise ConfigError("an OpenVINO expert bank cannot mix float and int4 experts; quantize the experts role whole")
     pieces = [_asymmetric(p) for p in parts]  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ per-device defaults (bf16 and dynamic int8 activations on CPU, f16 on GPU, ~1e-2
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,7 +109,7 @@ class FusedMoE(nn.Module):
         self,
         block: CompiledBlock,
         router_proj: nn.Module | None,
-        route: nn.Module | None,
+        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
         num_routed: int,
         shared: int,
         attenuation_exponent: int,

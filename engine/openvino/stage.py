@@ -32,7 +32,7 @@ from ..formats.plan import FormatPlan
 from ..layers import Dense, GatedMLP, SparseMoE
 from ..quantize import QuantizedDense
 from ..shard import Shard
-from ..spec import load_spec
+from ..spec import ModelSpec, load_spec
 from . import export
 from .graphs import ExpertBank, Weight, matmul_graph, moe_graph, weight_bytes
 from .runtime import CompiledBlock, CompileOptions, FusedMoE, OVLinear, check_block_fused, openvino_device
@@ -74,8 +74,8 @@ def check_device(device: str) -> None:
         )
 
 
-def expert_width(spec_raw: dict[str, object]) -> int:
-    return int(spec_raw["moe_intermediate_size"])  # type: ignore[call-overload]
+def expert_width(spec: ModelSpec) -> int:
+    return int(spec.require("moe_intermediate_size"))
 
 
 class OpenVINOShard(Shard):
@@ -130,7 +130,7 @@ class OpenVINOShard(Shard):
         """Export and compile every layer (and the head), asserting each MoE block fused."""
         started = time.perf_counter()
         self.openvino_device, self._ov_bytes, self.attenuation_exponents = options.device, {}, {}
-        width = expert_width(self.spec.raw)
+        width = expert_width(self.spec)
         count = len(self.layers)
         for done, (offset, layer) in enumerate(_track(list(enumerate(self.layers)), progress, "compiling"), 1):
             index = self.layer_start + offset
@@ -159,7 +159,7 @@ class OpenVINOShard(Shard):
             bank = export.join(banks) if len(banks) > 1 else banks[0]
             routed = banks[0].num_experts
             shared = bank.num_experts - routed
-            top_k = _top_k(self.spec.raw) + shared
+            top_k = int(self.spec.require("num_experts_per_tok")) + shared
             block = self._moe_block(bank, top_k, options, exponent, name)
             return FusedMoE(block, mlp.router_proj, mlp.route, routed, shared, exponent, name)
         if isinstance(mlp, GatedMLP):  # a dense layer as all-active slices (Eq. 2)
@@ -196,10 +196,6 @@ class OpenVINOShard(Shard):
             "fused_layers": self.fused_layers,
             "compile_seconds": round(self.compile_seconds, 3),
         }
-
-
-def _top_k(raw: dict[str, object]) -> int:
-    return int(raw["num_experts_per_tok"])  # type: ignore[call-overload]
 
 
 def _linear_weight(module: nn.Module) -> tuple[Weight, torch.Tensor | None, str] | None:
