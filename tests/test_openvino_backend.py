@@ -82,6 +82,14 @@ def test_float_weights_give_logits_within_1e_3_of_transformers_and_the_same_32_g
     assert greedy(shard, PROMPT, 32, slot=1) == ref[0, len(PROMPT) :].tolist()
 
 
+def test_mixtral_layers_export_too_and_match_transformers(tiny_checkpoint, openvino_stage) -> None:
+    _, model = tiny_checkpoint("mixtral")
+    shard = openvino_stage("mixtral")
+    shard.allocate_cache(1, 64)
+    assert_close_to(shard(Frame.of_streams([(0, 0, PROMPT)])), reference_logits(model, PROMPT), tol=1e-3)
+    assert shard.fused_layers == 4
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_feed_forward_block_dense_or_sparse_runs_fused(family: str, openvino_stage) -> None:
     info = openvino_stage(family).backend_info
@@ -131,8 +139,8 @@ def test_a_graph_with_a_static_row_count_is_refused_naming_the_layer() -> None:
 
 
 def test_families_without_an_openvino_export_and_devices_it_cannot_use_are_refused(tiny_checkpoint) -> None:
-    path, _ = tiny_checkpoint("mixtral")
-    with pytest.raises(ConfigError, match="'mixtral'.*--backend torch"):
+    path, _ = tiny_checkpoint("gpt_oss")
+    with pytest.raises(ConfigError, match="'gpt_oss'.*--backend torch"):
         load_backend("openvino", path, 0, 4)
     assert "no NPU lowering" in (backend_refusal("openvino", "NPU") or "")
     assert "not an OpenVINO device" in (backend_refusal("openvino", "cuda:0") or "")
@@ -280,9 +288,9 @@ def test_a_fleet_of_a_torch_stage_and_an_openvino_stage_serves_the_engines_greed
             )
             answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
             assert answer["choices"][0]["text"] == text
-        status = _stage_status(lines, 1)
+        status = _stage_status(lines, 1, port)
         assert status["backend"]["backend"] == "openvino" and status["backend"]["fused_layers"] == 3, status
-        head = _stage_status(lines, 0)["head"]["speculative"]
+        head = _stage_status(lines, 0, port)["head"]["speculative"]
         assert head["drafted"] > head["accepted"], head  # rejected drafts: every stage rewound
         assert status["slots_in_use"] == 0  # finished streams released on the OpenVINO stage
     finally:
@@ -290,12 +298,12 @@ def test_a_fleet_of_a_torch_stage_and_an_openvino_stage_serves_the_engines_greed
         up.wait(60)
 
 
-def _stage_status(lines: list[str], stage: int) -> dict:  # type: ignore[type-arg]
-    """A stage's /status, its port read from the plan table ``up`` printed."""
+def _stage_status(lines: list[str], stage: int, gateway_port: int) -> dict:  # type: ignore[type-arg]
+    """A stage's /status, its port read from the plan table ``up`` printed (the gateway's left out)."""
     import re
 
     addresses = [m.group(1) for line in lines if (m := re.search(r"127\.0\.0\.1:(\d+)", line))]
-    ports = sorted({int(p) for p in addresses})
+    ports = sorted({int(p) for p in addresses} - {gateway_port})
     return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ports[stage] + 1}/status", timeout=5).read())
 
 
@@ -310,3 +318,21 @@ def test_the_openvino_image_installs_the_openvino_release_the_package_pins() -> 
     build = (ROOT / "images" / "build.sh").read_text()
     pinned = re.findall(r"openvino==[0-9.]+", containerfile + build)
     assert extra == [pinned[0]] and set(pinned) == {pinned[0]}, (extra, pinned)
+
+
+def _intel_gpu() -> bool:
+    from modelfleet.engine.openvino.runtime import core
+
+    return any(d.startswith("GPU") for d in core().available_devices)
+
+
+@pytest.mark.skipif(not _intel_gpu(), reason="no Intel GPU visible to OpenVINO (the iGPU path is not exercised here)")
+def test_on_an_intel_gpu_every_block_fuses_and_the_logits_follow_the_cpu_stage(tiny_checkpoint, openvino_stage) -> None:
+    path, _ = tiny_checkpoint("qwen3_moe")
+    gpu = load_backend("openvino", path, 0, 4, device="GPU", formats=FormatPlan.default())
+    assert isinstance(gpu, OpenVINOShard) and gpu.fused_layers == gpu.moe_layers == 4
+    cpu = openvino_stage("qwen3_moe", FormatPlan.default())
+    for shard in (gpu, cpu):
+        shard.allocate_cache(1, 64)
+    a, b = gpu(Frame.of_streams([(0, 0, PROMPT)])), cpu(Frame.of_streams([(0, 0, PROMPT)]))
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() >= 0.99  # f16 on the GPU

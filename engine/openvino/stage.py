@@ -37,7 +37,7 @@ from . import export
 from .graphs import ExpertBank, Weight, matmul_graph, moe_graph, weight_bytes
 from .runtime import CompiledBlock, CompileOptions, FusedMoE, OVLinear, check_block_fused, openvino_device
 
-FAMILIES = ("qwen3_moe", "deepseek_v3")  # whose layers this backend exports
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")  # whose layers this backend exports
 
 
 def family_refusal(family: str) -> str | None:
@@ -99,14 +99,16 @@ class OpenVINOShard(Shard):
         device: str = "CPU",
         dtype: str | torch.dtype = torch.float32,
         formats: FormatPlan | None = None,
-        precision: str = "f32",
+        precision: str | None = None,
         cache_dir: Path | None = None,
         attenuation_exponent: int = 0,
         on_layer: Callable[[int, int], None] | None = None,
         progress: bool = False,
     ) -> OpenVINOShard:
         """Layers [layer_start, layer_end) compiled for ``device`` (cpu/CPU, GPU[.N]); ``dtype`` is
-        the host's (norms, attention, KV cache); the compiled blocks take and return float32."""
+        the host's (norms, attention, KV cache); the compiled blocks take and return float32.
+        ``precision`` (runtime.PRECISIONS): by default ``f32`` on CPU (exact, and as fast as
+        bf16 there: docs/results/openvino_stage.md) and the device's own (f16) on GPUs."""
         spec = load_spec(model_dir)
         refusal = family_refusal(spec.family)
         if refusal is not None:
@@ -115,7 +117,9 @@ class OpenVINOShard(Shard):
             model_dir, layer_start, layer_end, device="cpu", dtype=torch.float32, formats=formats, pack=False
         )
         assert isinstance(shard, OpenVINOShard)
-        options = CompileOptions(openvino_device(device), precision, cache_dir)
+        ov_device = openvino_device(device)
+        chosen = precision or ("f32" if ov_device == "CPU" else "default")
+        options = CompileOptions(ov_device, chosen, cache_dir)
         check_device(options.device)
         shard.compile(options, attenuation_exponent, on_layer, progress)
         return shard
@@ -130,12 +134,11 @@ class OpenVINOShard(Shard):
         """Export and compile every layer (and the head), asserting each MoE block fused."""
         started = time.perf_counter()
         self.openvino_device, self._ov_bytes, self.attenuation_exponents = options.device, {}, {}
-        width = expert_width(self.spec)
         count = len(self.layers)
         for done, (offset, layer) in enumerate(_track(list(enumerate(self.layers)), progress, "compiling"), 1):
             index = self.layer_start + offset
             name = f"layer {index}"
-            layer.mlp = self._compile_mlp(layer.mlp, width, options, attenuation_exponent, name)
+            layer.mlp = self._compile_mlp(layer.mlp, options, attenuation_exponent, name)
             self.attenuation_exponents[index] = attenuation_exponent
             _replace_linears(layer.attention, options, name, self._count)
             if on_layer is not None:
@@ -149,13 +152,13 @@ class OpenVINOShard(Shard):
         by_format = self._ov_bytes.setdefault(role, {})
         by_format[fmt] = by_format.get(fmt, 0) + nbytes
 
-    def _compile_mlp(self, mlp: nn.Module, width: int, options: CompileOptions, exponent: int, name: str) -> FusedMoE:
+    def _compile_mlp(self, mlp: nn.Module, options: CompileOptions, exponent: int, name: str) -> FusedMoE:
         if isinstance(mlp, SparseMoE):
             banks = [export.routed_bank(mlp.experts, f"{name}.experts")]
             if mlp.shared is not None:
                 if not isinstance(mlp.shared, GatedMLP):
                     raise ConfigError(f"{name}: shared experts of type {type(mlp.shared).__name__} are not exported")
-                banks.append(export.slices_of(mlp.shared, width, f"{name}.shared"))
+                banks.append(export.slices_of(mlp.shared, expert_width(self.spec), f"{name}.shared"))
             bank = export.join(banks) if len(banks) > 1 else banks[0]
             routed = banks[0].num_experts
             shared = bank.num_experts - routed
@@ -163,7 +166,7 @@ class OpenVINOShard(Shard):
             block = self._moe_block(bank, top_k, options, exponent, name)
             return FusedMoE(block, mlp.router_proj, mlp.route, routed, shared, exponent, name)
         if isinstance(mlp, GatedMLP):  # a dense layer as all-active slices (Eq. 2)
-            bank = export.slices_of(mlp, width, f"{name}.mlp")
+            bank = export.slices_of(mlp, expert_width(self.spec), f"{name}.mlp")
             block = self._moe_block(bank, bank.num_experts, options, exponent, name)
             return FusedMoE(block, None, None, 0, bank.num_experts, exponent, name)
         raise ConfigError(f"{name}: feed-forward block {type(mlp).__name__} has no OpenVINO export")
