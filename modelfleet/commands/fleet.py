@@ -89,9 +89,12 @@ def make_plan(
     formats: Any = None, backend: str = "torch", speculative: dict[str, Any] | None = None,
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
-    ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group."""
+    ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group.
+    ``device`` CPU (OpenVINO's spelling, ``--backend openvino --device CPU``) is the plan's cpu."""
     from modelfleet.plan import ServingLimits
     from modelfleet.planner import build_plan, local_address
+
+    device = "cpu" if device == "CPU" else device
 
     serving = ServingLimits(
         max_streams=max_streams, context_length=context_length_for(model, context_length), window_rows=window_rows,
