@@ -37,6 +37,7 @@ class AgentStatus:
     kv_bytes: int = 0
     weights_bytes: int = 0
     bytes_by_role: dict[str, dict[str, int]] = field(default_factory=dict)  # {role: {format: bytes}}
+    backend: dict[str, Any] = field(default_factory=dict)  # what executes the stage (engine.backend.backend_info)
     tensor_rank: int = 0  # this process's rank in its stage's tensor group, of tensor_size
     tensor_size: int = 1
     reason: str = ""

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import zmq
 
-from ..engine.backend import StageBackend, load_backend
+from ..engine.backend import StageBackend, backend_info, load_backend
 from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.expert_offload import StoreOptions, expert_counters, offload_experts, placement_report, stores_of
 from ..engine.formats.plain import PLAIN_DTYPES
@@ -245,6 +245,7 @@ class StageAgent:
         self.status.weights_bytes, self.status.kv_bytes = backend.weights_bytes, backend.kv_bytes
         self.status.bytes_by_role = backend.bytes_by_role
         verify_numa(self.status)
+        self.status.backend = backend_info(backend)
         if self.is_tail:
             self.sampler = TailSampler(backend.spec.eos_token_ids)
 

@@ -13,6 +13,7 @@ chain of backends in one process is :class:`modelfleet.engine.generate.LocalMode
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -85,22 +86,55 @@ def load_backend(
     refusal = backend_refusal(name, device)
     if refusal is not None:
         raise InputError(refusal)
+    if name == "openvino":
+        if tensor is not None and tensor.size > 1:
+            raise InputError(
+                "backend 'openvino' runs a stage as one process (tp_size 1); set the stage's tp_size to 1 "
+                "or its backend to torch"
+            )
+        from .openvino.stage import OpenVINOShard, default_cache_dir
+
+        return OpenVINOShard.load_openvino(
+            model_dir, layer_start, layer_end, device=device, dtype=dtype, formats=formats, cache_dir=default_cache_dir(),
+            on_layer=on_layer, progress=progress,
+        )  # fmt: skip
     return Shard.load(
         model_dir, layer_start, layer_end, device=device, dtype=dtype, formats=formats, tensor=tensor,
         on_layer=on_layer, progress=progress,
     )  # fmt: skip
 
 
+def backend_info(backend: object) -> dict[str, object]:
+    """What executes a stage, for ``/status`` and ``generate --json``: the backend's name and device
+    (and, for OpenVINO, how many MoE blocks compiled and fused)."""
+    info = getattr(backend, "backend_info", None)
+    if isinstance(info, dict):
+        return info
+    device = getattr(backend, "device", None)
+    return {"backend": "torch", "device": str(device) if device is not None else "cpu"}
+
+
 def backend_refusal(name: str, device: str) -> str | None:
     """Why backend ``name`` cannot run a stage on ``device`` (the field, the limit, the fix), or
     None: asked before anything loads, so a stage fails at start with one line, not a traceback."""
     if name == "openvino":
-        return (
-            "backend 'openvino' is not built in this release: stages run on torch (CPU or CUDA devices); "
-            "set the stage's backend to torch (spec.backend: torch, modelfleet up --backend torch)"
-        )
+        return openvino_refusal(device)
     if name != "torch":
         return f"backend {name!r} is unknown; choose one of {', '.join(BACKENDS)}"
     if not device.startswith(("cpu", "cuda")):
         return f"device {device!r} is an OpenVINO device; the torch backend runs on cpu or cuda[:N]"
+    return None
+
+
+def openvino_refusal(device: str) -> str | None:
+    """Why the OpenVINO backend cannot run on ``device`` (or is not installed), or None."""
+    if device == "NPU":
+        return (
+            "device 'NPU': the OpenVINO backend's fused MoE blocks have no NPU lowering; "
+            "use device cpu or GPU (an Intel iGPU) for backend openvino"
+        )
+    if not (device.lower() == "cpu" or device == "GPU" or device.startswith("GPU.")):
+        return f"device {device!r} is not an OpenVINO device; backend openvino runs on cpu (CPU) or GPU[.N]"
+    if importlib.util.find_spec("openvino") is None:
+        return "backend 'openvino' needs the openvino package: pip install 'modelfleet[openvino]'"
     return None

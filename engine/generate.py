@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from .backend import backend_info, load_backend
 from .errors import InputError, ModelfleetError
 from .expert_offload import StoreOptions, offload_experts, placement_report, stores_of
 from .expert_placement import StagePlacement
@@ -61,6 +62,7 @@ class LocalModel:
         tensor: TensorGroup | None = None,
         device_memory_bytes: int | None = None,
         store_options: StoreOptions | None = None,
+        backend: str = "torch",
     ) -> LocalModel:
         """``formats`` quantizes at load (None: the compute dtype, or a quantized checkpoint's own formats).
         ``device_memory_bytes`` caps the device memory of the whole model (shared evenly by the
@@ -70,19 +72,28 @@ class LocalModel:
         model with its own group rank and then runs the same frames (and gets the same outputs)."""
         spec = load_spec(model_dir)
         parts = [
-            Shard.load(
-                model_dir, start, end, device=device, dtype=dtype, progress=progress, formats=formats, tensor=tensor
-            )
+            load_backend(
+                backend,
+                model_dir,
+                start,
+                end,
+                device=device,
+                dtype=dtype,
+                progress=progress,
+                formats=formats,
+                tensor=tensor,
+            )  # fmt: skip
             for start, end in even_split(spec.num_layers, shards)
         ]
         context = max_context or min(spec.max_position_embeddings, 4096)
         for shard in parts:
             shard.allocate_cache(max_slots, context)
-        model = cls(parts, static_decode)
+        loaded = cast(list[Shard], parts)  # both backends are Shards
+        model = cls(loaded, static_decode)
         if device_memory_bytes is not None:
             options = store_options or StoreOptions()
-            model.placements = [offload_experts(p, device_memory_bytes // shards, None, options) for p in parts]
-            model.static_decode = model.static_decode and not any(stores_of(p) for p in parts)  # CPU work: eager
+            model.placements = [offload_experts(p, device_memory_bytes // shards, None, options) for p in loaded]
+            model.static_decode = model.static_decode and not any(stores_of(p) for p in loaded)  # CPU work: eager
         return model
 
     @property
@@ -91,6 +102,16 @@ class LocalModel:
         stores = [store for shard in self.shards for store in stores_of(shard)]
         placement = self.placements[0] if len(self.placements) == 1 else None
         return placement_report(stores, placement) if self.placements else {}
+
+    @property
+    def backend_info(self) -> dict[str, object]:
+        """The shards' backend and device; OpenVINO's MoE block and fused counts summed."""
+        infos = [backend_info(shard) for shard in self.shards]
+        merged = dict(infos[0])
+        for key in ("moe_layers", "fused_layers", "compile_seconds"):
+            if all(key in info for info in infos):
+                merged[key] = sum(info[key] for info in infos)  # type: ignore[misc]
+        return merged
 
     @property
     def max_context(self) -> int:

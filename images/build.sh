@@ -25,7 +25,7 @@ VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 REGISTRY=${REGISTRY:-ghcr.io/modelfleet}
 IMAGES=${IMAGES:-"operator agent-cpu agent-openvino agent-cuda"}
 TORCH=${TORCH:-torch==2.13.0}
-OPENVINO=${OPENVINO:-openvino==2026.4.0}
+OPENVINO=${OPENVINO:-openvino==2026.4.1}
 WORK=${WORK:-$ROOT/build/images}
 PYTHON=${PYTHON:-python3}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}

@@ -120,7 +120,12 @@ def generate(
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens under min_p x the top probability."),
     seed: int | None = typer.Option(None, "--seed", help="Sampling seed: the same seed gives the same output."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: str = typer.Option(
+        "cpu", "--device", help="torch: cpu or cuda[:N]; openvino: cpu (CPU) or GPU[.N] (an Intel iGPU)."
+    ),
+    backend: str = typer.Option(
+        "torch", "--backend", help="What executes the layers: torch, or openvino (fused MoE blocks; CPU or Intel GPU)."
+    ),
     shards: int = typer.Option(1, "--shards", min=1, help="Cut the model into this many layer ranges in-process."),
     quantize: bool = typer.Option(
         False, "--quantize", help="Quantize at load: experts int4, attention and head int8, embeddings as stored."
@@ -179,7 +184,7 @@ def generate(
         store = _store_options(expert_q, expert_cache_policy, cpu_expert_workers)
         lm = LocalModel.load(
             model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=len(batch), formats=formats,
-            device_memory_bytes=gpu_memory_bytes, store_options=store,
+            device_memory_bytes=gpu_memory_bytes, store_options=store, backend=backend,
         )  # fmt: skip
         load_s = time.perf_counter() - started
         decoder = IncrementalDecoder(tokenizer) if tokenizer and len(batch) == 1 else None
@@ -204,6 +209,7 @@ def generate(
         return
     if as_json:
         out = _generate_json(results, tokenizer, lm, load_s)
+        out["backend"] = lm.backend_info
         if lm.expert_placement:
             out["expert_placement"] = lm.expert_placement
         if speculator is not None:

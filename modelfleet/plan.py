@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 else:
     WeightFormat, MatmulFormat = Literal[ROLE_FORMATS["experts"]], Literal[ROLE_FORMATS["attention"]]
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
-# what executes a stage's layers: torch (CPU or CUDA devices); openvino (Intel GPUs, NPUs, CPUs) is reserved
+# what executes a stage's layers: torch (CPU or CUDA devices); openvino (CPUs and Intel GPUs)
 StageBackendName = Literal["torch", "openvino"]
 # host:port, where host is a DNS name, an IPv4 address or a bracketed IPv6 address.
 ADDRESS_PATTERN = r"^([A-Za-z0-9]([A-Za-z0-9.\-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"

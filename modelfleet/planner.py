@@ -25,13 +25,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 from .engine.errors import InputError
 from .engine.expert_placement import MoELayer, StagePlacement, plan_expert_placement
 from .engine.format_names import PACKED_FORMATS
 from .engine.split import even_split
-from .plan import PORTS_PER_STAGE, FleetPlan, Formats, PlanError, ServingLimits, StagePlan, build, stage_port_span
+from .plan import (
+    PORTS_PER_STAGE,
+    FleetPlan,
+    Formats,
+    PlanError,
+    ServingLimits,
+    StageBackendName,
+    StagePlan,
+    build,
+    stage_port_span,
+)
 
 if TYPE_CHECKING:
     from .engine.checkpoint import TensorInfo
@@ -588,18 +598,20 @@ def assemble_plan(
     device_of: Callable[[int, int], str] = lambda g, s: "cpu",
     *,
     tp_size: int = 1,
-    backend: str = "torch",
+    backend: str | Sequence[str] = "torch",
     serving: ServingLimits | Mapping[str, Any] | None = None,
 ) -> FleetPlan:
     """The FleetPlan of ``ranges`` (per group, per stage: ``(layer_start, layer_end)``), the one
     assembler. ``model``: the plan's ``model`` fields; ``sizes`` give each stage's
     ``weights_bytes`` and ``kv_bytes`` (per layer) its ``kv_budget_bytes``; ``address_of(g, s)``
     and ``device_of(g, s)`` place stage ``s`` of group ``g``; every stage gets ``tp_size`` and
-    ``backend``. Raises PlanError naming the field when the result is not a valid plan."""
+    ``backend`` (one name for all, or one per stage: a fleet may mix backends, since only float32
+    residuals cross between stages). Raises PlanError naming the field when the result is not a valid plan."""
+    per_stage = [stage_backends(backend, len(stages)) for stages in ranges]
     groups = [
         {"group_index": g, "stages": [
             {
-                "stage_index": s, "layer_start": a, "layer_end": b, "tp_size": tp_size, "backend": backend,
+                "stage_index": s, "layer_start": a, "layer_end": b, "tp_size": tp_size, "backend": per_stage[g][s],
                 "address": address_of(g, s), "device": device_of(g, s),
                 "weights_bytes": sizes.stage_bytes(a, b), "kv_budget_bytes": sum(kv_bytes[a:b]),
             }
@@ -608,6 +620,21 @@ def assemble_plan(
         for g, stages in enumerate(ranges)
     ]  # fmt: skip
     return build(model=dict(model), groups=groups, serving=serving if serving is not None else ServingLimits())
+
+
+def stage_backends(backend: str | Sequence[str], stages: int) -> list[str]:
+    """One backend name per stage from ``torch``, ``torch,openvino`` or a list; PlanError naming
+    the field when the count or a name is wrong."""
+    backends = get_args(StageBackendName)
+    names = [b.strip() for b in backend.split(",")] if isinstance(backend, str) else list(backend)
+    if len(names) == 1:
+        names = names * stages
+    if len(names) != stages:
+        raise PlanError(f"backend lists {len(names)} backends for {stages} stages; give one, or one per stage")
+    unknown = sorted({n for n in names if n not in backends})
+    if unknown:
+        raise PlanError(f"backend {', '.join(unknown)} is unknown; choose from {', '.join(backends)}")
+    return names
 
 
 def local_address(base_port: int, stages: int, tp_size: int = 1) -> Callable[[int, int], str]:
@@ -641,24 +668,22 @@ def build_plan(
     ``nodes`` (Kubernetes Node objects, ``stages`` per group, group after group) each group's
     layers are split by the nodes' usable memory and each stage runs on its node's device. Each
     group's stages reserve KV for its share of ``serving.max_streams`` (rounded up) at
-    ``serving.context_length``. Only the torch backend can be planned here (the OpenVINO backend
-    is not built yet). ``cuda_devices`` (this machine's, when the stages run here) lets a CUDA
-    ``device`` be checked against what exists; combinations the stages would refuse (a device, a
-    tensor size that does not divide the heads, a context past the model's positions) raise
-    PlanError in one line.
+    ``serving.context_length``. ``backend``: one backend for every stage, or a comma-separated
+    list of one per stage (``torch,openvino``). ``cuda_devices`` (this machine's, when the stages
+    run here) lets a CUDA ``device`` be checked against what exists; combinations the stages would
+    refuse (a device, a tensor size that does not divide the heads, a context past the model's
+    positions) raise PlanError in one line.
     """
     from .engine.spec import load_spec
 
-    if backend != "torch":
-        raise PlanError(
-            f"backend={backend!r}: the OpenVINO backend is not built yet; plan with backend torch (CPU or CUDA devices)"
-        )
     if groups < 1:
         raise PlanError(f"groups={groups} must be >= 1")
     spec = load_spec(model_dir)
     limits = serving or ServingLimits(context_length=context_length_for(spec.max_position_embeddings, None))
     # with nodes, each stage's device is its node's (node_device), named by the planner itself
-    _refuse_combinations(spec, limits, tensor, [device] if nodes is None else [], cuda_devices)
+    # OpenVINO names its own devices (CPU, GPU, GPU.N): engine.backend checks those at stage start
+    torch_devices = [device] if nodes is None and not (backend != "torch" and device.upper().startswith("GPU")) else []
+    _refuse_combinations(spec, limits, tensor, torch_devices, cuda_devices)
     sizes = layer_bytes(model_dir, dtype).in_formats(formats)
     kv = kv_bytes_per_layer(spec, -(-limits.max_streams // groups), limits.context_length, dtype)
     if nodes is not None and len(nodes) != stages * groups:
@@ -675,7 +700,7 @@ def build_plan(
         return device if group_nodes is None else node_device(group_nodes[s])
 
     address = address_of or local_address(DEFAULT_BASE_PORT, stages, tensor)
-    plan = assemble_plan(model, ranges, sizes, kv, address, device_of, tp_size=tensor, serving=limits)
+    plan = assemble_plan(model, ranges, sizes, kv, address, device_of, tp_size=tensor, backend=backend, serving=limits)
     hosts = None if nodes is None else [usable_memory(node, runtime_reserve_bytes) for node in nodes]
     expert_placements(plan, model_dir, hosts)  # a stage neither side can hold fails here, at plan time
     return plan

@@ -57,6 +57,10 @@ OPERATOR_NAMESPACE_ENV, DEFAULT_OPERATOR_NAMESPACE = "MF_OPERATOR_NAMESPACE", "m
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "modelfleet", "app.kubernetes.io/component": "operator"}
 MONITORING_NAMESPACE_ENV, DEFAULT_MONITORING_NAMESPACE = "MF_MONITORING_NAMESPACE", "monitoring"
 MONITORING_POD_LABELS_ENV = "MF_MONITORING_POD_LABELS"  # k=v,k=v; empty: any pod of that namespace
+# an OpenVINO stage also compiles its blocks: ~5 s per GiB of int4 weights on 2 cores
+# (docs/results/openvino_stage.md), budgeted twice over
+STARTUP_COMPILE_BYTES_PER_SECOND = 2**30 // 10
+OPENVINO_CACHE_DIR = SCRATCH_DIR + "/openvino"  # compiled blocks: the scratch volume keeps them for the pod
 CONTAINER_SECURITY: Obj = {
     "runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},
@@ -92,9 +96,10 @@ def default_image(profile: str) -> str:
 
 
 def agent_image(spec: ModelFleetSpec) -> str:
-    """``spec.images.agent``, else the operator's image for the accelerator profile (its
-    environment, which the Helm chart fills from its values), else :func:`default_image`."""
-    profile = spec.accelerator.profile
+    """``spec.images.agent``, else the operator's image for the accelerator profile (backend
+    openvino takes the OpenVINO image, intel-igpu's, on cpu nodes too) (its environment, which the
+    Helm chart fills from its values), else :func:`default_image`."""
+    profile = "intel-igpu" if spec.backend == "openvino" else spec.accelerator.profile
     return spec.images.agent or os.environ.get(agent_image_env(profile)) or default_image(profile)
 
 
@@ -161,13 +166,15 @@ def stage_pod(fleet: Mapping[str, Any], spec: ModelFleetSpec, placement: Placeme
         {"name": "MF_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "MF_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]  # fmt: skip
+    if stage.backend == "openvino":
+        env.append(_env("MF_OPENVINO_CACHE_DIR", OPENVINO_CACHE_DIR))
     container = {
         "name": "agent", "image": agent_image(spec), "imagePullPolicy": spec.images.pull_policy,
         "command": ["modelfleet", "agent"], "env": env, "resources": _stage_resources(spec, stage, member),
         "ports": _stage_ports(stage.tp_size > 1 and member.tp_rank == 0),
         # the agent answers /healthz from the start of loading and /readyz once its layers are in;
         # the startup budget covers the start of the process and loading the stage's weights
-        "startupProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=_startup_failures(stage.weights_bytes)),
+        "startupProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=_startup_failures(stage.weights_bytes, stage.backend == "openvino")),
         "readinessProbe": _probe("/readyz", names.AGENT_HTTP_PORT, period=5),
         "livenessProbe": _probe("/healthz", names.AGENT_HTTP_PORT, period=10, failures=6),
         "securityContext": CONTAINER_SECURITY,
@@ -195,10 +202,13 @@ def _stage_ports(rendezvous: bool) -> list[Obj]:
     return ports + ([{"name": "tensor", "containerPort": names.TENSOR_PORT}] if rendezvous else [])
 
 
-def _startup_failures(weights_bytes: int) -> int:
+def _startup_failures(weights_bytes: int, compiles: bool = False) -> int:
     """Startup probe failures (10 s apart) allowed: 5 minutes, plus the stage's weights at
-    STARTUP_LOAD_BYTES_PER_SECOND (a slow network volume), for at most a day."""
+    STARTUP_LOAD_BYTES_PER_SECOND (a slow network volume), plus their compile time on an OpenVINO
+    stage (``compiles``), for at most a day."""
     budget_seconds = STARTUP_BASE_SECONDS + weights_bytes / STARTUP_LOAD_BYTES_PER_SECOND
+    if compiles:
+        budget_seconds += weights_bytes / STARTUP_COMPILE_BYTES_PER_SECOND
     return min(8640, max(1, -(-int(budget_seconds) // 10)))
 
 

@@ -89,9 +89,10 @@ def test_an_agent_asked_for_a_backend_or_device_it_lacks_says_so_before_loading(
     runner = CliRunner()
     document = json.loads(plan.to_json())
     document["groups"][0]["stages"][0]["backend"] = "openvino"
+    document["groups"][0]["stages"][0]["device"] = "NPU"
     plan_path.write_text(FleetPlan.from_json(json.dumps(document)).to_json())
     result = runner.invoke(app, ["agent", "--plan", str(plan_path), "--stage", "0"])
-    assert result.exit_code == 2 and "backend 'openvino'" in result.output and "spec.backend: torch" in result.output
+    assert result.exit_code == 2 and "device 'NPU'" in result.output and "use device cpu or GPU" in result.output
     document["groups"][0]["stages"][0]["backend"] = "torch"
     document["groups"][0]["stages"][0]["device"] = "GPU.0"
     plan_path.write_text(FleetPlan.from_json(json.dumps(document)).to_json())

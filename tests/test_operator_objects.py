@@ -522,3 +522,27 @@ def test_a_numa_pinned_hf_pod_stays_guaranteed_its_fetch_has_the_agents_cpu_and_
     agent, fetch = pod["spec"]["containers"][0], pod["spec"]["initContainers"][0]
     assert agent["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert fetch["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}
+
+
+@pytest.mark.parametrize(
+    ("profile", "allocatable", "device", "resource"),
+    [("intel-igpu", {"gpu.intel.com/xe": "1"}, "GPU", "gpu.intel.com/xe"), ("cpu", {}, "cpu", None)],
+)
+def test_backend_openvino_gives_stage_pods_that_run_it_on_the_openvino_image(
+    monkeypatch: pytest.MonkeyPatch, profile: str, allocatable: dict[str, str], device: str, resource: str | None
+) -> None:
+    monkeypatch.setenv("MF_AGENT_IMAGE_INTEL_IGPU", "ghcr.io/modelfleet/agent-openvino:0.1.0")
+    monkeypatch.setenv("MF_AGENT_IMAGE_CPU", "ghcr.io/modelfleet/agent-cpu:0.1.0")
+    body = fleet(backend="openvino", accelerator={"profile": profile}, parallelism={"pipeline": 2})
+    spec = parse_spec(body["spec"])
+    placement = place(spec, summary(8), [node(n, allocatable=allocatable) for n in ("a", "b")], "qwen", "ai")
+    assert isinstance(placement, Placement)
+    stages = placement.plan.groups[0].stages
+    assert [(s.backend, s.device) for s in stages] == [("openvino", device)] * 2
+    for pod in by_kind(objects.fleet_objects(body, spec, placement), "Pod").values():
+        container = pod["spec"]["containers"][0]
+        assert container["image"] == "ghcr.io/modelfleet/agent-openvino:0.1.0"
+        assert container["command"] == ["modelfleet", "agent"]
+        assert env_of(pod)["MF_OPENVINO_CACHE_DIR"] == "/tmp/openvino"  # on the pod's scratch volume
+        limits = container["resources"].get("limits", {})
+        assert (resource in limits) if resource else not any("gpu" in k for k in limits)

@@ -18,7 +18,16 @@ from modelfleet.engine.errors import InputError
 from modelfleet.engine.format_names import PACKED_FORMATS, ROLE_FORMATS, ROLES, WEIGHT_FORMATS
 from modelfleet.engine.spec import spec_from_config
 from modelfleet.engine.split import even_split
-from modelfleet.plan import PORTS_PER_STAGE, Formats, PlanError, ServingLimits, StagePlan, stage_at, stage_port_span
+from modelfleet.plan import (
+    PORTS_PER_STAGE,
+    FleetPlan,
+    Formats,
+    PlanError,
+    ServingLimits,
+    StagePlan,
+    stage_at,
+    stage_port_span,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = yaml.safe_load((ROOT / "crds" / "modelfleets.modelfleet.io.yaml").read_text())
@@ -337,17 +346,22 @@ def test_modelfleet_plan_defaults_the_context_to_the_models_positions_and_refuse
     )
 
 
-def test_modelfleet_plan_refuses_the_openvino_backend_at_plan_time(tiny_checkpoint, tmp_path) -> None:
+def test_modelfleet_plan_gives_each_stage_its_backend_one_for_all_or_one_per_stage(tiny_checkpoint, tmp_path) -> None:
     from typer.testing import CliRunner
 
     from modelfleet.cli import app
 
     path, _ = tiny_checkpoint("qwen3_moe")
-    with pytest.raises(PlanError, match="OpenVINO backend is not built yet"):
-        planner.build_plan(path, 1, backend="openvino")
+    assert {s.backend for s in planner.build_plan(path, 2, backend="openvino").groups[0].stages} == {"openvino"}
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(app, ["plan", "--model", str(path), "--backend", "openvino", "--out", str(out)])
-    assert result.exit_code == 2 and "OpenVINO backend is not built yet" in result.output and not out.exists()
+    result = CliRunner().invoke(app, ["plan", "--model", str(path), "--stages", "2", "--backend", "torch,openvino",
+                                      "--out", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert [s.backend for s in FleetPlan.from_json(out.read_text()).groups[0].stages] == ["torch", "openvino"]
+    with pytest.raises(PlanError, match="backend lists 3 backends for 2 stages"):
+        planner.build_plan(path, 2, backend="torch,openvino,torch")
+    with pytest.raises(PlanError, match="backend tpu is unknown"):
+        planner.build_plan(path, 2, backend="torch,tpu")
     assert {s.backend for s in planner.build_plan(path, 2).groups[0].stages} == {"torch"}
 
 

@@ -111,9 +111,12 @@ def make_plan(
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
     ``tensor`` ranks; stage ports run from ``base_port`` (planner.local_address), group after group.
-    ``cuda_devices``: this machine's, when the stages will run here (``up``)."""
+    ``cuda_devices``: this machine's, when the stages will run here (``up``). ``device`` CPU
+    (OpenVINO's spelling, ``--backend openvino --device CPU``) is the plan's cpu."""
     from modelfleet.plan import ServingLimits
     from modelfleet.planner import build_plan, local_address
+
+    device = "cpu" if device == "CPU" else device
 
     serving = ServingLimits(
         max_streams=max_streams, context_length=context_length_for(model, context_length), window_rows=window_rows,
@@ -130,7 +133,10 @@ def make_plan(
 FORMAT_HELP = (
     f"{', '.join(PACKED_FORMATS)} (quantized at load) or {', '.join(PLAIN_FORMATS)} (as stored); default as stored"
 )
-BACKEND_HELP = "What executes the stages: torch (CPU or CUDA devices); openvino is not built yet."
+BACKEND_HELP = (
+    "What executes the stages: torch (cpu or cuda devices) or openvino (fused MoE blocks on cpu or an Intel GPU); "
+    "one for all stages, or one per stage, comma-separated (torch,openvino)."
+)
 MICROBATCHES_HELP = "Sets of streams whose frames the head keeps in flight separately (default: one per stage)."
 GROUPS_HELP = "Pipeline replicas (groups); the gateway balances requests over them."
 STAGES_HELP = "Pipeline stages per group; the layers are split evenly over them."
@@ -138,7 +144,7 @@ WINDOW_HELP = "Rows of one stream's prefill window per frame."
 STREAMS_HELP = "Streams served at once over all groups (each stage reserves KV for its group's share)."
 QUEUE_HELP = "Requests the head holds waiting for a stream slot before refusing more."
 DTYPE_HELP = "Compute dtype: float32, bfloat16 or float16 (what activations and plain weights use)."
-DEVICE_HELP = "Where the stages run: cpu, cuda or cuda:N."
+DEVICE_HELP = "Where the stages run: cpu, cuda or cuda:N (CPU or GPU with --backend openvino)."
 SERVED_NAME_HELP = "The model name the gateway serves (the `model` field of requests; default: the folder's name)."
 SPECULATIVE_HELP = (
     'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid", '

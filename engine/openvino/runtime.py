@@ -1,0 +1,148 @@
+"""Compiled OpenVINO blocks as torch modules a shard's layers call like the ones they replace.
+
+Each block keeps one compiled model and one reusable infer request (seed 000 §3.2); inputs are
+float32 rows [R, H] (R dynamic), outputs come back as float32 torch tensors. Routing stays on the
+host (the family's own router, exactly as the torch backend runs it) and enters the MoE graph as
+expert ids and weights, shared experts and dense slices as extra always-selected ids.
+
+Compile settings: ``f32`` (INFERENCE_PRECISION_HINT=f32, DYNAMIC_QUANTIZATION_GROUP_SIZE=0) is
+exact to float32 rounding, what golden tests and CPU stages use; ``default`` leaves OpenVINO's
+per-device defaults (bf16 and dynamic int8 activations on CPU, f16 on GPU, ~1e-2 relative).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import torch
+from torch import nn
+
+from .fusion import check_fused, fused_count, layer_types
+from .ranges import restore, row_factors
+
+PRECISIONS = {
+    "f32": {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
+    "default": {},
+}
+
+_core: ov.Core | None = None
+_core_lock = threading.Lock()
+
+
+def core() -> ov.Core:
+    """One OpenVINO core per process (it owns the device plugins and their thread pools)."""
+    global _core
+    with _core_lock:
+        if _core is None:
+            _core = ov.Core()
+        return _core
+
+
+def openvino_device(device: str) -> str:
+    """A plan's device for an OpenVINO stage -> OpenVINO's name: cpu/CPU -> CPU; GPU[.N], NPU as they are."""
+    return "CPU" if device.lower() == "cpu" else device
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    device: str = "CPU"  # OpenVINO's device name
+    precision: str = "f32"
+    cache_dir: Path | None = None  # compiled blobs, so a restarted stage does not recompile from scratch
+
+    def config(self) -> dict[str, str]:
+        config = dict(PRECISIONS[self.precision])
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            config["CACHE_DIR"] = str(self.cache_dir)
+        return config
+
+
+class CompiledBlock:
+    """A compiled model and its one reusable infer request."""
+
+    def __init__(self, model: ov.Model, options: CompileOptions):
+        self.compiled = core().compile_model(model, options.device, options.config())
+        self.request = self.compiled.create_infer_request()
+        self.device = options.device
+
+    def __call__(self, *inputs: np.ndarray) -> torch.Tensor:
+        self.request.infer(list(inputs), share_inputs=True)
+        return torch.from_numpy(self.request.get_output_tensor(0).data.copy())
+
+    @property
+    def fused_matmuls(self) -> int:
+        return fused_count(layer_types(self.compiled), self.device)
+
+
+def _rows(x: torch.Tensor) -> np.ndarray:
+    return x.detach().to(torch.float32).contiguous().numpy()
+
+
+class OVLinear(nn.Module):
+    """y = x @ W.T (+ bias) as a compiled (int8/int4 compressed or float) matmul."""
+
+    def __init__(self, block: CompiledBlock, out_features: int):
+        super().__init__()
+        self.block, self.out_features = block, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.block(_rows(x.reshape(-1, x.shape[-1])))
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """A feed-forward block as one fused MoE call.
+
+    Routed (``route`` given): the family's router picks ids and weights on the host; ``shared``
+    slices (ids num_routed .. num_routed + shared - 1) join every row with weight 1. Dense
+    (``route`` None): every one of ``shared`` slices is active with weight 1 (Eq. 2). Weights are
+    divided by the row factor F and the output multiplied by A * F in float32 (Eq. 1).
+    """
+
+    def __init__(
+        self,
+        block: CompiledBlock,
+        router_proj: nn.Module | None,
+        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
+        num_routed: int,
+        shared: int,
+        attenuation_exponent: int,
+        layer: str,
+    ):
+        super().__init__()
+        self.block, self.router_proj = block, router_proj
+        self.route = route  # the family's router: functools.partial (Qwen3) or a module (DeepSeek)
+        self.num_routed, self.shared = num_routed, shared
+        self.attenuation_exponent = attenuation_exponent
+        self.layer = layer
+        self.shared_ids = torch.arange(num_routed, num_routed + shared, dtype=torch.int32)  # not a weight
+
+    def selections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids int32 [R, K] and weights float32 [R, K] for the rows of x (routed, then shared)."""
+        rows = x.shape[0]
+        ids = self.shared_ids.expand(rows, self.shared)
+        weights = torch.ones(rows, self.shared, dtype=torch.float32)
+        if self.route is None:
+            return ids, weights
+        assert self.router_proj is not None
+        index, weight = self.route(self.router_proj(x))
+        return (
+            torch.cat([index.to(torch.int32), ids], dim=1),
+            torch.cat([weight.to(torch.float32), weights], dim=1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.selections(x)
+        factors = row_factors(weights)
+        y = self.block(_rows(x), ids.contiguous().numpy(), (weights / factors).contiguous().numpy())
+        return restore(y, factors, self.attenuation_exponent).to(x.dtype)
+
+
+def check_block_fused(block: CompiledBlock, layer: str) -> None:
+    check_fused(block.compiled, block.device, layer)

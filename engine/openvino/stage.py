@@ -1,0 +1,246 @@
+"""The OpenVINO :class:`~modelfleet.engine.backend.StageBackend`: a torch shard whose heavy
+matmuls are compiled OpenVINO blocks (seed 000's resident MoE engine).
+
+What runs where (seed 000 §3):
+
+- OpenVINO (CPU here, an Intel iGPU with ``device GPU``): every feed-forward block as one fused
+  MoE call (routed experts, shared experts and dense layers as all-active slices, Eq. 2), the
+  attention projections and the output head as compressed (int8, or float) matmuls.
+- The host, with the engine's own code: norms, routing (each family's exact rules), RoPE,
+  attention over the per-slot KV cache and its :class:`~modelfleet.engine.kvcache.SlotTable`, so
+  release, rewind, export and import behave exactly as in the torch backend.
+
+The shard is loaded by the torch code path first (formats applied as asked, kernels not
+prepared, so int4 codes stay in the storage layout), then each layer is exported and compiled and
+the torch weights it replaced are dropped. Fusion is asserted per MoE block (:mod:`.fusion`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..formats.int4 import Int4Weight
+from ..formats.int8 import Int8Weight
+from ..formats.plan import FormatPlan
+from ..layers import Dense, GatedMLP, SparseMoE
+from ..quantize import QuantizedDense
+from ..shard import Shard
+from ..spec import ModelSpec, load_spec
+from . import export
+from .graphs import ExpertBank, Weight, matmul_graph, moe_graph, weight_bytes
+from .runtime import CompiledBlock, CompileOptions, FusedMoE, OVLinear, check_block_fused, openvino_device
+
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")  # whose layers this backend exports
+
+
+def family_refusal(family: str) -> str | None:
+    if family in FAMILIES:
+        return None
+    return (
+        f"the OpenVINO backend serves the {', '.join(FAMILIES)} families; this checkpoint is {family!r} "
+        "(its attention or expert layout has no OpenVINO export here); run it with --backend torch"
+    )
+
+
+CACHE_DIR_ENV = "MF_OPENVINO_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """Where compiled blocks are cached: $MF_OPENVINO_CACHE_DIR, else ~/.cache/modelfleet/openvino."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "modelfleet" / "openvino"
+
+
+def check_device(device: str) -> None:
+    """Raise unless OpenVINO sees ``device`` here (a GPU stage on a machine without an Intel GPU)."""
+    from .runtime import core
+
+    available = core().available_devices
+    kind = device.split(".")[0]
+    if device not in available and not (device == kind and any(d.startswith(kind) for d in available)):
+        raise ConfigError(
+            f"OpenVINO device {device!r} is not available here (OpenVINO sees {', '.join(available) or 'none'}); "
+            "run the stage on a node with an Intel GPU, or set its device to cpu"
+        )
+
+
+def expert_width(spec: ModelSpec) -> int:
+    return int(spec.require("moe_intermediate_size"))
+
+
+class OpenVINOShard(Shard):
+    """A :class:`Shard` whose feed-forward blocks, attention projections and head run as compiled
+    OpenVINO blocks on ``openvino_device``; the rest of the protocol is the torch shard's."""
+
+    openvino_device: str = "CPU"
+    moe_layers: int = 0
+    fused_layers: int = 0
+    compile_seconds: float = 0.0
+    attenuation_exponents: dict[int, int]
+    _ov_bytes: dict[str, dict[str, int]]
+
+    @classmethod
+    def load_openvino(
+        cls,
+        model_dir: str | Path,
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        *,
+        device: str = "CPU",
+        dtype: str | torch.dtype = torch.float32,
+        formats: FormatPlan | None = None,
+        precision: str | None = None,
+        cache_dir: Path | None = None,
+        attenuation_exponent: int = 0,
+        on_layer: Callable[[int, int], None] | None = None,
+        progress: bool = False,
+    ) -> OpenVINOShard:
+        """Layers [layer_start, layer_end) compiled for ``device`` (cpu/CPU, GPU[.N]); ``dtype`` is
+        the host's (norms, attention, KV cache); the compiled blocks take and return float32.
+        ``precision`` (runtime.PRECISIONS): by default ``f32`` on CPU (exact, and as fast as
+        bf16 there: docs/results/openvino_stage.md) and the device's own (f16) on GPUs."""
+        spec = load_spec(model_dir)
+        refusal = family_refusal(spec.family)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        shard = cls.load(
+            model_dir, layer_start, layer_end, device="cpu", dtype=torch.float32, formats=formats, pack=False
+        )
+        assert isinstance(shard, OpenVINOShard)
+        ov_device = openvino_device(device)
+        chosen = precision or ("f32" if ov_device == "CPU" else "default")
+        options = CompileOptions(ov_device, chosen, cache_dir)
+        check_device(options.device)
+        shard.compile(options, attenuation_exponent, on_layer, progress)
+        return shard
+
+    def compile(
+        self,
+        options: CompileOptions,
+        attenuation_exponent: int = 0,
+        on_layer: Callable[[int, int], None] | None = None,
+        progress: bool = False,
+    ) -> None:
+        """Export and compile every layer (and the head), asserting each MoE block fused."""
+        started = time.perf_counter()
+        self.openvino_device, self._ov_bytes, self.attenuation_exponents = options.device, {}, {}
+        count = len(self.layers)
+        for done, (offset, layer) in enumerate(_track(list(enumerate(self.layers)), progress, "compiling"), 1):
+            index = self.layer_start + offset
+            name = f"layer {index}"
+            layer.mlp = self._compile_mlp(layer.mlp, options, attenuation_exponent, name)
+            self.attenuation_exponents[index] = attenuation_exponent
+            _replace_linears(layer.attention, options, name, self._count)
+            if on_layer is not None:
+                on_layer(done, count)
+        compiled_head = None if self.head is None else _compiled_linear(self.head, options, "head", self._count)
+        if compiled_head is not None:
+            self.head = compiled_head  # type: ignore[assignment]
+        self.compile_seconds = time.perf_counter() - started
+
+    def _count(self, role: str, fmt: str, nbytes: int) -> None:
+        by_format = self._ov_bytes.setdefault(role, {})
+        by_format[fmt] = by_format.get(fmt, 0) + nbytes
+
+    def _compile_mlp(self, mlp: nn.Module, options: CompileOptions, exponent: int, name: str) -> FusedMoE:
+        if isinstance(mlp, SparseMoE):
+            banks = [export.routed_bank(mlp.experts, f"{name}.experts")]
+            if mlp.shared is not None:
+                if not isinstance(mlp.shared, GatedMLP):
+                    raise ConfigError(f"{name}: shared experts of type {type(mlp.shared).__name__} are not exported")
+                banks.append(export.slices_of(mlp.shared, expert_width(self.spec), f"{name}.shared"))
+            bank = export.join(banks) if len(banks) > 1 else banks[0]
+            routed = banks[0].num_experts
+            shared = bank.num_experts - routed
+            top_k = int(self.spec.require("num_experts_per_tok")) + shared
+            block = self._moe_block(bank, top_k, options, exponent, name)
+            return FusedMoE(block, mlp.router_proj, mlp.route, routed, shared, exponent, name)
+        if isinstance(mlp, GatedMLP):  # a dense layer as all-active slices (Eq. 2)
+            bank = export.slices_of(mlp, expert_width(self.spec), f"{name}.mlp")
+            block = self._moe_block(bank, bank.num_experts, options, exponent, name)
+            return FusedMoE(block, None, None, 0, bank.num_experts, exponent, name)
+        raise ConfigError(f"{name}: feed-forward block {type(mlp).__name__} has no OpenVINO export")
+
+    def _moe_block(
+        self, bank: ExpertBank, top_k: int, options: CompileOptions, exponent: int, name: str
+    ) -> CompiledBlock:
+        self._count("experts", export.bank_format(bank), bank.nbytes)
+        block = CompiledBlock(moe_graph(export.attenuate(bank, exponent), top_k, name), options)
+        check_block_fused(block, name)
+        self.moe_layers += 1
+        self.fused_layers += 1
+        return block
+
+    @property
+    def bytes_by_role(self) -> dict[str, dict[str, int]]:
+        """The host's tensors (norms, routers, embeddings, KV-free) plus the compiled blocks' weights."""
+        table = {role: dict(by_format) for role, by_format in super().bytes_by_role.items()}
+        for role, by_format in getattr(self, "_ov_bytes", {}).items():
+            for fmt, nbytes in by_format.items():
+                table.setdefault(role, {})[fmt] = table.get(role, {}).get(fmt, 0) + nbytes
+        return table
+
+    @property
+    def backend_info(self) -> dict[str, object]:
+        return {
+            "backend": "openvino",
+            "device": self.openvino_device,
+            "moe_layers": self.moe_layers,
+            "fused_layers": self.fused_layers,
+            "compile_seconds": round(self.compile_seconds, 3),
+        }
+
+
+def _linear_weight(module: nn.Module) -> tuple[Weight, torch.Tensor | None, str] | None:
+    """The weight of a projection the OpenVINO backend compiles (float, int8, int4), or None."""
+    if isinstance(module, QuantizedDense) and isinstance(module.weight, Int8Weight | Int4Weight):
+        bias = None if module.bias is None else module.bias.detach()
+        return module.weight, bias, module.weight.format
+    if type(module) is Dense and not module.keep_plain and module.packed is None:
+        bias = None if module.bias is None else module.bias.detach()
+        return module.weight.detach().to(torch.float32), bias, "fp32"
+    return None
+
+
+def _compiled_linear(
+    module: nn.Module, options: CompileOptions, name: str, count: Callable[[str, str, int], None]
+) -> OVLinear | None:
+    found = _linear_weight(module)
+    if found is None:
+        return None
+    weight, bias, fmt = found
+    role = "head" if name == "head" else "attention"
+    count(role, fmt, weight_bytes(weight))
+    return OVLinear(CompiledBlock(matmul_graph(weight, f"{name}", bias), options), int(weight.shape[0]))
+
+
+def _replace_linears(
+    root: nn.Module, options: CompileOptions, name: str, count: Callable[[str, str, int], None]
+) -> None:
+    """Every compilable projection under ``root`` (attention: q, k, v, o and MLA's) as an OVLinear;
+    projections a layer reads directly (``keep_plain``) stay on the host."""
+    for child_name, child in list(root.named_children()):
+        compiled = _compiled_linear(child, options, f"{name}.{child_name}", count)
+        if compiled is not None:
+            setattr(root, child_name, compiled)
+        else:
+            _replace_linears(child, options, f"{name}.{child_name}", count)
+
+
+def _track(items: list, show: bool, label: str) -> Iterable:  # type: ignore[type-arg]
+    if not show:
+        return items
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(items, description=label, console=Console(stderr=True))
