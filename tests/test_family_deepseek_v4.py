@@ -546,7 +546,11 @@ def test_bfloat16_stays_close_to_float32(tiny):
     ids = tokens(40, seed=20)
     full = Shard.load(path)(Frame.of_streams([(0, 0, ids)]))
     half = Shard.load(path, dtype="bfloat16")(Frame.of_streams([(0, 0, ids)]))
-    assert float(torch.nn.functional.cosine_similarity(half, full, dim=-1).min()) >= 0.99
+    cosine = torch.nn.functional.cosine_similarity(half.float(), full, dim=-1)
+    # a position whose near-tied experts swap under bf16 rounding moves alone (0.95-0.99 at one or
+    # two of 40 positions, seed to seed, whatever the order of the experts' weighted sum): the mean
+    # holds the dtype to float32, the minimum catches a position that broke
+    assert float(cosine.mean()) >= 0.995 and float(cosine.min()) >= 0.9
 
 
 def test_tensor_parallelism_refuses_to_cut_a_packed_fp4_block_and_names_it(published_checkpoint):
