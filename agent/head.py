@@ -277,9 +277,10 @@ class Head:
         assert self.sampler is not None
         for stream in step.new_streams:
             self.sampler.start(stream.slot, stream.params)
-        tokens, errors = sample_step(self.sampler, slots, output_ids, logits)
+        self.sampler.observe(list(step.slots), list(step.token_ids))
+        tokens, errors, logprobs = sample_step(self.sampler, slots, output_ids, logits)
         self.deliver([self._fail_slot(step, slot, exc.code, str(exc)) for slot, exc in errors.items()])
-        self.deliver(self.scheduler.complete(step.id, tokens, time.monotonic()))
+        self.deliver(self.scheduler.complete(step.id, tokens, time.monotonic(), logprobs))
 
     def _fail_slot(self, step: Step, slot: int, code: ErrorCode, message: str) -> Finish | None:
         stream = next((s for s in step.streams if s.slot == slot), None)
@@ -295,7 +296,9 @@ class Head:
             for slot, token in zip(msg.slots.tolist(), msg.token_ids.tolist(), strict=True):
                 tokens.setdefault(slot, []).append(token)
             self.release_strays(tokens)
-            self.deliver(self.scheduler.complete(msg.step, tokens, time.monotonic()))
+            slots = msg.slots.tolist()
+            logprobs = {slots[record.row]: record.value() for record in msg.logprobs}
+            self.deliver(self.scheduler.complete(msg.step, tokens, time.monotonic(), logprobs))
             self.pump()
         elif isinstance(msg, wire.HeartbeatMsg):
             if msg.plan_hash == self.plan_hash and msg.ready:
@@ -355,7 +358,10 @@ class Head:
                 continue
             client, request_id = cast(tuple[bytes, int], event.stream.key)
             if isinstance(event, Token):
-                self._send(client, wire.OutputMsg(request_id=request_id, token_ids=(event.token_id,)))
+                logprobs = () if event.logprobs is None else (wire.LogprobsRecord.of(0, event.logprobs),)
+                self._send(
+                    client, wire.OutputMsg(request_id=request_id, token_ids=(event.token_id,), logprobs=logprobs)
+                )
                 continue
             self.streams.pop((client, request_id), None)
             code = None if event.code is None else event.code.value

@@ -422,7 +422,9 @@ class StageAgent:
         assert self.sampler is not None
         for start in starts:
             self.sampler.start(start.slot, start.sampling_params())
-        tokens, errors = sample_step(self.sampler, slots, output_tokens, logits)
+        if msg.token_ids is not None:
+            self.sampler.observe(msg.slots.tolist(), msg.token_ids.tolist())
+        tokens, errors, logprobs = sample_step(self.sampler, slots, output_tokens, logits)
         for slot, exc in errors.items():
             self._refuse(msg, exc, slot)
         first: dict[int, int] = {}  # each slot's first output row's position: its window's tokens follow it
@@ -433,6 +435,7 @@ class StageAgent:
             microbatch=msg.microbatch, step=msg.step, slots=torch.tensor([r[0] for r in rows], dtype=torch.int64),
             positions=torch.tensor([r[1] for r in rows], dtype=torch.int64),
             token_ids=torch.tensor([r[2] for r in rows], dtype=torch.int64),
+            logprobs=tuple(wire.LogprobsRecord.of(i, logprobs[r[0]]) for i, r in enumerate(rows) if r[0] in logprobs),
         )  # fmt: skip
 
     def release(self, slots: tuple[int, ...]) -> None:

@@ -22,7 +22,7 @@ from .errors import InputError, ModelfleetError
 from .formats.plan import FormatPlan
 from .frame import Frame
 from .kvcache import SlotState, SlotTable
-from .sampling import SamplingParams, TailSampler
+from .sampling import SamplingParams, TailSampler, TokenLogprobs
 from .scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, Token
 from .shard import Shard
 from .spec import ModelSpec, load_spec
@@ -169,6 +169,7 @@ class LocalModel:
 class GenerationResult:
     prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked
     finish_reason: str = "length"
     time_to_first_token_s: float = 0.0
     total_s: float = 0.0
@@ -220,11 +221,12 @@ def generate_batch(
                     seated.add(stream.slot)
                 logits = model.run_step(step)
                 rows_in = [step.token_ids[r] for r in step.output_rows]
-                tokens, errors = sample_step(sampler, [s.slot for s in step.sampled], rows_in, logits)
+                sampler.observe(list(step.slots), list(step.token_ids))
+                tokens, errors, logprobs = sample_step(sampler, [s.slot for s in step.sampled], rows_in, logits)
                 if errors:
                     raise next(iter(errors.values()))
                 now = time.perf_counter() - start
-                for event in scheduler.complete(step.id, tokens, now):
+                for event in scheduler.complete(step.id, tokens, now, logprobs):
                     _deliver(event, results, now, on_token)
                     if isinstance(event, Rewind):
                         model.rewind(event.stream.slot, event.position)
@@ -250,6 +252,8 @@ def _deliver(
     result.total_s = now
     if isinstance(event, Token):
         result.token_ids.append(event.token_id)
+        if event.logprobs is not None:
+            result.logprobs.append(event.logprobs)
         if on_token is not None:
             on_token(index, event.token_id)
     else:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, ModelfleetError
-from ..sampling import SamplingParams, TailSampler, filter_logits
+from ..sampling import SamplingParams, TailSampler, TokenLogprobs, filter_logits
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def sample_step(
     sampler: TailSampler, slots: Sequence[int], token_ids: Sequence[int] | None, logits: torch.Tensor
-) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError]]:
+) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError], dict[int, TokenLogprobs]]:
     """The tail's tokens for a step's output rows: ``slots[r]`` and ``token_ids[r]`` are output
         row r's stream slot and input token, ``logits`` [R, V]. A slot's lone row is sampled; a run of
         rows of one slot is a verify window (its input tokens after the first are the proposals) and
@@ -117,7 +117,7 @@ def sample_step(
         windows.setdefault(slot, []).append(row)
     lone = [rows[0] for rows in windows.values() if len(rows) == 1]
     tokens: dict[int, int | list[int]] = {}
-    picked, errors = sampler.sample([slots[r] for r in lone], logits[lone])
+    picked, errors, logprobs = sampler.sample_with_logprobs([slots[r] for r in lone], logits[lone])
     tokens.update(picked)
     for slot, rows in windows.items():
         if len(rows) == 1:
@@ -134,4 +134,4 @@ def sample_step(
             tokens[slot] = verify(logits[rows], drafts, stream.params, stream.generator).tokens
         except RuntimeError as exc:  # a distribution that is not one (torch.multinomial)
             errors[slot] = InputError(f"sampling failed for these sampling parameters: {exc}")
-    return tokens, errors
+    return tokens, errors, logprobs
