@@ -352,7 +352,7 @@ class Job:
     def __post_init__(self) -> None:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
-    streamed_chars: int = 0  # text this choice streamed so far: completions' text_offset goes on from it
+    streamed_chars: int = 0  # the echo and the token texts streamed so far: completions' text_offset goes on from it
 
     def usage(self) -> dict[str, int]:
         prompt, generated = len(self.prompt_ids), len(self.token_ids)
@@ -1067,7 +1067,7 @@ class Gateway:
             choice["text"] = text
             if asked is not None and logprobs:
                 choice["logprobs"] = self._completion_logprobs(token_ids, logprobs, asked, job.streamed_chars)
-            job.streamed_chars += len(text)
+                job.streamed_chars += sum(len(token) for token in choice["logprobs"]["tokens"])
         if with_ids:
             choice["token_ids"] = token_ids
             if first:
