@@ -4,6 +4,7 @@ log-softmax of the distribution sampled from, streamed and not; n > 1, best_of a
 prompts; penalties, logit bias and min_tokens; /health, /version, /v1/models/{id}, /tokenize and
 /detokenize; optional fields that cost nothing."""
 
+# ruff: noqa: F811  (test functions take the module fixtures imported from test_gateway by name)
 from __future__ import annotations
 
 import math
