@@ -342,6 +342,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     token_ids: list[int] = field(default_factory=list)  # the current attempt's
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # the current attempt's, one per token when asked
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by prompt position (echo with logprobs)
     heads_tried: list[int] = field(default_factory=list)  # head indices, in the order of the attempts
     first_token_seen: bool = False  # by any attempt: time to first token is observed once
     checked_at: float = 0.0  # time.monotonic() when the client and head were last checked
@@ -382,14 +383,18 @@ class Outputs:
     code: str | None
     error: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by prompt position
 
     @classmethod
     def of(cls, msg: wire.OutputMsg) -> Outputs:
-        return cls(list(msg.token_ids), msg.finish_reason, msg.code, msg.error, [r.value() for r in msg.logprobs])
+        outputs = cls(list(msg.token_ids), msg.finish_reason, msg.code, msg.error, [r.value() for r in msg.logprobs])
+        outputs.prompt_logprobs = {r.row: r.value() for r in msg.prompt_logprobs}
+        return outputs
 
     def add(self, msg: wire.OutputMsg) -> None:
         self.token_ids += msg.token_ids
         self.logprobs += [r.value() for r in msg.logprobs]
+        self.prompt_logprobs.update((r.row, r.value()) for r in msg.prompt_logprobs)
         self.finish_reason, self.code, self.error = msg.finish_reason, msg.code, msg.error
 
 
@@ -639,7 +644,9 @@ class Gateway:
     def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int,
                 logprobs: int | None, seed: int | None) -> SamplingParams:  # fmt: skip
         """``logprobs``: alternatives the tail reports per token (None: none); ``seed``: this choice's."""
-        max_tokens = self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0]
+        # max_tokens 0 (echo, scoring the prompt) runs one step, whose token the client never sees
+        max_tokens = max(1, self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0])
+        echo = isinstance(body, CompletionRequest) and body.echo
         eos = () if body.ignore_eos else self.prompts.eos_token_ids
         asked = self._prompt(lambda: self.prompts.check_stop_ids(body.stop_token_ids or []))
         stop_ids = tuple(dict.fromkeys([*eos, *asked]))
@@ -650,6 +657,7 @@ class Gateway:
         return SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k), min_p=body.min_p, seed=seed,
             max_tokens=max_tokens, stop_token_ids=stop_ids, logprobs=logprobs,
+            prompt_logprobs=body.top_logprobs_asked if echo else None,
             frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0, min_tokens=body.min_tokens,
             logit_bias_ids=tuple(t for t, _ in bias), logit_bias_values=tuple(b for _, b in bias),
@@ -748,7 +756,7 @@ class Gateway:
                             job.id, self.heads[job.heads_tried[-1]].address, after.retry, after.error.message,
                             head.address)  # fmt: skip
             job.heads_tried.append(h)
-            job.token_ids, job.logprobs = [], []
+            job.token_ids, job.logprobs, job.prompt_logprobs = [], [], {}
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             request_id, inbox = head.submit(job.prompt_ids, job.params)
             text = TextStream(self.prompts.tokenizer, job.body.stop_strings)
@@ -760,6 +768,9 @@ class Gateway:
                     except HeadSilent as exc:
                         yield Finish("error", ApiError(503, str(exc), retry_after_seconds=1), "head_silent")
                         return
+                    job.prompt_logprobs.update(msg.prompt_logprobs)
+                    if msg.token_ids and job.body.max_tokens == 0:  # the one step that scored the prompt
+                        msg.token_ids, msg.logprobs = [], []
                     if msg.token_ids:
                         last_token_at = self._observe_tokens(job, len(msg.token_ids), last_token_at)
                         piece = await self._detokenize(text, msg.token_ids)
@@ -860,7 +871,8 @@ class Gateway:
             echo = self._echo(job)
             choice["text"] = echo + text
             if asked is not None:
-                choice["logprobs"] = self._completion_logprobs(job.token_ids, job.logprobs, asked, len(echo))
+                ids, entries = self._with_echo(job, job.token_ids, job.logprobs, bool(echo))
+                choice["logprobs"] = self._completion_logprobs(ids, entries, asked, 0)
         if job.body.return_token_ids:
             choice.update(prompt_token_ids=job.prompt_ids, token_ids=job.token_ids)
         return choice
@@ -872,22 +884,33 @@ class Gateway:
     def _token_text(self, token_id: int) -> str:
         return self.prompts.token_strings([token_id])[0]
 
-    def _completion_logprobs(self, ids: list[int], logprobs: list[TokenLogprobs], top: int,
+    @staticmethod
+    def _with_echo(job: Job, ids: list[int], logprobs: list[TokenLogprobs],
+                   echo: bool) -> tuple[list[int], list[TokenLogprobs | None]]:  # fmt: skip
+        """The prompt's ids and log-probabilities (none for its first token) before ``ids``', when echoed."""
+        if not echo:
+            return ids, list(logprobs)
+        prompt = [job.prompt_logprobs.get(q) for q in range(len(job.prompt_ids))]
+        return [*job.prompt_ids, *ids], [*prompt, *logprobs]
+
+    def _completion_logprobs(self, ids: list[int], logprobs: list[TokenLogprobs | None], top: int,
                              offset: int) -> dict[str, Any]:  # fmt: skip
         """OpenAI's completions shape: tokens, token_logprobs, top_logprobs ({text: logprob} of the
-        ``top`` alternatives and the token itself, as vLLM gives them) and text_offset."""
+        ``top`` alternatives and the token itself, as vLLM gives them; null for an echoed prompt's
+        first token) and text_offset."""
         tokens = [self._token_text(t) for t in ids]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         tops = [
+            None if lp is None else
             {**{self._token_text(a): v for a, v in zip(lp.top_ids[:top], lp.top_logprobs[:top], strict=True)},
              tokens[i]: lp.logprob}
             for i, lp in enumerate(logprobs)
         ]  # fmt: skip
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
-                "text_offset": offsets}  # fmt: skip
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+                "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
 
     def _chat_logprobs(self, ids: list[int], logprobs: list[TokenLogprobs], top: int) -> list[dict[str, Any]]:
         """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and the ``top`` alternatives."""
@@ -1061,12 +1084,12 @@ class Gateway:
             if asked is not None and logprobs:
                 choice["logprobs"] = {"content": self._chat_logprobs(token_ids, logprobs, asked)}
         else:
-            if first and isinstance(job.body, CompletionRequest) and job.body.echo:
-                echo = self._echo(job)
-                text, job.streamed_chars = echo + text, len(echo)
+            echo = first and isinstance(job.body, CompletionRequest) and job.body.echo
+            text = self._echo(job) + text if echo else text
             choice["text"] = text
-            if asked is not None and logprobs:
-                choice["logprobs"] = self._completion_logprobs(token_ids, logprobs, asked, job.streamed_chars)
+            if asked is not None and (logprobs or echo):
+                ids, entries = self._with_echo(job, token_ids, logprobs, echo)
+                choice["logprobs"] = self._completion_logprobs(ids, entries, asked, job.streamed_chars)
                 job.streamed_chars += sum(len(token) for token in choice["logprobs"]["tokens"])
         if with_ids:
             choice["token_ids"] = token_ids

@@ -23,7 +23,7 @@ import copy
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -33,10 +33,10 @@ import zmq
 from ..engine.backend import StageBackend
 from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.frame import Frame
-from ..engine.sampling import TailSampler
+from ..engine.sampling import TailSampler, TokenLogprobs
 from ..engine.scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, StreamState, Token
 from ..engine.speculative.speculator import SpeculationStats
-from ..engine.speculative.verify import sample_step
+from ..engine.speculative.verify import tail_step
 from ..plan import FleetPlan
 from . import transport as wire
 from .health import AgentStatus, StageMetrics
@@ -262,25 +262,41 @@ class Head:
         slots = frame.slots.tolist()
         output_rows = [] if frame.output_rows is None else frame.output_rows.tolist()
         assert frame.token_ids is not None
-        ids = frame.token_ids.tolist()
-        output_ids = [ids[r] for r in output_rows]
         if self.send_next is None:
-            self._sample_here(step, [slots[r] for r in output_rows], output_ids, out)
+            self._sample_here(step, frame, out)
             return
-        starts = tuple(wire.StreamStart.of(s.slot, s.params) for s in step.new_streams if s.slot in set(slots))
+        starts = tuple(wire.StreamStart.of(s.slot, s.params, len(s.prompt)) for s in step.new_streams
+                       if s.slot in set(slots))  # fmt: skip
         self.send_next(wire.FrameMsg(
             microbatch=step.microbatch, step=step.id, slots=frame.slots, positions=frame.positions, hidden=out,
             token_ids=frame.token_ids, output_rows=tuple(output_rows), new_streams=starts,
         ))  # fmt: skip
 
-    def _sample_here(self, step: Step, slots: list[int], output_ids: list[int], logits: torch.Tensor) -> None:
-        assert self.sampler is not None
+    def _sample_here(self, step: Step, frame: Frame, logits: torch.Tensor) -> None:
+        """A one-stage fleet's head is its tail too: sample (and score prompt rows) here."""
+        assert self.sampler is not None and frame.token_ids is not None
         for stream in step.new_streams:
-            self.sampler.start(stream.slot, stream.params)
-        self.sampler.observe(list(step.slots), list(step.token_ids))
-        tokens, errors, logprobs = sample_step(self.sampler, slots, output_ids, logits)
+            self.sampler.start(stream.slot, stream.params, len(stream.prompt))
+        slots, positions, ids = frame.slots.tolist(), frame.positions.tolist(), frame.token_ids.tolist()
+        rows = [] if frame.output_rows is None else frame.output_rows.tolist()
+        self.sampler.observe(slots, ids)
+        tokens, errors, logprobs, prompt = tail_step(
+            self.sampler, [slots[r] for r in rows], [positions[r] for r in rows], [ids[r] for r in rows], logits,
+            lambda: list(zip(slots, positions, ids, strict=True)),
+        )  # fmt: skip
+        self._send_prompt_logprobs(step, prompt)
         self.deliver([self._fail_slot(step, slot, exc.code, str(exc)) for slot, exc in errors.items()])
         self.deliver(self.scheduler.complete(step.id, tokens, time.monotonic(), logprobs))
+
+    def _send_prompt_logprobs(self, step: Step | None, scored: Mapping[int, list[tuple[int, TokenLogprobs]]]) -> None:
+        """Prompt tokens' log-probabilities to their clients, before the stream's first token."""
+        for slot, entries in scored.items():
+            stream = None if step is None else next((s for s in step.streams if s.slot == slot and not s.done), None)
+            if stream is None or not entries:
+                continue
+            client, request_id = cast(tuple[bytes, int], stream.key)
+            records = tuple(wire.LogprobsRecord.of(position, value) for position, value in entries)
+            self._send(client, wire.OutputMsg(request_id=request_id, prompt_logprobs=records))
 
     def _fail_slot(self, step: Step, slot: int, code: ErrorCode, message: str) -> Finish | None:
         stream = next((s for s in step.streams if s.slot == slot), None)
@@ -298,6 +314,10 @@ class Head:
             self.release_strays(tokens)
             slots = msg.slots.tolist()
             logprobs = {slots[record.row]: record.value() for record in msg.logprobs}
+            prompt: dict[int, list[tuple[int, TokenLogprobs]]] = {}
+            for slot, record in zip(msg.prompt_slots, msg.prompt_logprobs, strict=True):
+                prompt.setdefault(slot, []).append((record.row, record.value()))
+            self._send_prompt_logprobs(self.scheduler.in_flight.get(msg.step), prompt)
             self.deliver(self.scheduler.complete(msg.step, tokens, time.monotonic(), logprobs))
             self.pump()
         elif isinstance(msg, wire.HeartbeatMsg):

@@ -144,7 +144,7 @@ class CompletionRequest(_Request):
         | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = COMPLETION_MAX_TOKENS_DEFAULT
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = COMPLETION_MAX_TOKENS_DEFAULT  # 0: score the prompt only
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
@@ -156,6 +156,8 @@ class CompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _choices(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing; it is allowed only with echo: true (to score the prompt)")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of={self.best_of} must be at least n={self.n}")
         if self.best_of is not None and self.best_of > self.n and self.stream:

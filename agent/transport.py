@@ -322,12 +322,13 @@ MICROBATCH = Int(0, MAX_SLOTS)
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "logprobs",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "logit_bias_ids",
-    "logit_bias_values",
+    "logit_bias_values", "prompt_logprobs",
 )  # fmt: skip
 LOGPROB = Float(LOGPROB_FLOOR, 0.0)
 # the sampling fields after stop_token_ids, the same in stream_start and submit
 _EXTRA_SAMPLING: dict[str, tuple[Kind, Any]] = {
     "logprobs": (Optional(Int(0, MAX_LOGPROBS)), None),
+    "prompt_logprobs": (Optional(Int(0, MAX_LOGPROBS)), None),
     "frequency_penalty": (Float(-2.0, 2.0), 0.0),
     "presence_penalty": (Float(-2.0, 2.0), 0.0),
     "repetition_penalty": (Float(0.0, 100.0, lo_open=True), 1.0),
@@ -339,11 +340,11 @@ _EXTRA_SAMPLING: dict[str, tuple[Kind, Any]] = {
 
 @dataclass(frozen=True)
 class LogprobsRecord(Checked):
-    """The log-probabilities of the token in ``row`` of its message (tokens: the row; output: the
-    index in token_ids): its own and its most likely alternatives', most likely first."""
+    """The log-probabilities of the token in ``row`` (a message's row, or index in token_ids; a
+    prompt position in ``prompt_logprobs``): its own and its most likely alternatives', most likely first."""
 
     TYPE: ClassVar[str] = "logprobs"
-    row: int = wire(Int(0, MAX_ROWS - 1))
+    row: int = wire(POSITION)
     logprob: float = wire(LOGPROB)
     top_ids: tuple[int, ...] = wire(IntList(MAX_LOGPROBS, Int(0, MAX_TOKEN_ID)), ())
     top_logprobs: tuple[float, ...] = wire(FloatList(MAX_LOGPROBS, LOGPROB), ())
@@ -374,6 +375,7 @@ class StreamStart(Checked):
     max_tokens: int = wire(Int(1, MAX_POSITION), 16)
     stop_token_ids: tuple[int, ...] | None = wire(Optional(IntList(MAX_STOP_IDS, Int(0, MAX_TOKEN_ID))), None)
     logprobs: int | None = wire(*_EXTRA_SAMPLING["logprobs"])
+    prompt_logprobs: int | None = wire(*_EXTRA_SAMPLING["prompt_logprobs"])
     frequency_penalty: float = wire(*_EXTRA_SAMPLING["frequency_penalty"])
     presence_penalty: float = wire(*_EXTRA_SAMPLING["presence_penalty"])
     repetition_penalty: float = wire(*_EXTRA_SAMPLING["repetition_penalty"])
@@ -381,9 +383,11 @@ class StreamStart(Checked):
     logit_bias_ids: tuple[int, ...] = wire(*_EXTRA_SAMPLING["logit_bias_ids"])
     logit_bias_values: tuple[float, ...] = wire(*_EXTRA_SAMPLING["logit_bias_values"])
 
+    prompt_tokens: int = wire(Int(0, MAX_POSITION), 0)  # the tail scores rows before the prompt's last
+
     @classmethod
-    def of(cls, slot: int, params: SamplingParams) -> StreamStart:
-        return cls(slot=slot, **{name: getattr(params, name) for name in _SAMPLING_FIELDS})
+    def of(cls, slot: int, params: SamplingParams, prompt_tokens: int = 0) -> StreamStart:
+        return cls(slot=slot, prompt_tokens=prompt_tokens, **{name: getattr(params, name) for name in _SAMPLING_FIELDS})
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})
@@ -450,9 +454,14 @@ class TokensMsg(Message):
     positions: torch.Tensor = wire(INT_IDS)  # [N] int64
     token_ids: torch.Tensor = wire(INT_IDS)  # [N] int64
     logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())  # rows that asked
+    # prompt tokens' log-probabilities (record.row: the prompt position), of the streams in prompt_slots
+    prompt_slots: tuple[int, ...] = wire(IntList(MAX_ROWS, SLOT), ())
+    prompt_logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())
 
     def check(self) -> None:
         _records_name_rows(self.TYPE, self.logprobs, int(self.slots.shape[0]))
+        if len(self.prompt_slots) != len(self.prompt_logprobs):
+            raise MalformedMessage("tokens.prompt_slots and tokens.prompt_logprobs must have one entry each")
         # zero rows is valid: a frame of prefill windows that sampled nothing still completes
         rows = int(self.slots.shape[0])
         if rows > MAX_ROWS:
@@ -555,6 +564,7 @@ class SubmitMsg(Message):
     max_tokens: int = wire(Int(1, MAX_POSITION), 16)
     stop_token_ids: tuple[int, ...] | None = wire(Optional(IntList(MAX_STOP_IDS, Int(0, MAX_TOKEN_ID))), None)
     logprobs: int | None = wire(*_EXTRA_SAMPLING["logprobs"])
+    prompt_logprobs: int | None = wire(*_EXTRA_SAMPLING["prompt_logprobs"])
     frequency_penalty: float = wire(*_EXTRA_SAMPLING["frequency_penalty"])
     presence_penalty: float = wire(*_EXTRA_SAMPLING["presence_penalty"])
     repetition_penalty: float = wire(*_EXTRA_SAMPLING["repetition_penalty"])
@@ -588,6 +598,7 @@ class OutputMsg(Message):
     code: str | None = wire(Optional(ERROR_CODE), None)
     error: str = wire(Str(4096), "")
     logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())  # by index in token_ids
+    prompt_logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())  # by prompt position
 
     def check(self) -> None:
         _records_name_rows(self.TYPE, self.logprobs, len(self.token_ids))

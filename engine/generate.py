@@ -27,7 +27,7 @@ from .scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfi
 from .shard import Shard
 from .spec import ModelSpec, load_spec
 from .speculative.speculator import Speculator
-from .speculative.verify import sample_step
+from .speculative.verify import tail_step
 from .split import even_split
 from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, supports_static_decode
 from .tensor_parallel import TensorGroup
@@ -217,12 +217,16 @@ def generate_batch(
         while not scheduler.idle:
             for step in scheduler.schedule(time.perf_counter() - start):
                 for stream in step.new_streams:
-                    sampler.start(stream.slot, stream.params)
+                    sampler.start(stream.slot, stream.params, len(stream.prompt))
                     seated.add(stream.slot)
                 logits = model.run_step(step)
-                rows_in = [step.token_ids[r] for r in step.output_rows]
+                rows = step.output_rows
                 sampler.observe(list(step.slots), list(step.token_ids))
-                tokens, errors, logprobs = sample_step(sampler, [s.slot for s in step.sampled], rows_in, logits)
+                tokens, errors, logprobs, _ = tail_step(
+                    sampler, [step.slots[r] for r in rows], [step.positions[r] for r in rows],
+                    [step.token_ids[r] for r in rows], logits,
+                    lambda: list(zip(step.slots, step.positions, step.token_ids, strict=True)),  # noqa: B023  (called at once)
+                )  # fmt: skip
                 if errors:
                     raise next(iter(errors.values()))
                 now = time.perf_counter() - start

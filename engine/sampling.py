@@ -43,6 +43,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS tokens
     logprobs: int | None = None  # report the sampled token's log-probability and this many alternatives'
+    prompt_logprobs: int | None = None  # report each prompt token's (after the first), with this many alternatives
     frequency_penalty: float = 0.0  # subtracted per earlier occurrence in the output
     presence_penalty: float = 0.0  # subtracted once if the token occurred in the output
     repetition_penalty: float = 1.0  # divides (positive) or multiplies (negative) logits of prompt and output tokens
@@ -194,6 +195,38 @@ class StreamSampler:
         return logits
 
 
+class PromptScorer:
+    """Log-probabilities of a stream's prompt tokens, from the logits of its prompt rows: row p's
+    log-softmax (of the raw logits: no sampling parameters apply to a prompt) scores the token at
+    p + 1, which is the next row of the same frame or, at a window's end, the first row of the
+    stream's next frame (this row's log-softmax waits for it, one [V] row per stream)."""
+
+    def __init__(self, top: int, prompt_tokens: int):
+        self.top, self.prompt_tokens = top, prompt_tokens
+        self.waiting: tuple[int, torch.Tensor] | None = None  # (position, log-softmax [V]) of a window's last row
+
+    def is_prompt_row(self, position: int) -> bool:
+        """Rows before the prompt's last are scored, not sampled (the last row's output is the first token)."""
+        return position < self.prompt_tokens - 1
+
+    def score(
+        self, positions: list[int], logits: torch.Tensor, next_token: dict[int, int]
+    ) -> list[tuple[int, TokenLogprobs]]:
+        """positions of this stream's prompt rows, their logits [R, V], and the input token of each
+        position this frame carries -> (position scored, its log-probabilities), in order."""
+        scored = []
+        if self.waiting is not None and (token := next_token.get(self.waiting[0] + 1)) is not None:
+            scored.append((self.waiting[0] + 1, top_logprobs(self.waiting[1], token, self.top)))
+            self.waiting = None
+        for position, row in zip(positions, torch.log_softmax(logits.to("cpu", torch.float32), -1), strict=True):
+            token = next_token.get(position + 1)
+            if token is None:
+                self.waiting = (position, row)
+            else:
+                scored.append((position + 1, top_logprobs(row, token, self.top)))
+        return scored
+
+
 class TailSampler:
     """The samplers of the last stage, one per slot: the one implementation of tail sampling.
 
@@ -205,12 +238,42 @@ class TailSampler:
     def __init__(self, eos_token_ids: tuple[int, ...] = ()):
         self.eos_token_ids = eos_token_ids
         self.samplers: dict[int, StreamSampler] = {}
+        self.scorers: dict[int, PromptScorer] = {}
 
-    def start(self, slot: int, params: SamplingParams) -> None:
+    def start(self, slot: int, params: SamplingParams, prompt_tokens: int = 0) -> None:
         self.samplers[slot] = StreamSampler(params, self.eos_token_ids)
+        if params.prompt_logprobs is not None:
+            self.scorers[slot] = PromptScorer(params.prompt_logprobs, prompt_tokens)
+        else:
+            self.scorers.pop(slot, None)
 
     def release(self, slot: int) -> None:
         self.samplers.pop(slot, None)
+        self.scorers.pop(slot, None)
+
+    def prompt_rows(self, slots: list[int], positions: list[int]) -> list[bool]:
+        """Which output rows are scored prompt rows (of a stream that asked for prompt log-probabilities)."""
+        if not self.scorers:
+            return [False] * len(slots)
+        return [
+            (s := self.scorers.get(slot)) is not None and s.is_prompt_row(p)
+            for slot, p in zip(slots, positions, strict=True)
+        ]
+
+    def score_prompts(
+        self, rows: list[tuple[int, int]], logits: torch.Tensor, frame_rows: list[tuple[int, int, int]]
+    ) -> dict[int, list[tuple[int, TokenLogprobs]]]:
+        """rows: (slot, position) of the prompt rows, logits [R, V] theirs; frame_rows: (slot,
+        position, input token) of every row of the frame -> {slot: [(position, log-probabilities)]}."""
+        out: dict[int, list[tuple[int, TokenLogprobs]]] = {}
+        waiting = [slot for slot, scorer in self.scorers.items() if scorer.waiting is not None]
+        for slot in dict.fromkeys(
+            [*(slot for slot, _ in rows), *(s for s in waiting if any(r[0] == s for r in frame_rows))]
+        ):
+            mine = [i for i, (s, _) in enumerate(rows) if s == slot]
+            following = {p: t for s, p, t in frame_rows if s == slot}
+            out[slot] = self.scorers[slot].score([rows[i][1] for i in mine], logits[mine], following)
+        return out
 
     def observe(self, slots: list[int], token_ids: list[int]) -> None:
         """A frame's input rows: streams with a repetition penalty remember their tokens."""

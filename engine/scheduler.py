@@ -151,8 +151,8 @@ class Step:
     slots: tuple[int, ...]
     positions: tuple[int, ...]
     token_ids: tuple[int, ...]
-    output_rows: tuple[int, ...]  # rows whose output (a token) is wanted, increasing
-    sampled: tuple[StreamState, ...]  # the stream of each output row
+    output_rows: tuple[int, ...]  # rows whose output is wanted (a token, or a prompt row's scores), increasing
+    sampled: tuple[StreamState, ...]  # the stream of each row whose token is due, in row order
     streams: tuple[StreamState, ...]  # every stream with rows here, in row order
     new_streams: tuple[StreamState, ...]  # streams whose first rows are here: the tail starts their samplers
     sent_at: float
@@ -281,6 +281,11 @@ class Scheduler:
             positions += range(first, first + len(rows))
             tokens += rows
             stream.scheduled = first + len(rows)
+            if stream.params.prompt_logprobs is not None and first < len(stream.prompt) - 1:
+                scored = min(
+                    len(rows), len(stream.prompt) - 1 - first
+                )  # prompt rows but its last: the tail scores them
+                output_rows += range(len(slots) - len(rows), len(slots) - len(rows) + scored)
             if not stream.prefilling:
                 stream.awaiting = True
                 output_rows += range(len(slots) - due, len(slots))

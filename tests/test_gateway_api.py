@@ -214,3 +214,23 @@ def test_optional_fields_clients_send_are_accepted_and_model_may_be_left_out(ser
     assert refused.status_code == 400 and "continue_final_message" in refused.json()["error"]["message"]
     clash = served.post("/v1/chat/completions", {**body, "chat_template_kwargs": {"messages": []}})
     assert clash.status_code == 400 and "chat_template_kwargs" in clash.json()["error"]["message"]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers_does_streamed_or_not(served, hf_logits) -> None:
+    client, model = served.openai(), served.gateway.model_name
+    prompt = list(range(3, 23))  # over two prefill windows of 8 rows: scores cross frames
+    result = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    lp = result.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.token_logprobs) == len(prompt)
+    expected = torch.log_softmax(hf_logits(prompt), -1)
+    for q in range(1, len(prompt)):
+        assert lp.token_logprobs[q] == pytest.approx(float(expected[q - 1, prompt[q]]), abs=2e-3)
+        assert len(lp.top_logprobs[q]) in (2, 3)
+    assert result.usage is not None and result.usage.completion_tokens == 0
+    assert result.choices[0].text == served.gateway.prompts.text(prompt)
+    both = client.completions.create(model=model, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0,
+                                     stream=True)  # fmt: skip
+    streamed = [x for c in both if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert len(streamed) == len(prompt) + 3 and streamed[: len(prompt)] == pytest.approx(lp.token_logprobs)
+    refused = served.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 0})
+    assert refused.status_code == 400 and "echo" in refused.json()["error"]["message"]

@@ -20,7 +20,7 @@ emitted token has the distribution plain sampling would give it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +102,31 @@ def _verify_by_sampling(
 
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(weights / weights.sum(), 1, generator=generator))
+
+
+PromptLogprobs = dict[int, list[tuple[int, TokenLogprobs]]]  # slot -> (prompt position, its log-probabilities)
+
+
+def tail_step(
+    sampler: TailSampler,
+    slots: Sequence[int],
+    positions: Sequence[int],
+    token_ids: Sequence[int] | None,
+    logits: torch.Tensor,
+    frame_rows: Callable[[], list[tuple[int, int, int]]],
+) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError], dict[int, TokenLogprobs], PromptLogprobs]:
+    """The tail's work on a step's output rows (``slots``, ``positions``, input ``token_ids``,
+    ``logits`` [R, V]): prompt rows of streams that asked for prompt log-probabilities are scored
+    (``frame_rows``: (slot, position, input token) of every row of the frame, asked for only
+    then), the others sampled (:func:`sample_step`)."""
+    prompt = sampler.prompt_rows(list(slots), list(positions))
+    if not any(prompt) and not sampler.scorers:
+        return (*sample_step(sampler, slots, token_ids, logits), {})
+    score = [i for i, is_prompt in enumerate(prompt) if is_prompt]
+    keep = [i for i, is_prompt in enumerate(prompt) if not is_prompt]
+    scored = sampler.score_prompts([(slots[i], positions[i]) for i in score], logits[score], frame_rows())
+    kept_ids = None if token_ids is None else [token_ids[i] for i in keep]
+    return (*sample_step(sampler, [slots[i] for i in keep], kept_ids, logits[keep]), scored)
 
 
 def sample_step(
