@@ -170,6 +170,7 @@ class GenerationResult:
     prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by prompt position, when asked
     finish_reason: str = "length"
     time_to_first_token_s: float = 0.0
     total_s: float = 0.0
@@ -222,13 +223,15 @@ def generate_batch(
                 logits = model.run_step(step)
                 rows = step.output_rows
                 sampler.observe(list(step.slots), list(step.token_ids))
-                tokens, errors, logprobs, _ = tail_step(
+                tokens, errors, logprobs, scored = tail_step(
                     sampler, [step.slots[r] for r in rows], [step.positions[r] for r in rows],
                     [step.token_ids[r] for r in rows], logits,
                     lambda: list(zip(step.slots, step.positions, step.token_ids, strict=True)),  # noqa: B023  (called at once)
                 )  # fmt: skip
                 if errors:
                     raise next(iter(errors.values()))
+                for stream in step.streams:
+                    results[cast(int, stream.key)].prompt_logprobs.update(scored.get(stream.slot, ()))
                 now = time.perf_counter() - start
                 for event in scheduler.complete(step.id, tokens, now, logprobs):
                     _deliver(event, results, now, on_token)
