@@ -940,31 +940,35 @@ class Gateway:
         for job in jobs[1:]:
             job.id = jobs[0].id
         streams = [self._generate(request, job) for job in jobs]
+        stream = jobs[0].body.stream
+        # the first event of each (streamed), or each whole choice; one failure cancels the others
+        tasks: list[asyncio.Task[Any]] = [
+            asyncio.create_task(anext(events) if stream else self._choice(job, events))  # type: ignore[arg-type]
+            for job, events in zip(jobs, streams, strict=True)
+        ]
         try:
-            if jobs[0].body.stream:
-                firsts = await asyncio.gather(*(anext(events) for events in streams))
-                for first in firsts:
-                    if isinstance(first, Finish) and first.error is not None:
-                        raise first.error
-            else:
-                choices = await asyncio.gather(
-                    *(self._choice(job, events) for job, events in zip(jobs, streams, strict=True))
-                )
-        except Busy as exc:
-            raise ApiError(429, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
-        except (ClientGone, Abandoned):
-            self.metrics.answered(path, 499)
-            return Response(status_code=499)
-        except BaseException:
+            results = await asyncio.gather(*tasks)
+            for first in results if stream else ():
+                if isinstance(first, Finish) and first.error is not None:
+                    raise first.error
+        except BaseException as exc:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for events in streams:
                 await events.aclose()
+            if isinstance(exc, Busy):
+                raise ApiError(429, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
+            if isinstance(exc, ClientGone | Abandoned):
+                self.metrics.answered(path, 499)
+                return Response(status_code=499)
             raise
         self.metrics.answered(path, 200)
-        if jobs[0].body.stream:
+        if stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            merged = self._merged(jobs, list(firsts), streams)
+            merged = self._merged(jobs, list(results), streams)
             return StreamingResponse(self._sse_all(jobs, merged), media_type="text/event-stream", headers=headers)
-        return JSONResponse(self._response(jobs[0], self._best(jobs, list(choices)), _usage(jobs)))
+        return JSONResponse(self._response(jobs[0], self._best(jobs, list(results)), _usage(jobs)))
 
     @staticmethod
     def _best(jobs: list[Job], choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
