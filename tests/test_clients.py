@@ -45,7 +45,7 @@ def test_lm_eval_scores_multiple_choice_and_generate_tasks_in_batches_as_the_eng
     args = (f"model={demo.gateway.model_name},base_url={demo.url}/v1/completions,tokenizer={DEMO},"
             "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")  # fmt: skip
     client = get_model("local-completions").create_from_arg_string(args, {"batch_size": 4})
-    out = simple_evaluate(model=client, tasks=["mf_choice", "mf_generate"], task_manager=TaskManager(include_path=str(TASKS)),
+    out = simple_evaluate(model=client, tasks=["mf_choice", "mf_generate"], task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
                           log_samples=True, batch_size=4)  # fmt: skip
     assert out is not None
     engine = LocalModel.load(DEMO, max_slots=1, max_context=512)
