@@ -1,10 +1,15 @@
 """Evaluation tools that nobody here wrote, run unmodified against a live two-stage fleet of the
 bundled demo model: lm-eval's ``local-completions`` with a tiny multiple-choice task (scored from
 echoed prompt log-probabilities) and a generate task, both at batch size 4 (lists of prompts),
-offline; every score and response equals the one computed by the engine directly."""
+offline; every score and response equals the one computed by the engine directly. guidellm runs
+a short bounded load test with its default server checks."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,3 +84,32 @@ def test_lm_eval_scores_multiple_choice_and_generate_tasks_in_batches_as_the_eng
         assert sample["resps"][0][0] == expected, sample["doc"]
         matches.append(expected == sample["target"])
     assert out["results"]["mf_generate"]["exact_match,none"] == pytest.approx(sum(matches) / len(matches))
+
+
+def test_guidellm_runs_a_bounded_benchmark_against_the_gateway_with_its_default_checks(demo, tmp_path) -> None:
+    """guidellm probes GET /health and /v1/models before it sends anything; four synthetic requests, one at a time."""
+    guidellm = shutil.which("guidellm", path=str(Path(sys.executable).parent))
+    if guidellm is None:
+        pytest.skip("guidellm is not installed")
+    report = tmp_path / "report.json"
+    command = [
+        guidellm, "run", "--backend", f"kind=openai_http,target={demo.url},model={demo.gateway.model_name}",
+        "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=4",
+        "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8",
+        "--tokenizer", f"kind=huggingface_auto,model={DEMO}", "--output", f"kind=json,path={report}",
+        "--disable-console-interactive",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    before = _answered(demo)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert report.is_file(), run.stdout[-3000:]
+    assert '"successful"' in report.read_text()
+    assert _answered(demo) - before >= 4  # every request guidellm sent was answered
+
+
+def _answered(served: Served) -> float:
+    """Generating requests the gateway answered with 200."""
+    registry = served.gateway.metrics.registry
+    return sum(registry.get_sample_value("modelfleet_gateway_requests_total", {"endpoint": e, "status": "200"}) or 0.0
+               for e in ("/v1/completions", "/v1/chat/completions"))  # fmt: skip
