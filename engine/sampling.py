@@ -272,7 +272,10 @@ class TailSampler:
         ):
             mine = [i for i, (s, _) in enumerate(rows) if s == slot]
             following = {p: t for s, p, t in frame_rows if s == slot}
-            out[slot] = self.scorers[slot].score([rows[i][1] for i in mine], logits[mine], following)
+            scorer = self.scorers[slot]
+            out[slot] = scorer.score([rows[i][1] for i in mine], logits[mine], following)
+            if out[slot] and out[slot][-1][0] >= scorer.prompt_tokens - 1:
+                del self.scorers[slot]  # every prompt token is scored: the stream's rows are sampled from now on
         return out
 
     def observe(self, slots: list[int], token_ids: list[int]) -> None:

@@ -50,6 +50,7 @@ def test_prompt_rows_are_scored_across_frames_by_the_next_rows_token() -> None:
     scored = dict(first[3] + second[3])
     expected = torch.log_softmax(logits, -1)
     assert sorted(scored) == [1, 2, 3, 4]  # row 2 waited for row 3's token, from the next frame
+    assert 3 not in tail.scorers  # all scored: the stream is sampled from now on
     for q, value in scored.items():
         assert value.logprob == pytest.approx(float(expected[q - 1, prompt[q]]))
 
