@@ -57,14 +57,25 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from modelfleet import __version__
+
 from ..engine.errors import ErrorCode, ModelfleetError
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import SamplingParams, TokenLogprobs
 from ..engine.spec import load_spec
 from ..plan import FleetPlan, PlanError
 from . import transport as wire
 from .admission import Abandoned, Admission, Busy
 from .headlink import HeadLink, Inbox
-from .openai_schema import _OFF_VALUES, ChatCompletionRequest, CompletionRequest, describe, lone_surrogate
+from .openai_schema import (
+    _OFF_VALUES,
+    SEED_MAX,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    describe,
+    lone_surrogate,
+)
 from .prompts import PromptError, Prompts
 from .sse import DONE, IDS_MARK, TEXT_MARK, TokenChunks, data_frame
 from .textstream import Piece, TextStream
@@ -187,9 +198,12 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
-REQUEST_MODELS: dict[str, type[CompletionRequest | ChatCompletionRequest]] = {
+Body = CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest
+REQUEST_MODELS: dict[str, type[Body]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 
 
@@ -346,11 +360,15 @@ class Job:
     model: str
     arrived: float
     chat: bool
+    index: int = 0  # the choice's index in the response
+    prompt_index: int = 0  # which prompt of the request (a batch's)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     token_ids: list[int] = field(default_factory=list)  # sent to the client (a fresh retry starts over)
     generated: list[int] = field(default_factory=list)  # every token the heads sent (a continuation's prompt tail)
     failovers: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token sent, when asked
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by prompt position (echo with logprobs)
     heads_tried: list[int] = field(default_factory=list)  # head indices, in the order of the attempts
     first_token_seen: bool = False  # by any attempt: time to first token is observed once
     checked_at: float = 0.0  # time.monotonic() when the client and head were last checked
@@ -361,15 +379,25 @@ class Job:
     def __post_init__(self) -> None:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
+    streamed_chars: int = 0  # the echo and the token texts streamed so far: completions' text_offset goes on from it
+
     def usage(self) -> dict[str, int]:
         prompt, generated = len(self.prompt_ids), len(self.token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+def _usage(jobs: list[Job]) -> dict[str, int]:
+    """A request's usage: each prompt counted once, every choice's tokens (best_of's unreturned too)."""
+    prompts = {job.prompt_index: len(job.prompt_ids) for job in jobs}
+    prompt, generated = sum(prompts.values()), sum(len(job.token_ids) for job in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 @dataclass
 class Text:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked
 
 
 @dataclass
@@ -380,13 +408,19 @@ class Outputs:
     finish_reason: str | None
     code: str | None
     error: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by prompt position
 
     @classmethod
     def of(cls, msg: wire.OutputMsg) -> Outputs:
-        return cls(list(msg.token_ids), msg.finish_reason, msg.code, msg.error)
+        outputs = cls(list(msg.token_ids), msg.finish_reason, msg.code, msg.error, [r.value() for r in msg.logprobs])
+        outputs.prompt_logprobs = {r.row: r.value() for r in msg.prompt_logprobs}
+        return outputs
 
     def add(self, msg: wire.OutputMsg) -> None:
         self.token_ids += msg.token_ids
+        self.logprobs += [r.value() for r in msg.logprobs]
+        self.prompt_logprobs.update((r.row, r.value()) for r in msg.prompt_logprobs)
         self.finish_reason, self.code, self.error = msg.finish_reason, msg.code, msg.error
 
 
@@ -424,6 +458,7 @@ class Gateway:
                                    ready=lambda h: self.heads[h].ready)  # fmt: skip
         self.metrics = GatewayMetrics(self.admission, self.heads)
         self.model_name = plan.model.served_name
+        self.created = int(time.time())  # /v1/models' "created": when this gateway began serving the model
         self.text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="gateway-text")
         self.app = self._build_app()
 
@@ -466,9 +501,14 @@ class Gateway:
             return ApiError(500, f"internal error: {type(exc).__name__}").response()
 
         app.add_api_route("/healthz", self.healthz, methods=["GET"])
+        app.add_api_route("/health", self.healthz, methods=["GET"])  # vLLM's name, which guidellm probes
+        app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/readyz", self.readyz, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model_card, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         served_schema = openapi_schema(app)
@@ -490,12 +530,46 @@ class Gateway:
         self.metrics.answered("/metrics", 200)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def version(self) -> Response:
+        return JSONResponse({"version": __version__})
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "modelfleet",
+                "root": self.model_name, "parent": None, "max_model_len": self.context_length}  # fmt: skip
+
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         self.metrics.answered("/v1/models", 200)
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "modelfleet",
-                "max_model_len": self.context_length}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request, model_id: str) -> Response:
+        self._authorize(request)
+        self._check_model(model_id)
+        self.metrics.answered("/v1/models", 200)
+        return JSONResponse(self._card())
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt (or chat messages, rendered) -> its token ids, as generation sees them."""
+        self._authorize(request)
+        body = await self._body(TokenizeRequest, request)
+        self._check_model(body.model)
+        if body.messages is not None:
+            messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+            ids = await self._prompt_off_loop(lambda: self.prompts.chat(messages, body.add_generation_prompt))
+        else:
+            assert body.prompt is not None
+            ids = await self._prompt_off_loop(lambda: self.prompts.completion(body.prompt))
+        answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.context_length, "tokens": ids,
+                                  "token_strs": self.prompts.token_strings(ids) if body.return_token_strs else None}  # fmt: skip
+        return JSONResponse(answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids -> text."""
+        self._authorize(request)
+        body = await self._body(DetokenizeRequest, request)
+        self._check_model(body.model)
+        text = self._prompt(lambda: [self.prompts.text(body.tokens)])[0]
+        return JSONResponse({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
@@ -503,8 +577,8 @@ class Gateway:
         body = await self._body(CompletionRequest, request)
         assert isinstance(body, CompletionRequest)
         self._check_model(body.model)
-        ids = await self._prompt_off_loop(lambda: self.prompts.completion(body.prompt_value))
-        return await self._serve(request, Job(body, ids, self._params(body, len(ids)), self.model_name, arrived, False))
+        prompts = [await self._prompt_off_loop(lambda p=p: self.prompts.completion(p)) for p in body.prompt_values]  # type: ignore[misc]
+        return await self._serve_all(request, self._jobs(body, prompts, arrived))
 
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
@@ -513,8 +587,12 @@ class Gateway:
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
-        ids = await self._prompt_off_loop(lambda: self.prompts.chat(messages, body.add_generation_prompt))
-        return await self._serve(request, Job(body, ids, self._params(body, len(ids)), self.model_name, arrived, True))
+        ids = await self._prompt_off_loop(
+            lambda: self.prompts.chat(
+                messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+            )
+        )
+        return await self._serve_all(request, self._jobs(body, [ids], arrived))
 
     # ---- checks ---------------------------------------------------------------------------
 
@@ -532,13 +610,13 @@ class Gateway:
                 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
 
-    async def _body(self, model: type[CompletionRequest | ChatCompletionRequest], request: Request) -> Any:
+    async def _body(self, model: type[Body], request: Request) -> Any:
         """The body, read here, parsed and validated in the text pool (a 4 MiB body costs tens of ms)."""
         raw = await self._raw(request)
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, self._parse, model, raw)
 
     @classmethod
-    def _parse(cls, model: type[CompletionRequest | ChatCompletionRequest], raw: bytes) -> Any:
+    def _parse(cls, model: type[Body], raw: bytes) -> Any:
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -560,7 +638,7 @@ class Gateway:
         return b"".join(chunks)
 
     @staticmethod
-    def _validate(model: type[CompletionRequest | ChatCompletionRequest], data: Any) -> Any:
+    def _validate(model: type[Body], data: Any) -> Any:
         if not isinstance(data, dict):
             raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
         if (where := lone_surrogate(data)) is not None:
@@ -572,8 +650,8 @@ class Gateway:
             message, param = describe(exc)
             raise ApiError(400, message, param) from None
 
-    def _check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")  # fmt: skip
 
@@ -593,13 +671,45 @@ class Gateway:
             return text.push(token_ids)
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, text.push, token_ids)
 
-    def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
-        max_tokens = self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0]
+    def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int,
+                logprobs: int | None, seed: int | None) -> SamplingParams:  # fmt: skip
+        """``logprobs``: alternatives the tail reports per token (None: none); ``seed``: this choice's."""
+        # max_tokens 0 (echo, scoring the prompt) runs one step, whose token the client never sees
+        max_tokens = max(1, self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0])
+        echo = isinstance(body, CompletionRequest) and body.echo
         eos = () if body.ignore_eos else self.prompts.eos_token_ids
         asked = self._prompt(lambda: self.prompts.check_stop_ids(body.stop_token_ids or []))
         stop_ids = tuple(dict.fromkeys([*eos, *asked]))
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
-                              min_p=body.min_p, seed=body.seed, max_tokens=max_tokens, stop_token_ids=stop_ids)  # fmt: skip
+        bias = body.logit_bias_pairs
+        if bad := next(((i, t) for i, (t, _) in enumerate(bias) if t >= self.spec.vocab_size), None):
+            raise ApiError(400, f"logit_bias names token {bad[1]}, outside the vocabulary [0, {self.spec.vocab_size})",
+                           "logit_bias")  # fmt: skip
+        return SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k), min_p=body.min_p, seed=seed,
+            max_tokens=max_tokens, stop_token_ids=stop_ids, logprobs=logprobs,
+            prompt_logprobs=body.top_logprobs_asked if echo else None,
+            frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0, min_tokens=body.min_tokens,
+            logit_bias_ids=tuple(t for t, _ in bias), logit_bias_values=tuple(b for _, b in bias),
+        )  # fmt: skip
+
+    def _jobs(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+              arrived: float) -> list[Job]:  # fmt: skip
+        """One stream per prompt and choice: n of each (best_of, when larger, ranked at the end).
+        Choice c of a seeded request samples with seed + c, so the choices differ and repeat."""
+        chat = isinstance(body, ChatCompletionRequest)
+        best_of = body.best_of if isinstance(body, CompletionRequest) and body.best_of else body.n
+        asked = body.top_logprobs_asked
+        # ranking best_of > n needs each choice's log-probability, reported or not
+        logprobs = asked if best_of == body.n or asked is not None else 0
+        jobs = []
+        for p, ids in enumerate(prompts):
+            for c in range(best_of):
+                seed = None if body.seed is None else (body.seed + c) % (SEED_MAX + 1)
+                params = self._params(body, len(ids), logprobs, seed)
+                jobs.append(Job(body, ids, params, self.model_name, arrived, chat, index=p * best_of + c,
+                                prompt_index=p))  # fmt: skip
+        return jobs
 
     # ---- serving --------------------------------------------------------------------------
 
@@ -702,11 +812,16 @@ class Gateway:
                             head.address)  # fmt: skip
             job.heads_tried.append(h)
             prompt, params = job.prompt_ids, job.params
-            if continuing:
+            if continuing:  # the prompt's log-probabilities were sent: the continuation does not score it again
                 prompt = [*job.prompt_ids, *job.generated]
-                params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - len(job.generated))
+                params = dataclasses.replace(
+                    job.params,
+                    max_tokens=job.params.max_tokens - len(job.generated),
+                    min_tokens=max(0, job.params.min_tokens - len(job.generated)),
+                    prompt_logprobs=None,
+                )
             else:
-                job.token_ids, job.generated = [], []
+                job.token_ids, job.generated, job.logprobs, job.prompt_logprobs = [], [], [], {}
             self.metrics.prompt_tokens.inc(len(prompt))
             request_id, inbox = head.submit(prompt, params)
             done, last_token_at = False, None
@@ -718,13 +833,18 @@ class Gateway:
                         reason = "head_paused" if isinstance(exc, HeadPaused) else "head_silent"
                         yield Finish("error", ApiError(503, str(exc), retry_after_seconds=1), reason)
                         return
+                    job.prompt_logprobs.update(msg.prompt_logprobs)
+                    if msg.token_ids and job.body.max_tokens == 0:  # the one step that scored the prompt
+                        msg.token_ids, msg.logprobs = [], []
                     if msg.token_ids:
                         last_token_at = self._observe_tokens(job, len(msg.token_ids), last_token_at)
                         job.generated += msg.token_ids
                         piece = await self._detokenize(text, msg.token_ids)
                         job.token_ids += piece.token_ids
+                        logprobs = msg.logprobs[: len(piece.token_ids)]
+                        job.logprobs += logprobs
                         self.metrics.generation_tokens.inc(len(piece.token_ids))
-                        yield Text(piece.text, piece.token_ids)
+                        yield Text(piece.text, piece.token_ids, logprobs)
                         if piece.stopped:
                             break  # the finally cancels the stream at the head
                     if msg.finish_reason is not None:
@@ -795,6 +915,16 @@ class Gateway:
             raise HeadSilent(f"the head at {head.address} has not reported ready for over {HEAD_SILENCE_SECONDS:g} s")
 
     async def _collect(self, job: Job, events: AsyncIterator[Text | Finish]) -> dict[str, Any]:
+        choice = await self._choice(job, events)
+        return self._response(job, [choice], job.usage())
+
+    def _response(self, job: Job, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        kind = "chat.completion" if job.chat else "text_completion"
+        return {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": choices,
+                "usage": usage}  # fmt: skip
+
+    async def _choice(self, job: Job, events: AsyncIterator[Text | Finish]) -> dict[str, Any]:
+        """One choice of a non-streamed response, from its job's events."""
         pieces: list[str] = []
         finish = Finish("stop")
         async for event in events:
@@ -805,16 +935,177 @@ class Gateway:
         if finish.error is not None:
             raise finish.error
         text = "".join(pieces)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish.reason}
+        choice: dict[str, Any] = {"index": job.index, "logprobs": None, "finish_reason": finish.reason}
+        asked = job.body.top_logprobs_asked
         if job.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if asked is not None:
+                choice["logprobs"] = {"content": self._chat_logprobs(job.token_ids, job.logprobs, asked)}
         else:
-            choice["text"] = text
+            echo = self._echo(job)
+            choice["text"] = echo + text
+            if asked is not None:
+                ids, entries = self._with_echo(job, job.token_ids, job.logprobs, bool(echo))
+                choice["logprobs"] = self._completion_logprobs(ids, entries, asked, 0)
         if job.body.return_token_ids:
             choice.update(prompt_token_ids=job.prompt_ids, token_ids=job.token_ids)
-        kind = "chat.completion" if job.chat else "text_completion"
-        return {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": [choice],
-                "usage": job.usage()}  # fmt: skip
+        return choice
+
+    def _echo(self, job: Job) -> str:
+        body = job.body
+        return self.prompts.text(job.prompt_ids) if isinstance(body, CompletionRequest) and body.echo else ""
+
+    def _token_text(self, token_id: int) -> str:
+        return self.prompts.token_strings([token_id])[0]
+
+    @staticmethod
+    def _with_echo(job: Job, ids: list[int], logprobs: list[TokenLogprobs],
+                   echo: bool) -> tuple[list[int], list[TokenLogprobs | None]]:  # fmt: skip
+        """The prompt's ids and log-probabilities (none for its first token) before ``ids``', when echoed."""
+        if not echo:
+            return ids, list(logprobs)
+        prompt = [job.prompt_logprobs.get(q) for q in range(len(job.prompt_ids))]
+        return [*job.prompt_ids, *ids], [*prompt, *logprobs]
+
+    def _completion_logprobs(self, ids: list[int], logprobs: list[TokenLogprobs | None], top: int,
+                             offset: int) -> dict[str, Any]:  # fmt: skip
+        """OpenAI's completions shape: tokens, token_logprobs, top_logprobs ({text: logprob} of the
+        ``top`` alternatives and the token itself, as vLLM gives them; null for an echoed prompt's
+        first token) and text_offset."""
+        tokens = [self._token_text(t) for t in ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        tops = [
+            None if lp is None else
+            {**{self._token_text(a): v for a, v in zip(lp.top_ids[:top], lp.top_logprobs[:top], strict=True)},
+             tokens[i]: lp.logprob}
+            for i, lp in enumerate(logprobs)
+        ]  # fmt: skip
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+                "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
+
+    def _chat_logprobs(self, ids: list[int], logprobs: list[TokenLogprobs], top: int) -> list[dict[str, Any]]:
+        """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and the ``top`` alternatives."""
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [
+            {**entry(t, lp.logprob),
+             "top_logprobs": [entry(a, v) for a, v in zip(lp.top_ids[:top], lp.top_logprobs[:top], strict=True)]}
+            for t, lp in zip(ids, logprobs, strict=False)
+        ]  # fmt: skip
+
+    # ---- several choices: n > 1, best_of, a batch of prompts ----------------------------------
+
+    async def _serve_all(self, request: Request, jobs: list[Job]) -> Response:
+        """One job is :meth:`_serve`'s; several run at once (each admitted on its own) and their
+        choices are merged: a non-streamed response once all finished (best_of ranked by each
+        choice's log-probability), a streamed one as their chunks come, each with its index."""
+        if len(jobs) == 1:
+            return await self._serve(request, jobs[0])
+        path = request.url.path
+        if not self.ready:
+            raise ApiError(503, "the fleet is not ready (no head reports ready); retry shortly",
+                           retry_after_seconds=1)  # fmt: skip
+        for job in jobs[1:]:
+            job.id = jobs[0].id
+        streams = [self._generate(request, job) for job in jobs]
+        stream = jobs[0].body.stream
+        # the first event of each (streamed), or each whole choice; one failure cancels the others
+        tasks: list[asyncio.Task[Any]] = [
+            asyncio.create_task(anext(events) if stream else self._choice(job, events))  # type: ignore[arg-type]
+            for job, events in zip(jobs, streams, strict=True)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+            for first in results if stream else ():
+                if isinstance(first, Finish) and first.error is not None:
+                    raise first.error
+        except BaseException as exc:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for events in streams:
+                await events.aclose()
+            if isinstance(exc, Busy):
+                raise ApiError(429, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
+            if isinstance(exc, ClientGone | Abandoned):
+                self.metrics.answered(path, 499)
+                return Response(status_code=499)
+            raise
+        self.metrics.answered(path, 200)
+        if stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            merged = self._merged(jobs, list(results), streams)
+            return StreamingResponse(self._sse_all(jobs, merged), media_type="text/event-stream", headers=headers)
+        return JSONResponse(self._response(jobs[0], self._best(jobs, list(results)), _usage(jobs)))
+
+    @staticmethod
+    def _best(jobs: list[Job], choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The n choices of each prompt with the highest log-probability (all of them when best_of is n)."""
+        n = jobs[0].body.n
+        kept = []
+        for p in sorted({job.prompt_index for job in jobs}):
+            mine = [(job, c) for job, c in zip(jobs, choices, strict=True) if job.prompt_index == p]
+            if len(mine) > n:
+                mine = sorted(mine, key=lambda jc: -sum(lp.logprob for lp in jc[0].logprobs))[:n]
+            for k, (_, choice) in enumerate(mine):
+                if jobs[0].body.top_logprobs_asked is None:
+                    choice["logprobs"] = None  # asked only to rank them
+                kept.append({**choice, "index": p * n + k})
+        return kept
+
+    async def _merged(self, jobs: list[Job], firsts: list[Text | Finish],
+                      streams: list[AsyncGenerator[Text | Finish, None]]) -> AsyncIterator[tuple[Job, Text | Finish]]:  # fmt: skip
+        """Every job's events, as they come, each with its job; an error ends them all."""
+        queue: asyncio.Queue[tuple[Job, Text | Finish | None]] = asyncio.Queue()
+
+        async def pump(job: Job, events: AsyncGenerator[Text | Finish, None]) -> None:
+            try:
+                async for event in events:
+                    await queue.put((job, event))
+            finally:
+                await queue.put((job, None))
+
+        for job, first in zip(jobs, firsts, strict=True):
+            queue.put_nowait((job, first))
+        tasks = [asyncio.create_task(pump(job, events)) for job, events in zip(jobs, streams, strict=True)]
+        try:
+            running = len(tasks)
+            while running:
+                job, event = await queue.get()
+                if event is None:
+                    running -= 1
+                    continue
+                yield job, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for events in streams:
+                await events.aclose()
+
+    async def _sse_all(self, jobs: list[Job], merged: AsyncIterator[tuple[Job, Text | Finish]]) -> AsyncIterator[bytes]:
+        started: set[int] = set()
+        try:
+            async for job, event in merged:
+                if isinstance(event, Finish) and event.error is not None:
+                    yield data_frame(event.error.body())
+                    break
+                chunk = self._chunk(job, event, first=job.index not in started)
+                started.add(job.index)
+                if chunk is not None:
+                    yield data_frame(chunk)
+            else:
+                if jobs[0].body.include_usage:
+                    yield data_frame({**self._envelope(jobs[0]), "choices": [], "usage": _usage(jobs)})
+            yield DONE
+        finally:
+            await _close(merged)
 
     async def _sse(self, job: Job, first: Text | Finish, events: AsyncIterator[Text | Finish],
                    disconnect_watched: bool = False) -> AsyncIterator[bytes]:  # fmt: skip
@@ -830,7 +1121,7 @@ class Gateway:
             assert opening is not None  # a first chunk always says something (the role, at least)
             yield data_frame(opening)
             async for event in events:
-                if type(event) is Text:
+                if type(event) is Text and job.body.top_logprobs_asked is None:
                     if event.text or (with_ids and event.token_ids):
                         yield tokens.frame(event.text, event.token_ids)
                     continue
@@ -857,17 +1148,27 @@ class Gateway:
 
     def _chunk(self, job: Job, event: Text | Finish, first: bool) -> dict[str, Any] | None:
         text, token_ids = (event.text, event.token_ids) if isinstance(event, Text) else ("", [])
+        logprobs = event.logprobs if isinstance(event, Text) else []
         reason = event.reason if isinstance(event, Finish) else None
         with_ids = job.body.return_token_ids
-        if not text and not reason and not first and not (with_ids and token_ids):
+        asked = job.body.top_logprobs_asked
+        if not text and not reason and not first and not (with_ids and token_ids) and not logprobs:
             return None
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+        choice: dict[str, Any] = {"index": job.index, "logprobs": None, "finish_reason": reason}
         if job.chat:
             choice["delta"] = (
                 ({"role": "assistant", "content": text} if first else {"content": text}) if not reason else {}
             )
+            if asked is not None and logprobs:
+                choice["logprobs"] = {"content": self._chat_logprobs(token_ids, logprobs, asked)}
         else:
+            echo = first and isinstance(job.body, CompletionRequest) and job.body.echo
+            text = self._echo(job) + text if echo else text
             choice["text"] = text
+            if asked is not None and (logprobs or echo):
+                ids, entries = self._with_echo(job, token_ids, logprobs, echo)
+                choice["logprobs"] = self._completion_logprobs(ids, entries, asked, job.streamed_chars)
+                job.streamed_chars += sum(len(token) for token in choice["logprobs"]["tokens"])
         if with_ids:
             choice["token_ids"] = token_ids
             if first:

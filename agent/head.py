@@ -30,7 +30,7 @@ import copy
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,10 +40,10 @@ import zmq
 from ..engine.backend import StageBackend
 from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.frame import Frame
-from ..engine.sampling import TailSampler
+from ..engine.sampling import TailSampler, TokenLogprobs
 from ..engine.scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, StreamState, Token
 from ..engine.speculative.speculator import SpeculationStats
-from ..engine.speculative.verify import sample_step
+from ..engine.speculative.verify import tail_step
 from ..plan import FleetPlan
 from . import transport as wire
 from .health import AgentStatus, StageMetrics
@@ -312,26 +312,45 @@ class Head:
         slots = frame.slots.tolist()
         output_rows = [] if frame.output_rows is None else frame.output_rows.tolist()
         assert frame.token_ids is not None
-        ids = frame.token_ids.tolist()
-        output_ids = [ids[r] for r in output_rows]
         if self.send_next is None:
-            self._sample_here(step, [slots[r] for r in output_rows], output_ids, out)
+            self._sample_here(step, frame, out)
             return
-        starts = tuple(
-            wire.StreamStart.of(s.slot, s.params, len(s.generated)) for s in step.new_streams if s.slot in set(slots)
-        )
+        # a replayed stream (prefilled again after a lost stage) skips its earlier draws and does
+        # not score its prompt again (its client has those log-probabilities)
+        starts = tuple(wire.StreamStart.of(s.slot, s.params, 0 if s.replays else len(s.prompt), len(s.generated))
+                       for s in step.new_streams if s.slot in set(slots))  # fmt: skip
         self.send_next(wire.FrameMsg(
             microbatch=step.microbatch, step=step.id, slots=frame.slots, positions=frame.positions, hidden=out,
             token_ids=frame.token_ids, output_rows=tuple(output_rows), new_streams=starts,
         ))  # fmt: skip
 
-    def _sample_here(self, step: Step, slots: list[int], output_ids: list[int], logits: torch.Tensor) -> None:
-        assert self.sampler is not None
+    def _sample_here(self, step: Step, frame: Frame, logits: torch.Tensor) -> None:
+        """A one-stage fleet's head is its tail too: sample (and score prompt rows) here."""
+        assert self.sampler is not None and frame.token_ids is not None
         for stream in step.new_streams:
-            self.sampler.start(stream.slot, stream.params, len(stream.generated))
-        tokens, errors = sample_step(self.sampler, slots, output_ids, logits)
+            self.sampler.start(
+                stream.slot, stream.params, 0 if stream.replays else len(stream.prompt), len(stream.generated)
+            )
+        slots, positions, ids = frame.slots.tolist(), frame.positions.tolist(), frame.token_ids.tolist()
+        rows = [] if frame.output_rows is None else frame.output_rows.tolist()
+        self.sampler.observe(slots, ids)
+        tokens, errors, logprobs, prompt = tail_step(
+            self.sampler, [slots[r] for r in rows], [positions[r] for r in rows], [ids[r] for r in rows], logits,
+            lambda: list(zip(slots, positions, ids, strict=True)),
+        )  # fmt: skip
+        self._send_prompt_logprobs(step, prompt)
         self.deliver([self._fail_slot(step, slot, exc.code, str(exc)) for slot, exc in errors.items()])
-        self.deliver(self.scheduler.complete(step.id, tokens, time.monotonic()))
+        self.deliver(self.scheduler.complete(step.id, tokens, time.monotonic(), logprobs))
+
+    def _send_prompt_logprobs(self, step: Step | None, scored: Mapping[int, list[tuple[int, TokenLogprobs]]]) -> None:
+        """Prompt tokens' log-probabilities to their clients, before the stream's first token."""
+        for slot, entries in scored.items():
+            stream = None if step is None else next((s for s in step.streams if s.slot == slot and not s.done), None)
+            if stream is None or not entries:
+                continue
+            client, request_id = cast(tuple[bytes, int], stream.key)
+            records = tuple(wire.LogprobsRecord.of(position, value) for position, value in entries)
+            self._send(client, wire.OutputMsg(request_id=request_id, prompt_logprobs=records))
 
     def _fail_slot(self, step: Step, slot: int, code: ErrorCode, message: str) -> Finish | None:
         stream = next((s for s in step.streams if s.slot == slot), None)
@@ -347,7 +366,13 @@ class Head:
             for slot, token in zip(msg.slots.tolist(), msg.token_ids.tolist(), strict=True):
                 tokens.setdefault(slot, []).append(token)
             self.release_strays(tokens)
-            self.deliver(self.scheduler.complete(msg.step, tokens, time.monotonic()))
+            slots = msg.slots.tolist()
+            logprobs = {slots[record.row]: record.value() for record in msg.logprobs}
+            prompt: dict[int, list[tuple[int, TokenLogprobs]]] = {}
+            for slot, record in zip(msg.prompt_slots, msg.prompt_logprobs, strict=True):
+                prompt.setdefault(slot, []).append((record.row, record.value()))
+            self._send_prompt_logprobs(self.scheduler.in_flight.get(msg.step), prompt)
+            self.deliver(self.scheduler.complete(msg.step, tokens, time.monotonic(), logprobs))
             self.pump()
         elif isinstance(msg, wire.HeartbeatMsg):
             if msg.plan_hash == self.plan_hash and msg.ready:
@@ -412,7 +437,10 @@ class Head:
                 continue
             client, request_id = cast(tuple[bytes, int], event.stream.key)
             if isinstance(event, Token):
-                self._send(client, wire.OutputMsg(request_id=request_id, token_ids=(event.token_id,)))
+                logprobs = () if event.logprobs is None else (wire.LogprobsRecord.of(0, event.logprobs),)
+                self._send(
+                    client, wire.OutputMsg(request_id=request_id, token_ids=(event.token_id,), logprobs=logprobs)
+                )
                 continue
             self.streams.pop((client, request_id), None)
             code = None if event.code is None else event.code.value

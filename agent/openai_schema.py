@@ -1,11 +1,12 @@
 """OpenAI-compatible request bodies, checked strictly at the gateway's edge.
 
 Every field is type- and range-checked (strict: ``"5"`` is not 5, ``true`` is not 1) and unknown
-fields are refused, so a typo never silently changes a request. Fields that OpenAI clients send
-routinely (``user``, ``logprobs: null``, penalties of 0, ...) are accepted only with values that
-mean "off"; any other value is refused with a message saying this server does not support it.
-vLLM's extensions ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids`` and
-``return_token_ids`` are accepted as vLLM defines them.
+fields are refused, so a typo never silently changes a request. Fields that ask for something
+this server does not do yet (``suffix``, ``tools``, ``response_format`` other than text, ...) are
+accepted only with values that mean "off"; any other value is refused with a message saying so.
+vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``return_token_ids``, ``chat_template_kwargs``, ``continue_final_message``)
+are accepted as vLLM defines them. docs/gateway.md lists every field with its status.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 128  # with the EOS ids, within the wire's 256
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's for /v1/completions; chat's default is the context's room
 MAX_MESSAGES = 4096
+MAX_CHOICES = 16  # n and best_of
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (the engine's SamplingParams checks the same)
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=TOKEN_ID_MAX)]
@@ -40,15 +44,7 @@ StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)
 # Fields clients send that ask for something this server does not do: each accepted only with the
 # values listed (all meaning "off"), refused otherwise with a message naming the field.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
@@ -57,6 +53,8 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 # Fields with no effect on generation: accepted and ignored.
 _IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+Penalty = Annotated[Float, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[Float, Field(ge=-100.0, le=100.0)]
 
 
 class StreamOptions(BaseModel):
@@ -70,7 +68,7 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: StrictStr = Field(min_length=1, max_length=256)
+    model: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None  # None: the one model served
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
@@ -80,20 +78,20 @@ class _Request(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: StrictBool = False
-    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[Float, Field(gt=0.0, le=100.0)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    # token id (as a string, OpenAI's JSON) -> bias added to its logit
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Bias], Field(max_length=300)] | None = (
+        None
+    )
     # accepted only when "off" (see _OFF_VALUES) or ignored (see _IGNORED)
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    best_of: Any = None
     suffix: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -119,6 +117,15 @@ class _Request(BaseModel):
         return self
 
     @property
+    def logit_bias_pairs(self) -> list[tuple[int, float]]:
+        return [(int(token), bias) for token, bias in (self.logit_bias or {}).items()]
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives to report per token, or None when no log-probabilities were asked."""
+        return None
+
+    @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -130,26 +137,47 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    # a string, a list of token ids, or a one-element list of either (batches are refused)
+    # a string, a list of token ids, or a batch: a list of strings or of token-id lists
     prompt: (
         StrictStr
         | list[TokenId]
-        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
-        | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = COMPLETION_MAX_TOKENS_DEFAULT
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = COMPLETION_MAX_TOKENS_DEFAULT  # 0: score the prompt only
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
 
     @field_validator("max_tokens")
     @classmethod
     def _null_is_the_default(cls, value: int | None) -> int:
         return COMPLETION_MAX_TOKENS_DEFAULT if value is None else value  # null means "not given", as OpenAI reads it
 
+    @model_validator(mode="after")
+    def _choices(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing; it is allowed only with echo: true (to score the prompt)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} must be at least n={self.n}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of greater than n cannot be streamed (the best are known only at the end)")
+        if self.n * len(self.prompt_values) > MAX_PROMPTS:
+            raise ValueError(f"n={self.n} times {len(self.prompt_values)} prompts is over the limit of {MAX_PROMPTS} "
+                             "streams per request; send fewer prompts or a smaller n")  # fmt: skip
+        return self
+
     @property
-    def prompt_value(self) -> str | list[int]:
+    def prompt_values(self) -> list[str | list[int]]:
+        """Each prompt of the request: one, or the batch's."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            return prompt[0]  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -175,6 +203,12 @@ class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM: render the last (assistant) message open, to be continued
+    chat_template_kwargs: Annotated[dict[StrictStr, Any], Field(max_length=64)] | None = (
+        None  # extra template variables
+    )
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _one_max(self) -> ChatCompletionRequest:
@@ -182,13 +216,47 @@ class ChatCompletionRequest(_Request):
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; give one of them")
         self.max_tokens = self.max_tokens or self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message needs add_generation_prompt: false and a last message "
+                             "from the assistant")  # fmt: skip
         return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a ``prompt``, or chat ``messages`` rendered with the model's template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True  # the tokenizer's own rules decide; accepted for vLLM's clients
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt or messages: give exactly one of them")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize body."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
 
 
 # Fields that accept several shapes: one message for any mismatch, rather than one per shape.
 _SHAPES = {
-    "prompt": "prompt must be a string, a list of token ids in [0, 2**31), or a one-element list of either "
-    "(batches of prompts are not supported)",
+    "prompt": f"prompt must be a string, a list of token ids in [0, 2**31), or a list of up to {MAX_PROMPTS} of either",
     "stop": f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to {MAX_STOP_CHARS} "
     "characters",
     "content": 'content must be a string, null, or a list of {"type": "text", "text": ...} parts '
@@ -244,8 +312,6 @@ def describe(exc: ValidationError) -> tuple[str, str | None]:
         return f"unknown field {param!r}: this server does not support it", param
     if error["type"] == "missing":
         return f"{param} is required", param
-    if param == "n":
-        return f"n={error.get('input')!r} is not supported: this server returns exactly one choice (n=1)", param
     if param is None:  # a check across fields: its message starts with the field's name
         name = re.match(r"[a-z_]+", message)
         return message, name.group(0) if name else None

@@ -64,11 +64,18 @@ class ChatTemplate:
             source = jinja_file.read_text()
         return cls(source, config) if isinstance(source, str) and source else None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               extra: dict[str, Any] | None = None) -> str:  # fmt: skip
+        """``extra``: further template variables (vLLM's chat_template_kwargs); they cannot replace
+        the messages, the generation prompt flag or the special tokens."""
         from jinja2 import TemplateError
 
+        fixed = {"messages": messages, "add_generation_prompt": add_generation_prompt, **self.specials}
+        if clash := sorted(set(extra or {}) & set(fixed)):
+            raise PromptError(f"chat_template_kwargs cannot set {', '.join(clash)}; use the request's own fields",
+                              "chat_template_kwargs")  # fmt: skip
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
+            return self.template.render(**{**(extra or {}), **fixed})
         except TemplateError as exc:
             raise PromptError(f"the chat template refused these messages: {exc}", "messages") from exc
 
@@ -118,14 +125,24 @@ class Prompts:
             ids = list(prompt)
         return self.check(ids, "prompt")
 
-    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool = False,
+             template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+        """``continue_final_message``: the last (assistant) message is left open, its rendering cut
+        right after its content, so generation continues it (vLLM's and transformers' rule)."""
         if self.tokenizer is None or self.chat_template is None:
             raise PromptError(
                 "this checkpoint has no chat template (chat_template in tokenizer_config.json), so "
                 "/v1/chat/completions cannot render messages; use /v1/completions with a prompt",
                 "messages",
             )
-        text = self.chat_template.render(messages, add_generation_prompt)
+        text = self.chat_template.render(messages, add_generation_prompt, template_kwargs)
+        if continue_final_message:
+            final = str(messages[-1].get("content") or "")
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise PromptError("continue_final_message: the chat template does not render the last message's "
+                                  "content verbatim, so it cannot be left open", "messages")  # fmt: skip
+            text = text[: end + len(final)]
         return self.check(self.tokenizer.encode(text), "messages")
 
     def check(self, ids: list[int], param: str) -> list[int]:
@@ -141,6 +158,24 @@ class Prompts:
                 param,
             )
         return ids
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each token's own text (a token that is part of a character decodes alone to U+FFFD)."""
+        tokenizer = self._tokenizer("tokens")
+        return [tokenizer.decode([token]) for token in ids]
+
+    def text(self, ids: list[int]) -> str:
+        tokenizer = self._tokenizer("tokens")
+        if ids and max(ids) >= self.vocab_size:
+            bad = next(i for i, t in enumerate(ids) if t >= self.vocab_size)
+            raise PromptError(f"tokens[{bad}]={ids[bad]} is outside the vocabulary [0, {self.vocab_size})",
+                              f"tokens[{bad}]")  # fmt: skip
+        return tokenizer.decode(ids)
+
+    def _tokenizer(self, param: str) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise PromptError("this checkpoint has no tokenizer.json, so it has no text for token ids", param)
+        return self.tokenizer
 
     def check_stop_ids(self, ids: list[int]) -> list[int]:
         for index, token in enumerate(ids):

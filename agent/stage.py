@@ -47,7 +47,7 @@ from ..engine.scheduler import Scheduler
 from ..engine.shard import Shard
 from ..engine.speculative.build import build_proposer
 from ..engine.speculative.speculator import Speculator
-from ..engine.speculative.verify import sample_step
+from ..engine.speculative.verify import tail_step
 from ..engine.tensor_parallel import TensorGroup, init_tensor_group
 from ..plan import FleetPlan, Formats, StagePlan
 from . import numa
@@ -479,18 +479,28 @@ class StageAgent:
         its own and has no token."""
         assert self.sampler is not None
         for start in starts:
-            self.sampler.start(start.slot, start.sampling_params(), start.drawn)
-        tokens, errors = sample_step(self.sampler, slots, output_tokens, logits)
+            self.sampler.start(start.slot, start.sampling_params(), start.prompt_tokens, start.drawn)
+        every = msg.slots.tolist(), msg.positions.tolist(), [] if msg.token_ids is None else msg.token_ids.tolist()
+        if every[2]:
+            self.sampler.observe(every[0], every[2])
+        is_prompt = self.sampler.prompt_rows(slots, positions)
+        tokens, errors, logprobs, prompt = tail_step(
+            self.sampler, slots, positions, output_tokens, logits, lambda: list(zip(*every, strict=False))
+        )
         for slot, exc in errors.items():
             self._refuse(msg, exc, slot)
-        first: dict[int, int] = {}  # each slot's first output row's position: its window's tokens follow it
-        for slot, position in zip(slots, positions, strict=True):
-            first.setdefault(slot, position)
+        first: dict[int, int] = {}  # each slot's first sampled row's position: its window's tokens follow it
+        for slot, position, scored in zip(slots, positions, is_prompt, strict=True):
+            if not scored:
+                first.setdefault(slot, position)
         rows = [(s, first[s] + i, t) for s in first if s in tokens for i, t in enumerate(_as_list(tokens[s]))]
         return wire.TokensMsg(
             microbatch=msg.microbatch, step=msg.step, slots=torch.tensor([r[0] for r in rows], dtype=torch.int64),
             positions=torch.tensor([r[1] for r in rows], dtype=torch.int64),
             token_ids=torch.tensor([r[2] for r in rows], dtype=torch.int64),
+            logprobs=tuple(wire.LogprobsRecord.of(i, logprobs[r[0]]) for i, r in enumerate(rows) if r[0] in logprobs),
+            prompt_slots=tuple(slot for slot, entries in prompt.items() for _ in entries),
+            prompt_logprobs=tuple(wire.LogprobsRecord.of(p, v) for entries in prompt.values() for p, v in entries),
         )  # fmt: skip
 
     def release(self, slots: tuple[int, ...]) -> None:

@@ -39,11 +39,12 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ..engine.errors import ErrorCode, ModelfleetError
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import LOGPROB_FLOOR, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from ..engine.scheduler import FinishReason
 
 # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
-PROTOCOL_VERSION = 3
+# 4: log-probabilities (tokens, output), penalties, logit bias and min_tokens (stream_start, submit)
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20
@@ -160,10 +161,10 @@ class Optional:
 @dataclass(frozen=True)
 class IntList:
     max_len: int
-    item: Int = Int()
+    item: Int | Float = Int()
     unique: bool = False
 
-    def check(self, value: object, where: str) -> tuple[int, ...]:
+    def check(self, value: object, where: str) -> tuple[Any, ...]:
         if type(value) not in (list, tuple):
             raise MalformedMessage(f"{where} must be a list, got {_type_name(value)}")
         items: Sequence[object] = value  # type: ignore[assignment]
@@ -176,6 +177,11 @@ class IntList:
 
     def dump(self, value: Any) -> Any:
         return list(value)
+
+
+@dataclass(frozen=True)
+class FloatList(IntList):
+    """A list of floats: ``item`` is a :class:`Float`."""
 
 
 @dataclass(frozen=True)
@@ -313,7 +319,46 @@ ERROR_CODE = Str(32, choices=ERROR_CODES)
 MICROBATCH = Int(0, MAX_SLOTS)
 
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids")
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "logprobs",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "logit_bias_ids",
+    "logit_bias_values", "prompt_logprobs",
+)  # fmt: skip
+LOGPROB = Float(LOGPROB_FLOOR, 0.0)
+# the sampling fields after stop_token_ids, the same in stream_start and submit
+_EXTRA_SAMPLING: dict[str, tuple[Kind, Any]] = {
+    "logprobs": (Optional(Int(0, MAX_LOGPROBS)), None),
+    "prompt_logprobs": (Optional(Int(0, MAX_LOGPROBS)), None),
+    "frequency_penalty": (Float(-2.0, 2.0), 0.0),
+    "presence_penalty": (Float(-2.0, 2.0), 0.0),
+    "repetition_penalty": (Float(0.0, 100.0, lo_open=True), 1.0),
+    "min_tokens": (Int(0, MAX_POSITION), 0),
+    "logit_bias_ids": (IntList(MAX_LOGIT_BIAS, Int(0, MAX_TOKEN_ID)), ()),
+    "logit_bias_values": (FloatList(MAX_LOGIT_BIAS, Float(-100.0, 100.0)), ()),
+}
+
+
+@dataclass(frozen=True)
+class LogprobsRecord(Checked):
+    """The log-probabilities of the token in ``row`` (a message's row, or index in token_ids; a
+    prompt position in ``prompt_logprobs``): its own and its most likely alternatives', most likely first."""
+
+    TYPE: ClassVar[str] = "logprobs"
+    row: int = wire(POSITION)
+    logprob: float = wire(LOGPROB)
+    top_ids: tuple[int, ...] = wire(IntList(MAX_LOGPROBS, Int(0, MAX_TOKEN_ID)), ())
+    top_logprobs: tuple[float, ...] = wire(FloatList(MAX_LOGPROBS, LOGPROB), ())
+
+    def check(self) -> None:
+        if len(self.top_ids) != len(self.top_logprobs):
+            raise MalformedMessage("logprobs.top_ids and logprobs.top_logprobs must have one entry each")
+
+    @classmethod
+    def of(cls, row: int, value: TokenLogprobs) -> LogprobsRecord:
+        return cls(row=row, logprob=value.logprob, top_ids=value.top_ids, top_logprobs=value.top_logprobs)
+
+    def value(self) -> TokenLogprobs:
+        return TokenLogprobs(self.logprob, self.top_ids, self.top_logprobs)
 
 
 @dataclass(frozen=True, eq=True)
@@ -329,11 +374,26 @@ class StreamStart(Checked):
     seed: int | None = wire(Optional(Int(0, UINT64_MAX)), None)
     max_tokens: int = wire(Int(1, MAX_POSITION), 16)
     stop_token_ids: tuple[int, ...] | None = wire(Optional(IntList(MAX_STOP_IDS, Int(0, MAX_TOKEN_ID))), None)
+    logprobs: int | None = wire(*_EXTRA_SAMPLING["logprobs"])
+    prompt_logprobs: int | None = wire(*_EXTRA_SAMPLING["prompt_logprobs"])
+    frequency_penalty: float = wire(*_EXTRA_SAMPLING["frequency_penalty"])
+    presence_penalty: float = wire(*_EXTRA_SAMPLING["presence_penalty"])
+    repetition_penalty: float = wire(*_EXTRA_SAMPLING["repetition_penalty"])
+    min_tokens: int = wire(*_EXTRA_SAMPLING["min_tokens"])
+    logit_bias_ids: tuple[int, ...] = wire(*_EXTRA_SAMPLING["logit_bias_ids"])
+    logit_bias_values: tuple[float, ...] = wire(*_EXTRA_SAMPLING["logit_bias_values"])
+
+    prompt_tokens: int = wire(Int(0, MAX_POSITION), 0)  # the tail scores rows before the prompt's last
     drawn: int = wire(Int(0, MAX_POSITION), 0)  # tokens sampled before: a replayed stream's sampler skips them
 
     @classmethod
-    def of(cls, slot: int, params: SamplingParams, drawn: int = 0) -> StreamStart:
-        return cls(slot=slot, drawn=drawn, **{name: getattr(params, name) for name in _SAMPLING_FIELDS})
+    def of(cls, slot: int, params: SamplingParams, prompt_tokens: int = 0, drawn: int = 0) -> StreamStart:
+        return cls(
+            slot=slot,
+            prompt_tokens=prompt_tokens,
+            drawn=drawn,
+            **{name: getattr(params, name) for name in _SAMPLING_FIELDS},
+        )
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})
@@ -399,8 +459,15 @@ class TokensMsg(Message):
     slots: torch.Tensor = wire(INT_IDS)  # [N] int64
     positions: torch.Tensor = wire(INT_IDS)  # [N] int64
     token_ids: torch.Tensor = wire(INT_IDS)  # [N] int64
+    logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())  # rows that asked
+    # prompt tokens' log-probabilities (record.row: the prompt position), of the streams in prompt_slots
+    prompt_slots: tuple[int, ...] = wire(IntList(MAX_ROWS, SLOT), ())
+    prompt_logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())
 
     def check(self) -> None:
+        _records_name_rows(self.TYPE, self.logprobs, int(self.slots.shape[0]))
+        if len(self.prompt_slots) != len(self.prompt_logprobs):
+            raise MalformedMessage("tokens.prompt_slots and tokens.prompt_logprobs must have one entry each")
         # zero rows is valid: a frame of prefill windows that sampled nothing still completes
         rows = int(self.slots.shape[0])
         if rows > MAX_ROWS:
@@ -505,6 +572,14 @@ class SubmitMsg(Message):
     seed: int | None = wire(Optional(Int(0, UINT64_MAX)), None)
     max_tokens: int = wire(Int(1, MAX_POSITION), 16)
     stop_token_ids: tuple[int, ...] | None = wire(Optional(IntList(MAX_STOP_IDS, Int(0, MAX_TOKEN_ID))), None)
+    logprobs: int | None = wire(*_EXTRA_SAMPLING["logprobs"])
+    prompt_logprobs: int | None = wire(*_EXTRA_SAMPLING["prompt_logprobs"])
+    frequency_penalty: float = wire(*_EXTRA_SAMPLING["frequency_penalty"])
+    presence_penalty: float = wire(*_EXTRA_SAMPLING["presence_penalty"])
+    repetition_penalty: float = wire(*_EXTRA_SAMPLING["repetition_penalty"])
+    min_tokens: int = wire(*_EXTRA_SAMPLING["min_tokens"])
+    logit_bias_ids: tuple[int, ...] = wire(*_EXTRA_SAMPLING["logit_bias_ids"])
+    logit_bias_values: tuple[float, ...] = wire(*_EXTRA_SAMPLING["logit_bias_values"])
 
     def check(self) -> None:
         _rows(self.TYPE + ".prompt_ids", self.prompt_ids, MAX_POSITION)
@@ -531,8 +606,11 @@ class OutputMsg(Message):
     finish_reason: str | None = wire(Optional(Str(16, choices=FINISH_REASONS)), None)
     code: str | None = wire(Optional(ERROR_CODE), None)
     error: str = wire(Str(4096), "")
+    logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())  # by index in token_ids
+    prompt_logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())  # by prompt position
 
     def check(self) -> None:
+        _records_name_rows(self.TYPE, self.logprobs, len(self.token_ids))
         if (self.finish_reason == "error") != (self.code is not None):
             raise MalformedMessage("output.code is set exactly when output.finish_reason is 'error'")
 
@@ -552,6 +630,12 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         OutputMsg, CancelMsg,
     )
 }  # fmt: skip
+
+
+def _records_name_rows(where: str, records: tuple[LogprobsRecord, ...], rows: int) -> None:
+    named = [r.row for r in records]
+    if any(b <= a for a, b in zip(named, named[1:], strict=False)) or (named and named[-1] >= rows):
+        raise MalformedMessage(f"{where}.logprobs must name distinct rows of its {rows}, in order; got {named}")
 
 
 def _rows(where: str, slots: torch.Tensor, limit: int) -> int:

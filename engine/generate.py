@@ -25,12 +25,12 @@ from .expert_placement import StagePlacement
 from .formats.plan import FormatPlan
 from .frame import Frame
 from .kvcache import SlotState, SlotTable
-from .sampling import SamplingParams, TailSampler
+from .sampling import SamplingParams, TailSampler, TokenLogprobs
 from .scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, Token
 from .shard import Shard
 from .spec import ModelSpec, load_spec
 from .speculative.speculator import Speculator
-from .speculative.verify import sample_step
+from .speculative.verify import tail_step
 from .split import even_split
 from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, graph_bucket, supports_static_decode
 from .tensor_parallel import TensorGroup
@@ -211,6 +211,8 @@ class LocalModel:
 class GenerationResult:
     prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by prompt position, when asked
     finish_reason: str = "length"
     time_to_first_token_s: float = 0.0
     total_s: float = 0.0
@@ -267,15 +269,22 @@ def generate_batch(
         while not scheduler.idle:
             for step in scheduler.schedule(time.perf_counter() - start):
                 for stream in step.new_streams:
-                    sampler.start(stream.slot, stream.params)
+                    sampler.start(stream.slot, stream.params, len(stream.prompt))
                     seated.add(stream.slot)
                 logits = model.run_step(step)
-                rows_in = [step.token_ids[r] for r in step.output_rows]
-                tokens, errors = sample_step(sampler, [s.slot for s in step.sampled], rows_in, logits)
+                rows = step.output_rows
+                sampler.observe(list(step.slots), list(step.token_ids))
+                tokens, errors, logprobs, scored = tail_step(
+                    sampler, [step.slots[r] for r in rows], [step.positions[r] for r in rows],
+                    [step.token_ids[r] for r in rows], logits,
+                    lambda: list(zip(step.slots, step.positions, step.token_ids, strict=True)),  # noqa: B023  (called at once)
+                )  # fmt: skip
                 if errors:
                     raise next(iter(errors.values()))
+                for stream in step.streams:
+                    results[cast(int, stream.key)].prompt_logprobs.update(scored.get(stream.slot, ()))
                 now = time.perf_counter() - start
-                for event in scheduler.complete(step.id, tokens, now):
+                for event in scheduler.complete(step.id, tokens, now, logprobs):
                     _deliver(event, results, now, on_token)
                     if isinstance(event, Rewind):
                         model.rewind(event.stream.slot, event.position)
@@ -301,6 +310,8 @@ def _deliver(
     result.total_s = now
     if isinstance(event, Token):
         result.token_ids.append(event.token_id)
+        if event.logprobs is not None:
+            result.logprobs.append(event.logprobs)
         if on_token is not None:
             on_token(index, event.token_id)
     else:

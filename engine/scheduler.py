@@ -53,7 +53,7 @@ import torch
 
 from .errors import ErrorCode, InputError
 from .frame import Frame
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprobs
 from .speculative.speculator import Speculator
 
 LEARN_CONTEXT = 8  # tokens before an emitted one that a learning proposer is shown
@@ -135,6 +135,7 @@ class Refusal:
 class Token:
     stream: StreamState
     token_id: int
+    logprobs: TokenLogprobs | None = None  # when the stream asked for them (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,8 @@ class Step:
     slots: tuple[int, ...]
     positions: tuple[int, ...]
     token_ids: tuple[int, ...]
-    output_rows: tuple[int, ...]  # rows whose output (a token) is wanted, increasing
-    sampled: tuple[StreamState, ...]  # the stream of each output row
+    output_rows: tuple[int, ...]  # rows whose output is wanted (a token, or a prompt row's scores), increasing
+    sampled: tuple[StreamState, ...]  # the stream of each row whose token is due, in row order
     streams: tuple[StreamState, ...]  # every stream with rows here, in row order
     new_streams: tuple[StreamState, ...]  # streams whose first rows are here: the tail starts their samplers
     sent_at: float
@@ -310,6 +311,11 @@ class Scheduler:
             positions += range(first, first + len(rows))
             tokens += rows
             stream.scheduled = first + len(rows)
+            if stream.params.prompt_logprobs is not None and not stream.replays and first < len(stream.prompt) - 1:
+                scored = min(
+                    len(rows), len(stream.prompt) - 1 - first
+                )  # prompt rows but its last: the tail scores them
+                output_rows += range(len(slots) - len(rows), len(slots) - len(rows) + scored)
             if not stream.prefilling:
                 stream.awaiting = True
                 output_rows += range(len(slots) - due, len(slots))
@@ -323,6 +329,7 @@ class Scheduler:
 
     def _drafts(self, decoding: list[StreamState]) -> dict[StreamState, list[int]]:
         """Each decoding stream's proposals, at the widths the speculator chose together."""
+        decoding = [s for s in decoding if s.params.speculates]
         if self.speculator is None or not decoding:
             return {}
         room = [self.config.context_length - s.confirmed for s in decoding]  # proposals must fit the context
@@ -330,12 +337,17 @@ class Scheduler:
         return {s: d[: max(0, r)] for s, d, r in zip(decoding, chosen, room, strict=True)}
 
     def complete(
-        self, step_id: int, tokens: Mapping[int, int | Sequence[int]], now: float | None = None
+        self,
+        step_id: int,
+        tokens: Mapping[int, int | Sequence[int]],
+        now: float | None = None,
+        logprobs: Mapping[int, TokenLogprobs] | None = None,
     ) -> list[Event]:
         """The tokens a step emitted, by slot: one token, or a verify window's accepted proposals
         and its one token from the target. A sampled stream missing from ``tokens`` was failed on
         its own (:meth:`fail`); a step no longer in flight was failed whole. ``now``: when the
-        result arrived (the speculator measures step costs from it)."""
+        result arrived (the speculator measures step costs from it). ``logprobs``: by slot, of a
+        lone token (streams that ask for them are not speculated)."""
         step = self.in_flight.pop(step_id, None)
         if step is None:
             return []
@@ -349,10 +361,13 @@ class Scheduler:
             got = tokens.get(stream.slot)
             if got is not None:
                 emitted = [got] if isinstance(got, int) else list(got)
-                events += self._accept_window(stream, step.sampled.count(stream) - 1, emitted)
+                reported = None if logprobs is None else logprobs.get(stream.slot)
+                events += self._accept_window(stream, step.sampled.count(stream) - 1, emitted, reported)
         return events
 
-    def _accept_window(self, stream: StreamState, proposed: int, emitted: list[int]) -> list[Event]:
+    def _accept_window(
+        self, stream: StreamState, proposed: int, emitted: list[int], logprobs: TokenLogprobs | None = None
+    ) -> list[Event]:
         """A verify window of ``proposed`` proposals emitted ``emitted``: commit them in order
         under the stop and length rules, then rewind what the backends hold beyond the new
         confirmed prefix (all but the newest token, which the next step feeds)."""
@@ -361,14 +376,14 @@ class Scheduler:
             self.speculator.record(stream, proposed, len(emitted) - 1)
         events: list[Event] = []
         for token in emitted:
-            events += self.accept(stream, token)
+            events += self.accept(stream, token, logprobs)
             if stream.done:
                 return events
         if held > stream.confirmed - 1:
             events.append(Rewind(stream, stream.confirmed - 1))
         return events
 
-    def accept(self, stream: StreamState, token: int) -> list[Event]:
+    def accept(self, stream: StreamState, token: int, logprobs: TokenLogprobs | None = None) -> list[Event]:
         """The stop and length rules, written once."""
         if token in stream.stop_ids:
             return [self._finish(stream, FinishReason.STOP)]
@@ -377,7 +392,7 @@ class Scheduler:
                 (stream.prompt[-LEARN_CONTEXT:] + stream.generated[-LEARN_CONTEXT:])[-LEARN_CONTEXT:], token
             )
         stream.generated.append(token)
-        events: list[Event] = [Token(stream, token)]
+        events: list[Event] = [Token(stream, token, logprobs)]
         if len(stream.generated) >= stream.params.max_tokens or stream.confirmed >= self.config.context_length:
             events.append(self._finish(stream, FinishReason.LENGTH))
         return events

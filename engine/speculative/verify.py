@@ -20,13 +20,13 @@ emitted token has the distribution plain sampling would give it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import InputError, ModelfleetError
-from ..sampling import SamplingParams, TailSampler, filter_logits
+from ..sampling import SamplingParams, TailSampler, TokenLogprobs, filter_logits
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,34 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(weights / weights.sum(), 1, generator=generator))
 
 
+PromptLogprobs = dict[int, list[tuple[int, TokenLogprobs]]]  # slot -> (prompt position, its log-probabilities)
+
+
+def tail_step(
+    sampler: TailSampler,
+    slots: Sequence[int],
+    positions: Sequence[int],
+    token_ids: Sequence[int] | None,
+    logits: torch.Tensor,
+    frame_rows: Callable[[], list[tuple[int, int, int]]],
+) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError], dict[int, TokenLogprobs], PromptLogprobs]:
+    """The tail's work on a step's output rows (``slots``, ``positions``, input ``token_ids``,
+    ``logits`` [R, V]): prompt rows of streams that asked for prompt log-probabilities are scored
+    (``frame_rows``: (slot, position, input token) of every row of the frame, asked for only
+    then), the others sampled (:func:`sample_step`)."""
+    prompt = sampler.prompt_rows(list(slots), list(positions))
+    if not any(prompt) and not sampler.scorers:
+        return (*sample_step(sampler, slots, token_ids, logits), {})
+    score = [i for i, is_prompt in enumerate(prompt) if is_prompt]
+    keep = [i for i, is_prompt in enumerate(prompt) if not is_prompt]
+    scored = sampler.score_prompts([(slots[i], positions[i]) for i in score], logits[score], frame_rows())
+    kept_ids = None if token_ids is None else [token_ids[i] for i in keep]
+    return (*sample_step(sampler, [slots[i] for i in keep], kept_ids, logits[keep]), scored)
+
+
 def sample_step(
     sampler: TailSampler, slots: Sequence[int], token_ids: Sequence[int] | None, logits: torch.Tensor
-) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError]]:
+) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError], dict[int, TokenLogprobs]]:
     """The tail's tokens for a step's output rows: ``slots[r]`` and ``token_ids[r]`` are output
         row r's stream slot and input token, ``logits`` [R, V]. A slot's lone row is sampled; a run of
         rows of one slot is a verify window (its input tokens after the first are the proposals) and
@@ -117,7 +142,7 @@ def sample_step(
         windows.setdefault(slot, []).append(row)
     lone = [rows[0] for rows in windows.values() if len(rows) == 1]
     tokens: dict[int, int | list[int]] = {}
-    picked, errors = sampler.sample([slots[r] for r in lone], logits[lone])
+    picked, errors, logprobs = sampler.sample_with_logprobs([slots[r] for r in lone], logits[lone])
     tokens.update(picked)
     for slot, rows in windows.items():
         if len(rows) == 1:
@@ -136,4 +161,4 @@ def sample_step(
             tokens[slot] = verify(logits[rows], drafts, stream.params, stream.generator).tokens
         except RuntimeError as exc:  # a distribution that is not one (torch.multinomial)
             errors[slot] = InputError(f"sampling failed for these sampling parameters: {exc}")
-    return tokens, errors
+    return tokens, errors, logprobs
