@@ -319,23 +319,7 @@ ERROR_CODE = Str(32, choices=ERROR_CODES)
 MICROBATCH = Int(0, MAX_SLOTS)
 
 
-_SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "logprobs",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "logit_bias_ids",
-    "logit_bias_values", "prompt_logprobs",
-)  # fmt: skip
 LOGPROB = Float(LOGPROB_FLOOR, 0.0)
-# the sampling fields after stop_token_ids, the same in stream_start and submit
-_EXTRA_SAMPLING: dict[str, tuple[Kind, Any]] = {
-    "logprobs": (Optional(Int(0, MAX_LOGPROBS)), None),
-    "prompt_logprobs": (Optional(Int(0, MAX_LOGPROBS)), None),
-    "frequency_penalty": (Float(-2.0, 2.0), 0.0),
-    "presence_penalty": (Float(-2.0, 2.0), 0.0),
-    "repetition_penalty": (Float(0.0, 100.0, lo_open=True), 1.0),
-    "min_tokens": (Int(0, MAX_POSITION), 0),
-    "logit_bias_ids": (IntList(MAX_LOGIT_BIAS, Int(0, MAX_TOKEN_ID)), ()),
-    "logit_bias_values": (FloatList(MAX_LOGIT_BIAS, Float(-100.0, 100.0)), ()),
-}
 
 
 @dataclass(frozen=True)
@@ -361,12 +345,11 @@ class LogprobsRecord(Checked):
         return TokenLogprobs(self.logprob, self.top_ids, self.top_logprobs)
 
 
-@dataclass(frozen=True, eq=True)
-class StreamStart(Checked):
-    """Sampling parameters of a stream whose first rows are in this frame; the tail keeps them per slot."""
+@dataclass(frozen=True, eq=False, kw_only=True)
+class SamplingFields(Checked):
+    """The sampling parameters a stream travels with, one definition for stream_start (head ->
+    tail) and submit (client -> head); the names are SamplingParams' own."""
 
-    TYPE: ClassVar[str] = "stream_start"
-    slot: int = wire(SLOT)
     temperature: float = wire(Float(0.0, 100.0), 0.0)
     top_p: float = wire(Float(0.0, 1.0, lo_open=True), 1.0)
     top_k: int = wire(Int(0, MAX_TOKEN_ID), 0)
@@ -374,15 +357,28 @@ class StreamStart(Checked):
     seed: int | None = wire(Optional(Int(0, UINT64_MAX)), None)
     max_tokens: int = wire(Int(1, MAX_POSITION), 16)
     stop_token_ids: tuple[int, ...] | None = wire(Optional(IntList(MAX_STOP_IDS, Int(0, MAX_TOKEN_ID))), None)
-    logprobs: int | None = wire(*_EXTRA_SAMPLING["logprobs"])
-    prompt_logprobs: int | None = wire(*_EXTRA_SAMPLING["prompt_logprobs"])
-    frequency_penalty: float = wire(*_EXTRA_SAMPLING["frequency_penalty"])
-    presence_penalty: float = wire(*_EXTRA_SAMPLING["presence_penalty"])
-    repetition_penalty: float = wire(*_EXTRA_SAMPLING["repetition_penalty"])
-    min_tokens: int = wire(*_EXTRA_SAMPLING["min_tokens"])
-    logit_bias_ids: tuple[int, ...] = wire(*_EXTRA_SAMPLING["logit_bias_ids"])
-    logit_bias_values: tuple[float, ...] = wire(*_EXTRA_SAMPLING["logit_bias_values"])
+    logprobs: int | None = wire(Optional(Int(0, MAX_LOGPROBS)), None)
+    prompt_logprobs: int | None = wire(Optional(Int(0, MAX_LOGPROBS)), None)
+    frequency_penalty: float = wire(Float(-2.0, 2.0), 0.0)
+    presence_penalty: float = wire(Float(-2.0, 2.0), 0.0)
+    repetition_penalty: float = wire(Float(0.0, 100.0, lo_open=True), 1.0)
+    min_tokens: int = wire(Int(0, MAX_POSITION), 0)
+    logit_bias_ids: tuple[int, ...] = wire(IntList(MAX_LOGIT_BIAS, Int(0, MAX_TOKEN_ID)), ())
+    logit_bias_values: tuple[float, ...] = wire(FloatList(MAX_LOGIT_BIAS, Float(-100.0, 100.0)), ())
 
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingFields))
+
+
+@dataclass(frozen=True, eq=True)
+class StreamStart(SamplingFields):
+    """Sampling parameters of a stream whose first rows are in this frame; the tail keeps them per slot."""
+
+    TYPE: ClassVar[str] = "stream_start"
+    slot: int = wire(SLOT)
     prompt_tokens: int = wire(Int(0, MAX_POSITION), 0)  # the tail scores rows before the prompt's last
     drawn: int = wire(Int(0, MAX_POSITION), 0)  # tokens sampled before: a replayed stream's sampler skips them
 
@@ -394,9 +390,6 @@ class StreamStart(Checked):
             drawn=drawn,
             **{name: getattr(params, name) for name in _SAMPLING_FIELDS},
         )
-
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})
 
 
 class Message(Checked):
@@ -559,27 +552,12 @@ FINISH_REASONS = frozenset(reason.value for reason in FinishReason)
 
 
 @dataclass(frozen=True, eq=False)
-class SubmitMsg(Message):
+class SubmitMsg(Message, SamplingFields):
     """A new stream: prompt token ids and sampling parameters, named by the client's request id."""
 
     TYPE: ClassVar[str] = "submit"
     request_id: int = wire(REQUEST_ID)
     prompt_ids: torch.Tensor = wire(INT_IDS)  # [N] int64
-    temperature: float = wire(Float(0.0, 100.0), 0.0)
-    top_p: float = wire(Float(0.0, 1.0, lo_open=True), 1.0)
-    top_k: int = wire(Int(0, MAX_TOKEN_ID), 0)
-    min_p: float = wire(Float(0.0, 1.0), 0.0)
-    seed: int | None = wire(Optional(Int(0, UINT64_MAX)), None)
-    max_tokens: int = wire(Int(1, MAX_POSITION), 16)
-    stop_token_ids: tuple[int, ...] | None = wire(Optional(IntList(MAX_STOP_IDS, Int(0, MAX_TOKEN_ID))), None)
-    logprobs: int | None = wire(*_EXTRA_SAMPLING["logprobs"])
-    prompt_logprobs: int | None = wire(*_EXTRA_SAMPLING["prompt_logprobs"])
-    frequency_penalty: float = wire(*_EXTRA_SAMPLING["frequency_penalty"])
-    presence_penalty: float = wire(*_EXTRA_SAMPLING["presence_penalty"])
-    repetition_penalty: float = wire(*_EXTRA_SAMPLING["repetition_penalty"])
-    min_tokens: int = wire(*_EXTRA_SAMPLING["min_tokens"])
-    logit_bias_ids: tuple[int, ...] = wire(*_EXTRA_SAMPLING["logit_bias_ids"])
-    logit_bias_values: tuple[float, ...] = wire(*_EXTRA_SAMPLING["logit_bias_values"])
 
     def check(self) -> None:
         _rows(self.TYPE + ".prompt_ids", self.prompt_ids, MAX_POSITION)
@@ -589,9 +567,6 @@ class SubmitMsg(Message):
     def of(cls, request_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SubmitMsg:
         ids = torch.tensor(list(prompt_ids), dtype=torch.int64)
         return cls(request_id=request_id, prompt_ids=ids, **{n: getattr(params, n) for n in _SAMPLING_FIELDS})
-
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})
 
 
 @dataclass(frozen=True)

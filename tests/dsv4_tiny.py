@@ -8,12 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tiny import COMMON
 
 CONFIG: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
+    COMMON,  # tests/tiny.py: the vocabulary, widths, depth and token ids every tiny model shares
     num_key_value_heads=1,
     head_dim=32,
     q_lora_rank=32,
@@ -42,10 +40,6 @@ CONFIG: dict[str, Any] = dict(
     partial_rotary_factor=0.25,
     rope_theta=10000.0,
     compress_rope_theta=40000.0,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
     num_nextn_predict_layers=1,
 )
 

@@ -210,16 +210,8 @@ def test_a_cancelled_stream_frees_its_slot_on_every_stage(secure_fleet) -> None:
 
 
 def test_malformed_and_unauthenticated_messages_are_dropped_while_the_fleet_serves(secure_fleet) -> None:
-    ctx = zmq.Context()
-    stage1 = secure_fleet.stages[1]
-    keys = secure_fleet.keys
-    assert keys is not None
-    try:
-        # an authenticated peer sending garbage and a header whose payload size does not match
-        good = ctx.socket(zmq.PUSH)
-        good.setsockopt(zmq.LINGER, 0)
-        wire.curve_client(good, keys, keys.public)
-        good.connect(f"tcp://{stage1.address}")
+    # an authenticated peer sending garbage and a header whose payload size does not match
+    with keyed_peer(secure_fleet, 1) as good:
         before = secure_fleet.metric(1, "modelfleet_stage_malformed_messages_total")
         good.send_multipart([b"\x93not a header"])
         frame = wire.encode(
@@ -230,9 +222,9 @@ def test_malformed_and_unauthenticated_messages_are_dropped_while_the_fleet_serv
         wait_until(lambda: secure_fleet.metric(1, drops) >= before + 2, 30, "both malformed messages dropped")
         # a peer without the fleet's keys never gets a message through
         frames_before = secure_fleet.metric(1, "modelfleet_stage_frames_total")
-        plain = ctx.socket(zmq.PUSH)
+        plain = good.context.socket(zmq.PUSH)
         plain.setsockopt(zmq.LINGER, 0)
-        plain.connect(f"tcp://{stage1.address}")
+        plain.connect(f"tcp://{secure_fleet.stages[1].address}")
         with contextlib.suppress(zmq.Again):
             plain.send_multipart(wire.encode(wire.ReleaseMsg(slots=(1,))), zmq.NOBLOCK)
         with secure_fleet.client() as client:
@@ -240,8 +232,6 @@ def test_malformed_and_unauthenticated_messages_are_dropped_while_the_fleet_serv
         assert served.finish_reason == "length", served.error
         assert secure_fleet.metric(1, drops) == before + 2
         assert secure_fleet.metric(1, "modelfleet_stage_frames_total") > frames_before
-    finally:
-        ctx.destroy(linger=0)
 
 
 def test_forged_frames_for_a_slot_with_no_sampler_or_with_a_nan_hidden_state_hold_no_slot(
@@ -253,14 +243,7 @@ def test_forged_frames_for_a_slot_with_no_sampler_or_with_a_nan_hidden_state_hol
     from modelfleet.engine.spec import load_spec
 
     width = load_spec(tiny_checkpoint("qwen3_moe")[0]).hidden_size
-    keys = secure_fleet.keys
-    assert keys is not None
-    ctx = zmq.Context()
-    try:
-        peer = ctx.socket(zmq.PUSH)
-        peer.setsockopt(zmq.LINGER, 0)
-        wire.curve_client(peer, keys, keys.public)
-        peer.connect(f"tcp://{secure_fleet.stages[1].address}")
+    with keyed_peer(secure_fleet, 1) as peer:
         nan = torch.full((2, width), math.nan)
         forged = [
             wire.FrameMsg(microbatch=0, step=10**9, slots=_ids([7, 7]), positions=_ids([0, 1]),
@@ -281,25 +264,31 @@ def test_forged_frames_for_a_slot_with_no_sampler_or_with_a_nan_hidden_state_hol
         with secure_fleet.client() as client:
             served = client.generate([4, 5, 6], SamplingParams(max_tokens=5, stop_token_ids=()))
         assert served.finish_reason == "length", served.error
-    finally:
-        ctx.destroy(linger=0)
 
 
 def test_a_message_over_the_size_limit_is_counted_as_malformed_not_dropped_unseen(secure_fleet) -> None:
     """Issue 30, item 6: a 65 MiB frame was dropped by libzmq's own limit (the peer disconnected,
     nothing counted); now libzmq's limit is twice the protocol's and the stage counts it."""
-    keys = secure_fleet.keys
+    with keyed_peer(secure_fleet, 1) as peer:
+        drops = "modelfleet_stage_malformed_messages_total"
+        before = secure_fleet.metric(1, drops)
+        peer.send_multipart([b"\x00" * (wire.MAX_MESSAGE_BYTES + (1 << 20))])
+        wait_until(lambda: secure_fleet.metric(1, drops) == before + 1, 30, "the oversized message counted")
+
+
+@contextlib.contextmanager
+def keyed_peer(fleet, stage: int):  # type: ignore[no-untyped-def]
+    """A PUSH socket holding the fleet's CURVE keys, connected to ``stage``: a peer the stage lets
+    in, sending whatever a test forges."""
+    keys = fleet.keys
     assert keys is not None
     ctx = zmq.Context()
     try:
         peer = ctx.socket(zmq.PUSH)
         peer.setsockopt(zmq.LINGER, 0)
         wire.curve_client(peer, keys, keys.public)
-        peer.connect(f"tcp://{secure_fleet.stages[1].address}")
-        drops = "modelfleet_stage_malformed_messages_total"
-        before = secure_fleet.metric(1, drops)
-        peer.send_multipart([b"\x00" * (wire.MAX_MESSAGE_BYTES + (1 << 20))])
-        wait_until(lambda: secure_fleet.metric(1, drops) == before + 1, 30, "the oversized message counted")
+        peer.connect(f"tcp://{fleet.stages[stage].address}")
+        yield peer
     finally:
         ctx.destroy(linger=0)
 
