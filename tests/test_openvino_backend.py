@@ -54,13 +54,22 @@ from modelfleet.engine.openvino.runtime import (  # noqa: E402
     FusedMoE,
     check_block_fused,
 )
-from modelfleet.engine.openvino.stage import OpenVINOShard, dense_form  # noqa: E402
+from modelfleet.engine.openvino.stage import OpenVINOShard, dense_form, host_threads  # noqa: E402
 from modelfleet.engine.quantize import QuantizedDense  # noqa: E402
 from modelfleet.engine.shard import Shard  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33, 90, 6, 101, 58]
 FAMILIES = ["qwen3_moe", "deepseek_v3", "inkling"]
 OPTIONS = CompileOptions()  # CPU, f32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_restored():  # type: ignore[no-untyped-def]
+    """A CPU OpenVINO stage sets torch's threads for its process (host_threads); give the rest of
+    the test session its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +146,7 @@ def test_every_sparse_block_runs_fused_and_dense_blocks_run_as_three_matmuls_on_
     assert info["device"] == "CPU" and info["moe_layers"] == info["fused_layers"] == 3, info
     assert info["dense_form"] == "matmuls" and info["dense_layers"] == 1, info
     assert info["attenuation_exponents"] == {}, info  # f32 blocks: Eq. 1 needs no attenuation
+    assert info["host_threads"] == 1, info
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -348,6 +358,11 @@ def test_eq1_the_automatic_exponent_keeps_an_fp16_block_finite_and_correct_and_l
     managed = restore(_expert_path(export.attenuate(bank, n), x, ids, w / factors, torch.float16), factors, n)
     assert torch.isfinite(managed).all()
     assert_close_to(managed, exact, tol=5e-3)
+
+
+@pytest.mark.parametrize(("device", "threads"), [("CPU", 1), ("GPU", None), ("GPU.1", None)])
+def test_a_cpu_stage_leaves_the_cores_to_openvinos_thread_pool(device: str, threads: int | None) -> None:
+    assert host_threads(device) == threads
 
 
 @pytest.mark.parametrize(

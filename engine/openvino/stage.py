@@ -96,6 +96,16 @@ def default_cache_dir() -> Path:
     return Path(base) / "modelfleet" / "openvino"
 
 
+def host_threads(device: str) -> int | None:
+    """torch's intra-op threads in a process serving an OpenVINO stage on ``device``, or None to
+    leave them. On a CPU device: 1. OpenVINO's thread pool runs the heavy matmuls on every core;
+    a second pool of torch threads, spinning after each host op (norms, routing, attention over a
+    few rows), takes cores from it and its spinning slows torch in turn: the demo model decoded
+    5-15x slower with both pools at 2 threads on 2 cores than with torch at 1 (or with OpenMP's
+    passive wait), docs/results/openvino_stage.md. On a GPU the host's CPU work is all there is."""
+    return 1 if device.split(".")[0].upper() == "CPU" else None
+
+
 def check_device(device: str) -> None:
     """Raise unless OpenVINO sees ``device`` here (a GPU stage on a machine without an Intel GPU)."""
     from .runtime import core
@@ -149,11 +159,14 @@ class OpenVINOShard(Shard):
         refusal = family_refusal(spec.family)
         if refusal is not None:
             raise ConfigError(refusal)
+        ov_device = openvino_device(device)
+        threads = host_threads(ov_device)
+        if threads is not None and torch.get_num_threads() > threads:
+            torch.set_num_threads(threads)  # process-wide: a stage is a process of its own
         shard = cls.load(
             model_dir, layer_start, layer_end, device="cpu", dtype=torch.float32, formats=formats, pack=False
         )
         assert isinstance(shard, OpenVINOShard)
-        ov_device = openvino_device(device)
         chosen = precision or ("f32" if ov_device == "CPU" else "default")
         options = CompileOptions(ov_device, chosen, cache_dir)
         check_device(options.device)
@@ -249,6 +262,7 @@ class OpenVINOShard(Shard):
             "device": self.openvino_device,
             "moe_layers": self.moe_layers,
             "fused_layers": self.fused_layers,
+            "host_threads": torch.get_num_threads(),
             "dense_form": self.dense_form,
             "dense_layers": self.dense_layers,
             "attenuation_exponents": {str(k): v for k, v in self.attenuation_exponents.items() if v},
