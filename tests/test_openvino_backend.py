@@ -129,6 +129,16 @@ def test_float_weights_give_logits_within_1e_3_of_transformers_and_the_same_32_g
     assert greedy(shard, PROMPT, 32, slot=1) == ref[0, len(PROMPT) :].tolist()
 
 
+def test_inkling_cut_into_two_openvino_stages_gives_the_logits_of_the_whole(checkpoint) -> None:
+    """Stage 1 holds no embedding: its convolution histories and relative bias run on its host."""
+    from modelfleet.engine.generate import LocalModel
+
+    path, model = checkpoint("inkling")
+    local = LocalModel.load(path, shards=2, backend="openvino", max_slots=1, max_context=64)
+    assert [type(s).__name__ for s in local.shards] == ["OpenVINOShard", "OpenVINOShard"]
+    assert_close_to(local.forward(Frame.of_streams([(0, 0, PROMPT)])), reference_logits(model, PROMPT), tol=1e-3)
+
+
 def test_mixtral_layers_export_too_and_match_transformers(tiny_checkpoint, openvino_stage) -> None:
     _, model = tiny_checkpoint("mixtral")
     shard = openvino_stage("mixtral")
@@ -168,11 +178,12 @@ def test_int4_experts_and_int8_attention_match_the_torch_backend_with_the_same_w
     assert sum(same) >= len(same) - 1
 
 
-def test_generate_json_reports_the_backend_device_and_fused_layers(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("family", ["qwen3_moe", "inkling"])
+def test_generate_json_reports_the_backend_device_and_fused_layers(family: str, checkpoint) -> None:
     from modelfleet.cli import app
 
-    path, _ = tiny_checkpoint("qwen3_moe")
-    args = ["generate", "--model", str(path), "--prompt-ids", "5,17,99", "--max-tokens", "4", "--json"]
+    path, _ = checkpoint(family)
+    args = ["generate", "--model", str(path), "--prompt-ids", "5,17,99", "--max-tokens", "8", "--json"]
     torch_run = CliRunner().invoke(app, args)
     ov_run = CliRunner().invoke(app, [*args, "--backend", "openvino", "--device", "CPU"])
     assert ov_run.exit_code == 0, ov_run.output
