@@ -21,9 +21,9 @@ bandwidth of a large tensor copy measured in the same run (bytes read + written)
 
     python benchmarks/openvino_stage.py                       # everything, CSV to docs/results
     python benchmarks/openvino_stage.py --experts 32 --workloads moe,dense
-    # the quiet CPU check (about 2 minutes on 2 quiet cores; the figures in openvino_stage.md):
+    # the quiet CPU check (under 3 minutes on 2 cores; its figures go in openvino_stage.md):
     OMP_NUM_THREADS=2 taskset -c 0,1 python benchmarks/openvino_stage.py --workloads decode,dense \
-        --reps 20 --tokens 32 --out docs/results/openvino_stage_quiet.csv
+        --reps 20 --tokens 24 --out docs/results/openvino_stage_quiet.csv
 """
 
 from __future__ import annotations
