@@ -371,6 +371,20 @@ def test_eq1_the_automatic_exponent_keeps_an_fp16_block_finite_and_correct_and_l
     assert_close_to(managed, exact, tol=5e-3)
 
 
+def test_eq1_a_stage_calibrates_its_gpu_blocks_and_not_its_cpu_ones() -> None:
+    """What the stage's export calls per block: a GPU stage (f16) gets the calibrated exponent."""
+    from modelfleet.engine.openvino.stage import _exponent
+
+    bank, _ = _overflowing_bank()
+    gamma = torch.ones(64)
+    expected = layer_exponent(export.bank_peak(bank, calibration_rows(gamma)), "f16")
+    assert _exponent(bank, gamma, CompileOptions("GPU", "default")) == expected > 0
+    assert _exponent(bank, gamma, CompileOptions("CPU", "default")) == 0
+    assert _exponent(bank, gamma, CompileOptions("GPU", "f32")) == 0
+    tame = ExpertBank(bank.gate, bank.up / 40.0, bank.down / 4.0)
+    assert _exponent(tame, gamma, CompileOptions("GPU", "default")) == 0
+
+
 @pytest.mark.parametrize(("device", "threads"), [("CPU", 1), ("GPU", None), ("GPU.1", None)])
 def test_a_cpu_stage_leaves_the_cores_to_openvinos_thread_pool(device: str, threads: int | None) -> None:
     assert host_threads(device) == threads
