@@ -1,7 +1,8 @@
-"""The OpenVINO stage backend on CPU: float weights against transformers, int4/int8 against the
-torch backend with the same quantized weights, fusion asserted (and a static-rows graph refused),
-Eq. 1 range management, Eq. 2 dense blocks as all-active slices, rewind and release, and a mixed
-fleet (torch stage 0, OpenVINO stage 1) through the gateway.
+"""The OpenVINO stage backend on CPU: float weights against transformers (qwen3_moe, deepseek_v3,
+mixtral, Inkling), int4/int8 against the torch backend with the same quantized weights, fusion
+asserted (and a static-rows graph refused), Eq. 1 range management and its automatic exponent,
+Eq. 2 dense blocks as all-active slices and as three matmuls (the form each device gets), rewind
+and release, and a mixed fleet (torch stage 0, OpenVINO stage 1) through the gateway.
 
 Exactness settings: INFERENCE_PRECISION_HINT=f32 and DYNAMIC_QUANTIZATION_GROUP_SIZE=0 (the
 backend's ``f32`` precision, its CPU default). No Intel GPU exists here: the GPU path is the same
@@ -23,6 +24,7 @@ import torch
 
 pytest.importorskip("openvino")
 
+from inkling_tiny import save_text_model  # noqa: E402
 from tiny import assert_close_to, reference_logits  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
@@ -32,27 +34,68 @@ from modelfleet.engine.formats.int4 import quantize_int4  # noqa: E402
 from modelfleet.engine.formats.plan import FormatPlan  # noqa: E402
 from modelfleet.engine.frame import Frame  # noqa: E402
 from modelfleet.engine.layers import Dense, GatedMLP, softmax_top_k  # noqa: E402
+from modelfleet.engine.models.inkling import ScaledGatedMLP  # noqa: E402
 from modelfleet.engine.openvino import export  # noqa: E402
-from modelfleet.engine.openvino.graphs import ExpertBank, moe_graph  # noqa: E402
-from modelfleet.engine.openvino.ranges import FP16_MAX, attenuation_exponent, restore, row_factors  # noqa: E402
-from modelfleet.engine.openvino.runtime import CompiledBlock, CompileOptions, FusedMoE, check_block_fused  # noqa: E402
-from modelfleet.engine.openvino.stage import OpenVINOShard  # noqa: E402
+from modelfleet.engine.openvino.graphs import ExpertBank, dense_graph, moe_graph  # noqa: E402
+from modelfleet.engine.openvino.ranges import (  # noqa: E402
+    FP16_MAX,
+    attenuation_exponent,
+    calibration_rows,
+    execution_type,
+    layer_exponent,
+    needs_calibration,
+    restore,
+    row_factors,
+)
+from modelfleet.engine.openvino.runtime import (  # noqa: E402
+    CompiledBlock,
+    CompileOptions,
+    DenseMatmuls,
+    FusedMoE,
+    check_block_fused,
+)
+from modelfleet.engine.openvino.stage import OpenVINOShard, dense_form, host_threads  # noqa: E402
 from modelfleet.engine.quantize import QuantizedDense  # noqa: E402
 from modelfleet.engine.shard import Shard  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33, 90, 6, 101, 58]
-FAMILIES = ["qwen3_moe", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "inkling"]
 OPTIONS = CompileOptions()  # CPU, f32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_restored():  # type: ignore[no-untyped-def]
+    """A CPU OpenVINO stage sets torch's threads for its process (host_threads); give the rest of
+    the test session its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def openvino_stage(tiny_checkpoint):  # type: ignore[no-untyped-def]
+def checkpoint(tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """checkpoint(family) -> (directory, transformers model): tests/tiny.py's, Inkling's own."""
+    inkling: list[tuple[Path, torch.nn.Module]] = []
+
+    def get(family: str):  # type: ignore[no-untyped-def]
+        if family != "inkling":
+            return tiny_checkpoint(family)
+        if not inkling:
+            path = tmp_path_factory.mktemp("inkling")
+            inkling.append((path, save_text_model(path)))
+        return inkling[0]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def openvino_stage(checkpoint):  # type: ignore[no-untyped-def]
     """openvino_stage(family, formats=None) -> a whole-model OpenVINOShard, compiled once each."""
     cache: dict[tuple[str, FormatPlan | None], OpenVINOShard] = {}
 
     def get(family: str, formats: FormatPlan | None = None) -> OpenVINOShard:
         if (family, formats) not in cache:
-            path, _ = tiny_checkpoint(family)
+            path, _ = checkpoint(family)
             shard = load_backend("openvino", path, 0, 4, device="cpu", formats=formats)
             assert isinstance(shard, OpenVINOShard)
             cache[family, formats] = shard
@@ -72,14 +115,28 @@ def greedy(shard: Shard, prompt: list[int], tokens: int, slot: int = 0) -> list[
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float_weights_give_logits_within_1e_3_of_transformers_and_the_same_32_greedy_tokens(
-    family: str, tiny_checkpoint, openvino_stage
+    family: str, checkpoint, openvino_stage
 ) -> None:
-    _, model = tiny_checkpoint(family)
+    _, model = checkpoint(family)
     shard = openvino_stage(family)
     shard.allocate_cache(2, 128)
     assert_close_to(shard(Frame.of_streams([(0, 0, PROMPT)])), reference_logits(model, PROMPT), tol=1e-3)
-    ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False
+        )
     assert greedy(shard, PROMPT, 32, slot=1) == ref[0, len(PROMPT) :].tolist()
+
+
+def test_inkling_cut_into_two_openvino_stages_gives_the_logits_of_the_whole(checkpoint) -> None:
+    """Stage 1 holds no embedding: its convolution histories and relative bias run on its host."""
+    from modelfleet.engine.generate import LocalModel
+
+    path, model = checkpoint("inkling")
+    local = LocalModel.load(path, shards=2, backend="openvino", max_slots=1, max_context=64)
+    assert [type(s).__name__ for s in local.shards] == ["OpenVINOShard", "OpenVINOShard"]
+    assert_close_to(local.forward(Frame.of_streams([(0, 0, PROMPT)])), reference_logits(model, PROMPT), tol=1e-3)
 
 
 def test_mixtral_layers_export_too_and_match_transformers(tiny_checkpoint, openvino_stage) -> None:
@@ -91,17 +148,22 @@ def test_mixtral_layers_export_too_and_match_transformers(tiny_checkpoint, openv
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_feed_forward_block_dense_or_sparse_runs_fused(family: str, openvino_stage) -> None:
+def test_every_sparse_block_runs_fused_and_dense_blocks_run_as_three_matmuls_on_cpu(
+    family: str, openvino_stage
+) -> None:
     info = openvino_stage(family).backend_info
-    # qwen3_moe's layer 1 and deepseek_v3's layer 0 are dense: all-active slices, fused all the same
-    assert info["device"] == "CPU" and info["moe_layers"] == info["fused_layers"] == 4, info
+    # qwen3_moe's layer 1, deepseek_v3's and Inkling's layer 0 are dense: three matmuls on a CPU
+    assert info["device"] == "CPU" and info["moe_layers"] == info["fused_layers"] == 3, info
+    assert info["dense_form"] == "matmuls" and info["dense_layers"] == 1, info
+    assert info["attenuation_exponents"] == {}, info  # f32 blocks: Eq. 1 needs no attenuation
+    assert info["host_threads"] == 1, info
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_int4_experts_and_int8_attention_match_the_torch_backend_with_the_same_weights(
-    family: str, tiny_checkpoint, openvino_stage
+    family: str, checkpoint, openvino_stage
 ) -> None:
-    path, _ = tiny_checkpoint(family)
+    path, _ = checkpoint(family)
     formats = FormatPlan.default()
     ours, theirs = openvino_stage(family, formats), Shard.load(path, formats=formats)
     for shard in (ours, theirs):
@@ -116,16 +178,17 @@ def test_int4_experts_and_int8_attention_match_the_torch_backend_with_the_same_w
     assert sum(same) >= len(same) - 1
 
 
-def test_generate_json_reports_the_backend_device_and_fused_layers(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("family", ["qwen3_moe", "inkling"])
+def test_generate_json_reports_the_backend_device_and_fused_layers(family: str, checkpoint) -> None:
     from modelfleet.cli import app
 
-    path, _ = tiny_checkpoint("qwen3_moe")
-    args = ["generate", "--model", str(path), "--prompt-ids", "5,17,99", "--max-tokens", "4", "--json"]
+    path, _ = checkpoint(family)
+    args = ["generate", "--model", str(path), "--prompt-ids", "5,17,99", "--max-tokens", "8", "--json"]
     torch_run = CliRunner().invoke(app, args)
     ov_run = CliRunner().invoke(app, [*args, "--backend", "openvino", "--device", "CPU"])
     assert ov_run.exit_code == 0, ov_run.output
     report = json.loads(ov_run.stdout.strip().splitlines()[-1])
-    assert report["backend"]["backend"] == "openvino" and report["backend"]["fused_layers"] == 4
+    assert report["backend"]["backend"] == "openvino" and report["backend"]["fused_layers"] == 3
     assert report["token_ids"] == json.loads(torch_run.stdout.strip().splitlines()[-1])["token_ids"]
 
 
@@ -140,7 +203,7 @@ def test_a_graph_with_a_static_row_count_is_refused_naming_the_layer() -> None:
 
 def test_families_without_an_openvino_export_and_devices_it_cannot_use_are_refused(tiny_checkpoint) -> None:
     path, _ = tiny_checkpoint("gpt_oss")
-    with pytest.raises(ConfigError, match="'gpt_oss'.*--backend torch"):
+    with pytest.raises(ConfigError, match="'gpt_oss' .*biases and a clamped SwiGLU.*--backend torch"):
         load_backend("openvino", path, 0, 4)
     assert "no NPU lowering" in (backend_refusal("openvino", "NPU") or "")
     assert "not an OpenVINO device" in (backend_refusal("openvino", "cuda:0") or "")
@@ -252,6 +315,108 @@ def test_eq1_attenuation_and_row_factors_restore_the_output_exactly_on_the_devic
         return FusedMoE(CompiledBlock(graph, OPTIONS), router, route, 4, 0, n, f"attenuated {n}")
 
     assert_close_to(block(4)(x), block(0)(x), tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "execution"),
+    [("CPU", "f32", "f32"), ("CPU", "default", "bf16"), ("GPU", "default", "f16"), ("GPU.1", "default", "f16"),
+     ("GPU", "f32", "f32")],
+)  # fmt: skip
+def test_eq1_the_execution_type_follows_the_device_and_precision(device: str, precision: str, execution: str) -> None:
+    assert execution_type(device, precision) == execution
+    assert needs_calibration(execution) == (execution == "f16")
+
+
+@pytest.mark.parametrize(
+    ("peak", "execution", "exponent"),
+    [(0.0, "f16", 0), (1000.0, "f16", 0), (8188.0, "f16", 0), (8189.0, "f16", 1), (FP16_MAX, "f16", 3),
+     (1e5, "f16", 4), (2.4e6, "f16", 9), (1e30, "bf16", 0), (1e30, "f32", 0), (5e37, "f32", 1)],
+)  # fmt: skip
+def test_eq1_the_layer_exponent_is_the_least_power_of_two_bringing_the_peak_under_an_eighth_of_the_range(
+    peak: float, execution: str, exponent: int
+) -> None:
+    assert layer_exponent(peak, execution) == exponent
+
+
+def test_eq1_the_layer_exponent_refuses_what_it_cannot_decide() -> None:
+    with pytest.raises(ValueError, match="not finite"):
+        layer_exponent(float("inf"), "f16")
+    with pytest.raises(ValueError, match="'int8' is not one of f16, bf16, f32"):
+        layer_exponent(1.0, "int8")
+
+
+def test_eq1_calibration_rows_are_norm_outputs_random_and_single_channel() -> None:
+    gamma = torch.linspace(0.5, 2.0, 64)
+    rows = calibration_rows(gamma, 16)
+    unit = rows / gamma
+    assert rows.shape == (16, 64) and torch.allclose(unit.pow(2).mean(-1), torch.ones(16), atol=1e-4)
+    assert (unit[8:] != 0).sum(-1).tolist() == [1] * 8  # the whole norm on one channel ...
+    assert set(unit[8:].abs().argmax(-1).tolist()) == set(range(56, 64))  # ... of the largest |gamma|
+
+
+def test_eq1_the_automatic_exponent_keeps_an_fp16_block_finite_and_correct_and_leaves_f32_blocks_alone() -> None:
+    bank, _ = _overflowing_bank()
+    rows = calibration_rows(torch.ones(64))
+    peak = export.bank_peak(bank, rows)
+    n = layer_exponent(peak, "f16")
+    assert n > 0 and layer_exponent(peak, "f32") == 0 and layer_exponent(peak, "bf16") == 0
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]])
+    w = torch.tensor([[2.0, 0.5], [1.5, 1.0], [0.7, 0.3], [1.0, 1.0]])
+    x = rows[[0, 3, 9, 12]]  # two random rows, two single-channel ones
+    exact = _expert_path(bank, x, ids, w, torch.float32)
+    assert not torch.isfinite(_expert_path(bank, x, ids, w, torch.float16)).all()
+    factors = row_factors(w)
+    managed = restore(_expert_path(export.attenuate(bank, n), x, ids, w / factors, torch.float16), factors, n)
+    assert torch.isfinite(managed).all()
+    assert_close_to(managed, exact, tol=5e-3)
+
+
+def test_eq1_a_stage_calibrates_its_gpu_blocks_and_not_its_cpu_ones() -> None:
+    """What the stage's export calls per block: a GPU stage (f16) gets the calibrated exponent."""
+    from modelfleet.engine.openvino.stage import _exponent
+
+    bank, _ = _overflowing_bank()
+    gamma = torch.ones(64)
+    expected = layer_exponent(export.bank_peak(bank, calibration_rows(gamma)), "f16")
+    assert _exponent(bank, gamma, CompileOptions("GPU", "default")) == expected > 0
+    assert _exponent(bank, gamma, CompileOptions("CPU", "default")) == 0
+    assert _exponent(bank, gamma, CompileOptions("GPU", "f32")) == 0
+    tame = ExpertBank(bank.gate, bank.up / 40.0, bank.down / 4.0)
+    assert _exponent(tame, gamma, CompileOptions("GPU", "default")) == 0
+
+
+@pytest.mark.parametrize(("device", "threads"), [("CPU", 1), ("GPU", None), ("GPU.1", None)])
+def test_a_cpu_stage_leaves_the_cores_to_openvinos_thread_pool(device: str, threads: int | None) -> None:
+    assert host_threads(device) == threads
+
+
+@pytest.mark.parametrize(
+    ("device", "form"), [("CPU", "matmuls"), ("cpu", "matmuls"), ("GPU", "slices"), ("GPU.0", "slices")]
+)
+def test_dense_blocks_run_as_three_matmuls_on_cpus_and_as_slices_on_gpus(device: str, form: str) -> None:
+    assert dense_form(device) == form
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int4"])
+def test_a_dense_block_gives_the_same_output_as_slices_and_as_three_matmuls(quantized: bool) -> None:
+    plain = _dense_mlp(quantized)
+    scale = torch.tensor([1.7])
+    mlp = ScaledGatedMLP(plain.gate, plain.up, plain.down, scale)  # Inkling's dense block
+    x = torch.randn(5, 64)
+    whole = export.dense_weights(mlp, "dense")
+    matmuls = DenseMatmuls(
+        CompiledBlock(dense_graph(whole.gate, whole.up, whole.down, "dense"), OPTIONS), 0, "dense", 1.7
+    )
+    bank = export.slices_of(mlp, 32, "dense")
+    slices = FusedMoE(
+        CompiledBlock(moe_graph(bank, 3, "dense"), OPTIONS), None, None, 0, 3, 0, "dense", slice_weight=1.7
+    )
+    check_block_fused(slices.block, "dense")
+    assert_close_to(matmuls(x), mlp(x), tol=1e-5)
+    assert_close_to(slices(x), mlp(x), tol=1e-5)
+    attenuated = export.attenuate(whole, 3)  # Eq. 1 on the matmul form too: A restored on the host
+    graph = dense_graph(attenuated.gate, attenuated.up, attenuated.down, "attenuated")
+    assert_close_to(DenseMatmuls(CompiledBlock(graph, OPTIONS), 3, "dense", 1.7)(x), mlp(x), tol=1e-5)
 
 
 def test_a_fleet_of_a_torch_stage_and_an_openvino_stage_serves_the_engines_greedy_text_through_the_gateway(

@@ -9,7 +9,10 @@ are (no requantization). Layout: expert-major, gate and up [E, I, H], down [E, H
   the expert width I: gate/up rows and down columns [j*I, (j+1)*I) at quantization-group
   boundaries (I is a multiple of 32), so a dense block is the sum of its slices, each with weight 1.
   Shared slices follow the routed experts (ids E, E+1, ...), always selected.
-- The layer attenuation A = 2^n (Eq. 1) divides the up projection (its fp16 scales for int4).
+- The layer attenuation A = 2^n (Eq. 1) divides the up projection (its fp16 scales for int4);
+  :func:`bank_peak` is what chooses n (:func:`.ranges.layer_exponent`).
+- A dense block may instead stay whole (:func:`dense_weights`) for three compressed matmuls,
+  the faster form on CPUs (:func:`.stage.dense_form`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ..formats.int4 import Int4Weight
 from ..layers import Dense, Experts, GatedMLP, silu_glu
 from ..quantize import QuantizedDense, QuantizedExperts
 from .graphs import ExpertBank, Weight
+from .ranges import expert_peak
 
 BANK_FORMATS = ("float", "int4", "int4_sym")  # what an OpenVINO expert bank holds
 
@@ -79,6 +83,32 @@ def slices_of(mlp: GatedMLP, width: int, what: str) -> ExpertBank:
         stack([_rows(up, a, b) for a, b in bounds]),
         stack([_columns(down, a, b) for a, b in bounds]),
     )
+
+
+def dense_weights(mlp: GatedMLP, what: str) -> ExpertBank:
+    """A dense SwiGLU block whole (gate, up [D, H], down [H, D]), for three compressed matmuls."""
+    gate, up, down = (_weight_of(m, f"{what}.{n}") for m, n in ((mlp.gate, "gate"), (mlp.up, "up"), (mlp.down, "down")))
+    return ExpertBank(gate, up, down)
+
+
+def _float(w: Weight) -> torch.Tensor:
+    return w.detach().to(torch.float32) if isinstance(w, torch.Tensor) else w.dequantize()
+
+
+def _expert(w: Weight, e: int) -> torch.Tensor:
+    return w[e].detach().to(torch.float32) if isinstance(w, torch.Tensor) else w.expert(e).dequantize()
+
+
+def bank_peak(bank: ExpertBank, rows: torch.Tensor) -> float:
+    """The largest value Eq. 1's attenuation divides over every expert of ``bank`` (or the whole
+    block of :func:`dense_weights`) for ``rows``, float32, one expert decoded at a time."""
+    if len(bank.gate.shape) == 2:
+        return expert_peak(_float(bank.gate), _float(bank.up), _float(bank.down), rows)
+    peaks = [
+        expert_peak(_expert(bank.gate, e), _expert(bank.up, e), _expert(bank.down, e), rows)
+        for e in range(bank.num_experts)
+    ]
+    return max(peaks)
 
 
 def _rows(w: Weight, start: int, end: int) -> Weight:

@@ -100,38 +100,43 @@ class FusedMoE(nn.Module):
     """A feed-forward block as one fused MoE call.
 
     Routed (``route`` given): the family's router picks ids and weights on the host; ``shared``
-    slices (ids num_routed .. num_routed + shared - 1) join every row with weight 1. Dense
-    (``route`` None): every one of ``shared`` slices is active with weight 1 (Eq. 2). Weights are
-    divided by the row factor F and the output multiplied by A * F in float32 (Eq. 1).
+    slices (ids num_routed .. num_routed + shared - 1) join every row, with weight 1, or with the
+    per-row weights a router returns as its third value (Inkling's sink routing weighs its shared
+    experts per token). Dense (``route`` None): every one of ``shared`` slices is active with
+    weight ``slice_weight`` (1, or a dense block's learned scale: Eq. 2). Weights are divided by the
+    row factor F and the output multiplied by A * F in float32 (Eq. 1).
     """
 
     def __init__(
         self,
         block: CompiledBlock,
         router_proj: nn.Module | None,
-        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
+        route: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None,
         num_routed: int,
         shared: int,
         attenuation_exponent: int,
         layer: str,
+        slice_weight: float = 1.0,
     ):
         super().__init__()
         self.block, self.router_proj = block, router_proj
         self.route = route  # the family's router: functools.partial (Qwen3) or a module (DeepSeek)
         self.num_routed, self.shared = num_routed, shared
         self.attenuation_exponent = attenuation_exponent
-        self.layer = layer
+        self.layer, self.slice_weight = layer, slice_weight
         self.shared_ids = torch.arange(num_routed, num_routed + shared, dtype=torch.int32)  # not a weight
 
     def selections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids int32 [R, K] and weights float32 [R, K] for the rows of x (routed, then shared)."""
         rows = x.shape[0]
         ids = self.shared_ids.expand(rows, self.shared)
-        weights = torch.ones(rows, self.shared, dtype=torch.float32)
+        weights = torch.full((rows, self.shared), self.slice_weight, dtype=torch.float32)
         if self.route is None:
             return ids, weights
         assert self.router_proj is not None
-        index, weight = self.route(self.router_proj(x))
+        index, weight, *shared_weights = self.route(self.router_proj(x))
+        if shared_weights:
+            weights = shared_weights[0].to(torch.float32)
         return (
             torch.cat([index.to(torch.int32), ids], dim=1),
             torch.cat([weight.to(torch.float32), weights], dim=1),
@@ -142,6 +147,19 @@ class FusedMoE(nn.Module):
         factors = row_factors(weights)
         y = self.block(_rows(x), ids.contiguous().numpy(), (weights / factors).contiguous().numpy())
         return restore(y, factors, self.attenuation_exponent).to(x.dtype)
+
+
+class DenseMatmuls(nn.Module):
+    """A dense SwiGLU block as three compressed matmuls (one compiled block), its output times
+    ``scale`` (1, or the block's learned scale) and A = 2^``attenuation_exponent`` in float32."""
+
+    def __init__(self, block: CompiledBlock, attenuation_exponent: int, layer: str, scale: float = 1.0):
+        super().__init__()
+        self.block, self.attenuation_exponent, self.layer, self.scale = block, attenuation_exponent, layer, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(_rows(x))
+        return (y * (self.scale * float(2**self.attenuation_exponent))).to(x.dtype)
 
 
 def check_block_fused(block: CompiledBlock, layer: str) -> None:

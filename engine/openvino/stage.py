@@ -3,16 +3,20 @@ matmuls are compiled OpenVINO blocks (seed 000's resident MoE engine).
 
 What runs where (seed 000 §3):
 
-- OpenVINO (CPU here, an Intel iGPU with ``device GPU``): every feed-forward block as one fused
-  MoE call (routed experts, shared experts and dense layers as all-active slices, Eq. 2), the
+- OpenVINO (CPU here, an Intel iGPU with ``device GPU``): every sparse feed-forward block as one
+  fused MoE call (routed and shared experts), a dense one as all-active slices through the same
+  call (Eq. 2) or as three compressed matmuls, as :func:`dense_form` chooses for the device; the
   attention projections and the output head as compressed (int8, or float) matmuls.
 - The host, with the engine's own code: norms, routing (each family's exact rules), RoPE,
   attention over the per-slot KV cache and its :class:`~modelfleet.engine.kvcache.SlotTable`, so
-  release, rewind, export and import behave exactly as in the torch backend.
+  release, rewind, export and import behave exactly as in the torch backend. Inkling's short
+  convolutions and relative-position bias stay there too, with its attention.
 
 The shard is loaded by the torch code path first (formats applied as asked, kernels not
 prepared, so int4 codes stay in the storage layout), then each layer is exported and compiled and
 the torch weights it replaced are dropped. Fusion is asserted per MoE block (:mod:`.fusion`).
+Each block's Eq. 1 exponent is chosen at export by :func:`.ranges.layer_exponent` (0 wherever the
+block executes in f32 or bf16, as on CPUs).
 """
 
 from __future__ import annotations
@@ -30,23 +34,54 @@ from ..formats.int4 import Int4Weight
 from ..formats.int8 import Int8Weight
 from ..formats.plan import FormatPlan
 from ..layers import Dense, GatedMLP, SparseMoE
+from ..models.inkling import ScaledGatedMLP, SinkMoE
 from ..quantize import QuantizedDense
 from ..shard import Shard
 from ..spec import ModelSpec, load_spec
 from . import export
-from .graphs import ExpertBank, Weight, matmul_graph, moe_graph, weight_bytes
-from .runtime import CompiledBlock, CompileOptions, FusedMoE, OVLinear, check_block_fused, openvino_device
+from .graphs import ExpertBank, Weight, dense_graph, matmul_graph, moe_graph, weight_bytes
+from .ranges import calibration_rows, execution_type, layer_exponent, needs_calibration
+from .runtime import (
+    CompiledBlock,
+    CompileOptions,
+    DenseMatmuls,
+    FusedMoE,
+    OVLinear,
+    check_block_fused,
+    openvino_device,
+)
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")  # whose layers this backend exports
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "inkling")  # whose layers this backend exports
+# why the others have none
+UNEXPORTED = {
+    "gpt_oss": (
+        "its experts carry gate/up/down biases and a clamped SwiGLU (x * sigmoid(1.702 x), limits of 7), "
+        "which the bias-free Swish(gate) * up pattern OpenVINO fuses into GatherMatmul does not express"
+    ),
+    "deepseek_v4": "its hash-routed and compressed-attention layers have no OpenVINO export here",
+}
 
 
 def family_refusal(family: str) -> str | None:
     if family in FAMILIES:
         return None
+    why = UNEXPORTED.get(family, "its attention or expert layout has no OpenVINO export here")
     return (
         f"the OpenVINO backend serves the {', '.join(FAMILIES)} families; this checkpoint is {family!r} "
-        "(its attention or expert layout has no OpenVINO export here); run it with --backend torch"
+        f"({why}); run it with --backend torch"
     )
+
+
+DENSE_FORMS = ("slices", "matmuls")
+
+
+def dense_form(device: str) -> str:
+    """How a dense feed-forward block runs on ``device``: ``slices`` (all-active expert slices
+    through the fused MoE call, Eq. 2) or ``matmuls`` (three compressed matmuls). Measured: the
+    seed's Arc iGPU runs slices faster (4.5 vs 8.1 ms, its Table 2: the fused GPU primitive); a
+    CPU runs matmuls faster (21 vs 30 ms at 1 row, 25 vs 140 ms at 8, docs/results/openvino_stage.md:
+    GatherMatmul computes each (row, slice) pair alone where one GEMM shares the rows)."""
+    return "matmuls" if device.split(".")[0].upper() == "CPU" else "slices"
 
 
 CACHE_DIR_ENV = "MF_OPENVINO_CACHE_DIR"
@@ -59,6 +94,16 @@ def default_cache_dir() -> Path:
         return Path(configured)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "modelfleet" / "openvino"
+
+
+def host_threads(device: str) -> int | None:
+    """torch's intra-op threads in a process serving an OpenVINO stage on ``device``, or None to
+    leave them. On a CPU device: 1. OpenVINO's thread pool runs the heavy matmuls on every core;
+    a second pool of torch threads, spinning after each host op (norms, routing, attention over a
+    few rows), takes cores from it and its spinning slows torch in turn: the demo model decoded
+    5-15x slower with both pools at 2 threads on 2 cores than with torch at 1 (or with OpenMP's
+    passive wait), docs/results/openvino_stage.md. On a GPU the host's CPU work is all there is."""
+    return 1 if device.split(".")[0].upper() == "CPU" else None
 
 
 def check_device(device: str) -> None:
@@ -83,6 +128,8 @@ class OpenVINOShard(Shard):
     OpenVINO blocks on ``openvino_device``; the rest of the protocol is the torch shard's."""
 
     openvino_device: str = "CPU"
+    dense_form: str = "slices"
+    dense_layers: int = 0
     moe_layers: int = 0
     fused_layers: int = 0
     compile_seconds: float = 0.0
@@ -101,7 +148,6 @@ class OpenVINOShard(Shard):
         formats: FormatPlan | None = None,
         precision: str | None = None,
         cache_dir: Path | None = None,
-        attenuation_exponent: int = 0,
         on_layer: Callable[[int, int], None] | None = None,
         progress: bool = False,
     ) -> OpenVINOShard:
@@ -113,33 +159,36 @@ class OpenVINOShard(Shard):
         refusal = family_refusal(spec.family)
         if refusal is not None:
             raise ConfigError(refusal)
+        ov_device = openvino_device(device)
+        threads = host_threads(ov_device)
+        if threads is not None and torch.get_num_threads() > threads:
+            torch.set_num_threads(threads)  # process-wide: a stage is a process of its own
         shard = cls.load(
             model_dir, layer_start, layer_end, device="cpu", dtype=torch.float32, formats=formats, pack=False
         )
         assert isinstance(shard, OpenVINOShard)
-        ov_device = openvino_device(device)
         chosen = precision or ("f32" if ov_device == "CPU" else "default")
         options = CompileOptions(ov_device, chosen, cache_dir)
         check_device(options.device)
-        shard.compile(options, attenuation_exponent, on_layer, progress)
+        shard.compile(options, on_layer, progress)
         return shard
 
     def compile(
         self,
         options: CompileOptions,
-        attenuation_exponent: int = 0,
         on_layer: Callable[[int, int], None] | None = None,
         progress: bool = False,
     ) -> None:
         """Export and compile every layer (and the head), asserting each MoE block fused."""
         started = time.perf_counter()
         self.openvino_device, self._ov_bytes, self.attenuation_exponents = options.device, {}, {}
+        self.dense_form, self.dense_layers = dense_form(options.device), 0
         count = len(self.layers)
         for done, (offset, layer) in enumerate(_track(list(enumerate(self.layers)), progress, "compiling"), 1):
             index = self.layer_start + offset
             name = f"layer {index}"
-            layer.mlp = self._compile_mlp(layer.mlp, options, attenuation_exponent, name)
-            self.attenuation_exponents[index] = attenuation_exponent
+            layer.mlp = self._compile_mlp(layer.mlp, layer.post_norm.weight, options, name)
+            self.attenuation_exponents[index] = layer.mlp.attenuation_exponent
             _replace_linears(layer.attention, options, name, self._count)
             if on_layer is not None:
                 on_layer(done, count)
@@ -152,10 +201,15 @@ class OpenVINOShard(Shard):
         by_format = self._ov_bytes.setdefault(role, {})
         by_format[fmt] = by_format.get(fmt, 0) + nbytes
 
-    def _compile_mlp(self, mlp: nn.Module, options: CompileOptions, exponent: int, name: str) -> FusedMoE:
+    def _compile_mlp(
+        self, mlp: nn.Module, norm_weight: torch.Tensor, options: CompileOptions, name: str
+    ) -> FusedMoE | DenseMatmuls:
         if isinstance(mlp, SparseMoE):
             banks = [export.routed_bank(mlp.experts, f"{name}.experts")]
-            if mlp.shared is not None:
+            if isinstance(mlp, SinkMoE):  # Inkling: a bank of shared experts, weighted by the router
+                assert mlp.shared is not None
+                banks.append(export.routed_bank(mlp.shared, f"{name}.shared_experts"))
+            elif mlp.shared is not None:
                 if not isinstance(mlp.shared, GatedMLP):
                     raise ConfigError(f"{name}: shared experts of type {type(mlp.shared).__name__} are not exported")
                 banks.append(export.slices_of(mlp.shared, expert_width(self.spec), f"{name}.shared"))
@@ -163,12 +217,23 @@ class OpenVINOShard(Shard):
             routed = banks[0].num_experts
             shared = bank.num_experts - routed
             top_k = int(self.spec.require("num_experts_per_tok")) + shared
+            exponent = _exponent(bank, norm_weight, options)
             block = self._moe_block(bank, top_k, options, exponent, name)
             return FusedMoE(block, mlp.router_proj, mlp.route, routed, shared, exponent, name)
-        if isinstance(mlp, GatedMLP):  # a dense layer as all-active slices (Eq. 2)
+        if isinstance(mlp, GatedMLP):  # a dense layer: all-active slices (Eq. 2) or three matmuls
+            scale = float(mlp.global_scale) if isinstance(mlp, ScaledGatedMLP) else 1.0
+            self.dense_layers += 1
+            if self.dense_form == "matmuls":
+                whole = export.dense_weights(mlp, f"{name}.mlp")
+                exponent = _exponent(whole, norm_weight, options)
+                self._count("experts", export.bank_format(whole), whole.nbytes)
+                attenuated = export.attenuate(whole, exponent)
+                graph = dense_graph(attenuated.gate, attenuated.up, attenuated.down, name)
+                return DenseMatmuls(CompiledBlock(graph, options), exponent, name, scale)
             bank = export.slices_of(mlp, expert_width(self.spec), f"{name}.mlp")
+            exponent = _exponent(bank, norm_weight, options)
             block = self._moe_block(bank, bank.num_experts, options, exponent, name)
-            return FusedMoE(block, None, None, 0, bank.num_experts, exponent, name)
+            return FusedMoE(block, None, None, 0, bank.num_experts, exponent, name, slice_weight=scale)
         raise ConfigError(f"{name}: feed-forward block {type(mlp).__name__} has no OpenVINO export")
 
     def _moe_block(
@@ -197,8 +262,21 @@ class OpenVINOShard(Shard):
             "device": self.openvino_device,
             "moe_layers": self.moe_layers,
             "fused_layers": self.fused_layers,
+            "host_threads": torch.get_num_threads(),
+            "dense_form": self.dense_form,
+            "dense_layers": self.dense_layers,
+            "attenuation_exponents": {str(k): v for k, v in self.attenuation_exponents.items() if v},
             "compile_seconds": round(self.compile_seconds, 3),
         }
+
+
+def _exponent(bank: ExpertBank, norm_weight: torch.Tensor, options: CompileOptions) -> int:
+    """Eq. 1's exponent for a block (:func:`.ranges.layer_exponent`): calibrated on rows shaped
+    like the block's input (its norm's output) where its execution type's range needs it, else 0."""
+    execution = execution_type(options.device, options.precision)
+    if not needs_calibration(execution):
+        return 0
+    return layer_exponent(export.bank_peak(bank, calibration_rows(norm_weight)), execution)
 
 
 def _linear_weight(module: nn.Module) -> tuple[Weight, torch.Tensor | None, str] | None:
