@@ -17,7 +17,7 @@ from torch import nn
 
 from . import cpu_moe
 from .frame import Segment
-from .kernels import cpu_linear, expert_gemv, grouped_moe, route_top_k
+from .kernels import cpu_linear, decode_attention, expert_gemv, grouped_moe, route_top_k
 from .kvcache import LayerKV
 from .rope import Rotary
 
@@ -228,7 +228,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
         rows = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qk, v = self.qkv(x).split([q_size + kv_size, kv_size], dim=-1)
+        qkv = self.qkv(x)
+        if ctx.segments is None and self._fused_decode_applies(qkv, kv):
+            out = self._fused_decode(qkv, ctx, kv)
+            y_fused: torch.Tensor = self.o_proj(out.reshape(rows, q_size))
+            return y_fused
+        qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
         # q and k heads side by side: [rows, Hq + Hkv, D], normed and rotated together
         qk = qk.reshape(rows, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm_weight is not None:  # normalised in float32, rounded, then scaled: as the reference
@@ -252,6 +257,23 @@ class Attention(nn.Module):
                 )
         y: torch.Tensor = self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
         return y
+
+    def _fused_decode_applies(self, qkv: torch.Tensor, kv: LayerKV) -> bool:
+        return not self.rotary.interleaved and decode_attention.applies(
+            qkv, kv.tensors["k"], self.num_heads, self.num_kv_heads, self.head_dim
+        )
+
+    def _fused_decode(self, qkv: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
+        """A static decode step's norms, RoPE, cache write and attention in one kernel
+        (:mod:`.kernels.decode_attention`). -> [B, Hq, D]"""
+        assert ctx.slots is not None
+        cos, sin = ctx.cos_sin(self.rotary, qkv.dtype)
+        norm = None if self.qk_norm_weight is None else (self.qk_norm_weight, self.qk_norm_eps)
+        k_cache, v_cache = kv.tensors["k"], kv.tensors["v"]
+        return decode_attention.decode_attention(
+            qkv, cos, sin, norm, k_cache, v_cache, ctx.slots, ctx.positions, ctx.valid,
+            self.num_heads, self.scale, kv.ring, self.window, self.sinks,
+        )  # fmt: skip
 
 
 def decode_rows_to_batch(segments: list[Segment], x: torch.Tensor, kv: LayerKV) -> list[Segment]:
