@@ -17,7 +17,7 @@ from torch import nn
 
 from . import cpu_moe
 from .frame import Segment
-from .kernels import cpu_linear, decode_attention, expert_gemv, grouped_moe, route_top_k
+from .kernels import add_rms_norm, cpu_linear, decode_attention, expert_gemv, grouped_moe, route_top_k
 from .kvcache import LayerKV
 from .rope import Rotary
 
@@ -34,6 +34,13 @@ class RMSNorm(nn.Module):
         # one fused kernel, accumulating in float32; the reference rounds to x's dtype once more
         # before scaling, a difference of at most one unit in the last place
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+
+    def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h = x + delta and this norm of h: one kernel on CUDA (:mod:`.kernels.add_rms_norm`)."""
+        if add_rms_norm.applies(x, delta) and self.weight.dtype == x.dtype:
+            return add_rms_norm.add_rms_norm(x, delta, self.weight, self.eps)
+        h = x + delta
+        return h, self(h)
 
 
 class Dense(nn.Module):
@@ -527,8 +534,7 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     if renormalize:
         # softmax then renormalising the top k equals a softmax over the top k logits
         if route_top_k.available(logits) and top_k & (top_k - 1) == 0:
-            index, weight = route_top_k.route_top_k(logits, top_k)
-            return index, weight.to(logits.dtype)
+            return route_top_k.route_top_k(logits, top_k, logits.dtype)
         top, index = torch.topk(logits, top_k, dim=-1)
         return index, torch.softmax(top, dim=-1, dtype=torch.float32).to(logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -560,6 +566,6 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.attention, self.post_norm, self.mlp = input_norm, attention, post_norm, mlp
 
     def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
-        h: torch.Tensor = x + self.attention(self.input_norm(x), ctx, kv)
-        out: torch.Tensor = h + self.mlp(self.post_norm(h))
+        h, normed = self.post_norm.after_add(x, self.attention(self.input_norm(x), ctx, kv))
+        out: torch.Tensor = h + self.mlp(normed)
         return out

@@ -1,7 +1,7 @@
-"""The fused static-decode attention kernel (q/k norms, RoPE, cache write and attention in one
+"""The fused kernels of a decode step. The static-decode attention kernel (q/k norms, RoPE, cache write and attention in one
 launch) gives the outputs and cache entries of the plain-torch static path, which attends over
 each slot's gathered capacity under a visibility mask: at 1, 5 (padded to 8) and 64 rows, full
-and sliding-window (ring) caches, with and without q/k norms and sinks, in float32 and bf16."""
+and sliding-window (ring) caches, with and without q/k norms and sinks, in float32 and bf16. The residual add + RMS norm kernel gives the torch add and norm."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from gpu_cases import cuda_only
 
-from modelfleet.engine.kernels import decode_attention
+from modelfleet.engine.kernels import add_rms_norm, decode_attention
 from modelfleet.engine.kvcache import LayerKV
 from modelfleet.engine.layers import Attention, Dense, FrameContext, RMSNorm
 from modelfleet.engine.rope import Rotary
@@ -80,3 +80,18 @@ def test_the_fused_decode_kernel_gives_the_torch_static_path(monkeypatch, dtype,
     torch.testing.assert_close(ours[:real].float(), ref[:real].float(), atol=tolerance, rtol=tolerance)
     for name, t in caches[0].tensors.items():
         torch.testing.assert_close(t.float(), caches[1].tensors[name].float(), atol=tolerance, rtol=0)
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 2048), (9, 300), (256, 1024)])
+def test_the_fused_residual_add_and_norm_give_the_torch_add_and_norm(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    x, delta = (torch.randn(rows, hidden, generator=g).to(device="cuda", dtype=dtype) for _ in "xd")
+    norm = RMSNorm((1 + 0.3 * torch.randn(hidden, generator=g)).to(device="cuda", dtype=dtype), 1e-6)
+    assert add_rms_norm.applies(x, delta)
+    h, y = norm.after_add(x, delta)
+    assert torch.equal(h, x + delta)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.float(), norm(x + delta).float(), atol=tolerance, rtol=tolerance)
