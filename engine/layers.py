@@ -29,11 +29,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight.to(torch.float32), self.eps)
-        # one fused kernel, accumulating in float32; the reference rounds to x's dtype once more
-        # before scaling, a difference of at most one unit in the last place
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        # one fused kernel, accumulating in float32; in bf16 the reference rounds to x's dtype once
+        # more before scaling, a difference of at most one unit in the last place
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h = x + delta and this norm of h: one kernel on CUDA (:mod:`.kernels.add_rms_norm`)."""
@@ -56,7 +55,7 @@ class Dense(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return cpu_linear.linear(x.to(torch.bfloat16), self.packed, self.bias)
+            return cpu_linear.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
@@ -251,6 +250,10 @@ class Attention(nn.Module):
         v = v.reshape(rows, self.num_kv_heads, self.head_dim)
         if ctx.segments is None:
             out = attend_static_decode(kv, ctx, q, {"k": k, "v": v}, self.scale, self.window, self.sinks)
+        elif (
+            len(ctx.segments) == 1 and ctx.segments[0].rows == rows
+        ):  # one stream's rows (a batch-1 decode step): no slices, no copy back
+            out = attend_with_cache(kv, ctx.segments[0], q, {"k": k, "v": v}, self.scale, self.window, self.sinks)
         else:
             out = torch.empty_like(q)
             batched = decode_rows_to_batch(ctx.segments, x, kv)
