@@ -17,7 +17,7 @@ from torch import nn
 
 from . import cpu_moe
 from .frame import Segment
-from .kernels import cpu_linear, expert_gemv, grouped_moe, route_top_k
+from .kernels import add_rms_norm, cpu_linear, decode_attention, expert_gemv, grouped_moe, route_top_k
 from .kvcache import LayerKV
 from .rope import Rotary
 
@@ -29,11 +29,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight.to(torch.float32), self.eps)
-        # one fused kernel, accumulating in float32; the reference rounds to x's dtype once more
-        # before scaling, a difference of at most one unit in the last place
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        # one fused kernel, accumulating in float32; in bf16 the reference rounds to x's dtype once
+        # more before scaling, a difference of at most one unit in the last place
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h = x + delta and this norm of h: one kernel on CUDA (:mod:`.kernels.add_rms_norm`)."""
+        if add_rms_norm.applies(x, delta) and self.weight.dtype == x.dtype:
+            return add_rms_norm.add_rms_norm(x, delta, self.weight, self.eps)
+        h = x + delta
+        return h, self(h)
 
 
 class Dense(nn.Module):
@@ -49,7 +55,7 @@ class Dense(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return cpu_linear.linear(x.to(torch.bfloat16), self.packed, self.bias)
+            return cpu_linear.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
@@ -228,7 +234,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
         rows = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qk, v = self.qkv(x).split([q_size + kv_size, kv_size], dim=-1)
+        qkv = self.qkv(x)
+        if ctx.segments is None and self._fused_decode_applies(qkv, kv):
+            out = self._fused_decode(qkv, ctx, kv)
+            y_fused: torch.Tensor = self.o_proj(out.reshape(rows, q_size))
+            return y_fused
+        qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
         # q and k heads side by side: [rows, Hq + Hkv, D], normed and rotated together
         qk = qk.reshape(rows, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm_weight is not None:  # normalised in float32, rounded, then scaled: as the reference
@@ -239,6 +250,10 @@ class Attention(nn.Module):
         v = v.reshape(rows, self.num_kv_heads, self.head_dim)
         if ctx.segments is None:
             out = attend_static_decode(kv, ctx, q, {"k": k, "v": v}, self.scale, self.window, self.sinks)
+        elif (
+            len(ctx.segments) == 1 and ctx.segments[0].rows == rows
+        ):  # one stream's rows (a batch-1 decode step): no slices, no copy back
+            out = attend_with_cache(kv, ctx.segments[0], q, {"k": k, "v": v}, self.scale, self.window, self.sinks)
         else:
             out = torch.empty_like(q)
             batched = decode_rows_to_batch(ctx.segments, x, kv)
@@ -252,6 +267,23 @@ class Attention(nn.Module):
                 )
         y: torch.Tensor = self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
         return y
+
+    def _fused_decode_applies(self, qkv: torch.Tensor, kv: LayerKV) -> bool:
+        return not self.rotary.interleaved and decode_attention.applies(
+            qkv, kv.tensors["k"], self.num_heads, self.num_kv_heads, self.head_dim
+        )
+
+    def _fused_decode(self, qkv: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
+        """A static decode step's norms, RoPE, cache write and attention in one kernel
+        (:mod:`.kernels.decode_attention`). -> [B, Hq, D]"""
+        assert ctx.slots is not None
+        cos, sin = ctx.cos_sin(self.rotary, qkv.dtype)
+        norm = None if self.qk_norm_weight is None else (self.qk_norm_weight, self.qk_norm_eps)
+        k_cache, v_cache = kv.tensors["k"], kv.tensors["v"]
+        return decode_attention.decode_attention(
+            qkv, cos, sin, norm, k_cache, v_cache, ctx.slots, ctx.positions, ctx.valid,
+            self.num_heads, self.scale, kv.ring, self.window, self.sinks,
+        )  # fmt: skip
 
 
 def decode_rows_to_batch(segments: list[Segment], x: torch.Tensor, kv: LayerKV) -> list[Segment]:
@@ -505,8 +537,7 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     if renormalize:
         # softmax then renormalising the top k equals a softmax over the top k logits
         if route_top_k.available(logits) and top_k & (top_k - 1) == 0:
-            index, weight = route_top_k.route_top_k(logits, top_k)
-            return index, weight.to(logits.dtype)
+            return route_top_k.route_top_k(logits, top_k, logits.dtype)
         top, index = torch.topk(logits, top_k, dim=-1)
         return index, torch.softmax(top, dim=-1, dtype=torch.float32).to(logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -538,6 +569,6 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.attention, self.post_norm, self.mlp = input_norm, attention, post_norm, mlp
 
     def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
-        h: torch.Tensor = x + self.attention(self.input_norm(x), ctx, kv)
-        out: torch.Tensor = h + self.mlp(self.post_norm(h))
+        h, normed = self.post_norm.after_add(x, self.attention(self.input_norm(x), ctx, kv))
+        out: torch.Tensor = h + self.mlp(normed)
         return out

@@ -1,8 +1,9 @@
 """Decode steps with fixed shapes, replayed from a CUDA graph on GPUs.
 
 A decode step of B streams (one row each) has the same shapes every time: token ids, slots and
-positions live in device buffers, attention reads each slot's whole KV capacity under a
-visibility mask, and experts are gathered rather than grouped, so the step has no host
+positions live in device buffers, attention reads each row's slot in place (on CUDA one fused
+kernel per layer, :mod:`.kernels.decode_attention`; elsewhere the slot's whole KV capacity under a
+visibility mask), and experts are gathered rather than grouped, so the step has no host
 synchronisation: experts run pair by pair (few pairs) or grouped by expert on the device
 (:mod:`.kernels.grouped_moe`). On CUDA the step is captured once per bucket of batch sizes
 (:data:`GRAPH_BUCKETS`) and replayed, which removes the per-kernel launch cost that dominates

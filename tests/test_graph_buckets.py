@@ -80,6 +80,7 @@ def test_a_static_decoder_refuses_batches_of_another_bucket(tiny_checkpoint):
 CUDA_CASES = [
     ("qwen3_moe", "float32", None),
     ("deepseek_v3", "float32", None),
+    ("gpt_oss", "float32", None),
     ("gpt_oss", "bfloat16", FormatPlan(experts="mxfp4", attention="int8")),
     ("qwen3_moe", "bfloat16", FormatPlan(experts="int4", attention="int8", head="int8")),
     ("mixtral", "bfloat16", FormatPlan(experts="int8")),
@@ -93,19 +94,34 @@ CUDA_CASES = [
     ("family", "dtype", "plan"), CUDA_CASES, ids=[f"{c[0]}-{c[1]}-{c[2] is not None}" for c in CUDA_CASES]
 )
 def test_graph_replays_give_the_logits_of_eager_frames_at_every_bucket(tiny_checkpoint, family, dtype, plan):
+    """Graph replays equal the same static steps run eagerly, at every bucket; in float32 both equal
+    general frames too. In bf16 the fused decode attention (float32 inside) and the general path's
+    bf16 attention differ by rounding, which on these tiny random models flips near-tied expert
+    choices (computing the general path's attention in float32 alone moves gpt_oss's logits by up
+    to 33%), so bf16 steps are held to the eager static steps; the kernel itself is checked against
+    the torch path layer by layer (test_decode_step_kernels)."""
     path, _ = tiny_checkpoint(family)
     load = dict(device="cuda", dtype=dtype, formats=plan)
     graphed, positions = seated(path, 256, True, **load)
-    eager, _ = seated(path, 256, False, **load)
+    eager, _ = seated(path, 256, True, **load)
+    eager._decoders.update({b: StaticDecoder(eager.shards, b, use_graph=False) for b in GRAPH_BUCKETS})
+    general, _ = seated(path, 256, False, **load)
     tolerance = 1e-3 if dtype == "float32" else 3e-2
     for step, batch in enumerate((1, 2, 3, 8, 9, 16, 31, 64, 65, 128, 200, 256, 256)):
         slots = [(17 * step + 5 * i) % 256 for i in range(batch)] if batch < 256 else list(range(256))
         slots = list(dict.fromkeys(slots))
         tokens = [(7 * step + 3 * s) % 100 for s in slots]
         at = [positions[s] for s in slots]
-        ours, ref = graphed.decode(tokens, slots, at), eager.decode(tokens, slots, at)
+        ours, ref, frames = (
+            graphed.decode(tokens, slots, at),
+            eager.decode(tokens, slots, at),
+            general.decode(tokens, slots, at),
+        )
         assert_close_to(ours.float().cpu(), ref.float().cpu(), tolerance)
+        if dtype == "float32":
+            assert_close_to(ours.float().cpu(), frames.float().cpu(), tolerance)
         for s in slots:
             positions[s] += 1
     assert {graph_bucket(b) for b in (1, 2, 8, 16, 64, 128, 256)} <= set(graphed._decoders)
     assert all(d.graph is not None for d in graphed._decoders.values())
+    assert all(d.graph is None for d in eager._decoders.values())

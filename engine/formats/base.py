@@ -123,6 +123,8 @@ def flat_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x: [..., in] -> contiguous [rows, in]."""
     if x.shape[-1] != in_features:
         raise FormatError(f"activation of shape {shape_str(x.shape)} does not end in in_features={in_features}")
+    if x.dim() == 2 and x.is_contiguous():  # a decode frame's rows already: no reshape to dispatch
+        return x
     return x.reshape(-1, in_features).contiguous()
 
 
@@ -191,7 +193,8 @@ class QuantizedWeight(ABC):
         rows = flat_rows(x, self.in_features)
         if rows.shape[0] == 0:  # torch's packed kernels reject empty inputs
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        return self._matmul_2d(rows).reshape(*x.shape[:-1], self.out_features)
+        y = self._matmul_2d(rows)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)

@@ -248,8 +248,10 @@ class Int4Weight(QuantizedWeight):
             kernel_dtype = _kernel_dtype(x.dtype)
             self.prepare(kernel_dtype)
             assert self._kernel_codes is not None
-            y = int4_cpu.kernel_matmul(x.to(kernel_dtype), self._kernel_codes, self._scale_bias[kernel_dtype])
-            return y.to(x.dtype)
+            # casts only where the dtypes differ: a no-op cast still costs a dispatch on the CPU's decode path
+            rows = x if x.dtype == kernel_dtype else x.to(kernel_dtype)
+            y = int4_cpu.kernel_matmul(rows, self._kernel_codes, self._scale_bias[kernel_dtype])
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.device.type == "cuda" and triton_available():
             from . import triton_kernels
 

@@ -88,8 +88,9 @@ class Int8Weight(QuantizedWeight):
     def _matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu" and self.in_features % KERNEL_K_MULTIPLE == 0:
             dtype = _kernel_dtype(x.dtype)
-            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.to(dtype), self.codes, self._scales_for(dtype))
-            return y.to(x.dtype)
+            rows = x if x.dtype == dtype else x.to(dtype)  # no-op casts cost a dispatch each on the CPU
+            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self._scales_for(dtype))
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.device.type == "cuda" and triton_available():
             from . import triton_kernels
 

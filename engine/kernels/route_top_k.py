@@ -29,25 +29,27 @@ if HAVE_TRITON:
             m = tl.max(x, axis=0)
             j = tl.argmax(x, axis=0)
             tl.store(index_ptr + row * K + i, j.to(tl.int64))
-            tl.store(weight_ptr + row * K + i, m)
             total += tl.exp(m - top)
             x = tl.where(offs == j, float("-inf"), x)
         tl.debug_barrier()
         ks = tl.arange(0, K)
-        raw = tl.load(weight_ptr + row * K + ks)
-        tl.store(weight_ptr + row * K + ks, tl.exp(raw - top) / total)
+        picked = tl.load(logits_ptr + row * stride + tl.load(index_ptr + row * K + ks)).to(tl.float32)
+        tl.store(weight_ptr + row * K + ks, tl.exp(picked - top) / total)
 
 
 def available(logits: torch.Tensor) -> bool:
     return HAVE_TRITON and logits.is_cuda and logits.shape[-1] <= MAX_EXPERTS
 
 
-def route_top_k(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [T, E] -> index [T, k] int64, weight [T, k] float32 (softmax over the chosen k)."""
+def route_top_k(
+    logits: torch.Tensor, top_k: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] -> index [T, k] int64, weight [T, k] (softmax over the chosen k, computed in
+    float32 and stored in ``dtype``: the layer's dtype saves a cast kernel per layer)."""
     rows, experts = logits.shape
     logits = logits.contiguous()
     index = torch.empty((rows, top_k), dtype=torch.int64, device=logits.device)
-    weight = torch.empty((rows, top_k), dtype=torch.float32, device=logits.device)
+    weight = torch.empty((rows, top_k), dtype=dtype, device=logits.device)
     block = triton.next_power_of_2(experts)
     _route_top_k_kernel[(rows,)](logits, index, weight, experts, logits.stride(0), K=top_k, BLOCK_E=block)
     return index, weight
