@@ -812,18 +812,14 @@ class Gateway:
                             head.address)  # fmt: skip
             job.heads_tried.append(h)
             prompt, params = job.prompt_ids, job.params
-            if continuing:  # the prompt's log-probabilities were sent: the continuation does not score it again
+            if continuing:  # the head counts the output so far as the stream's (its length rules, its
+                # sampler's draws and penalties); the prompt's log-probabilities were sent already
                 prompt = [*job.prompt_ids, *job.generated]
-                params = dataclasses.replace(
-                    job.params,
-                    max_tokens=job.params.max_tokens - len(job.generated),
-                    min_tokens=max(0, job.params.min_tokens - len(job.generated)),
-                    prompt_logprobs=None,
-                )
+                params = dataclasses.replace(job.params, prompt_logprobs=None)
             else:
                 job.token_ids, job.generated, job.logprobs, job.prompt_logprobs = [], [], [], {}
             self.metrics.prompt_tokens.inc(len(prompt))
-            request_id, inbox = head.submit(prompt, params)
+            request_id, inbox = head.submit(prompt, params, len(prompt) - len(job.prompt_ids))
             done, last_token_at = False, None
             try:
                 while True:

@@ -103,10 +103,11 @@ class HeadLink:
         if self.context is not None:
             self.context.term()
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[int, Inbox]:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, continued: int = 0) -> tuple[int, Inbox]:
+        """``continued``: the last prompt ids are the stream's output so far (see ``SubmitMsg``)."""
         request_id = next(self.ids)
         inbox = self.queues[request_id] = Inbox()
-        self._send(wire.SubmitMsg.of(request_id, prompt_ids, params))
+        self._send(wire.SubmitMsg.of(request_id, prompt_ids, params, continued))
         return request_id, inbox
 
     def cancel(self, request_id: int) -> None:

@@ -44,7 +44,8 @@ from ..engine.scheduler import FinishReason
 
 # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
 # 4: log-probabilities (tokens, output), penalties, logit bias and min_tokens (stream_start, submit)
-PROTOCOL_VERSION = 4
+# 5: continuations (submit.continued) and a replayed stream's output history (stream_start.output_position)
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20
@@ -381,13 +382,18 @@ class StreamStart(SamplingFields):
     slot: int = wire(SLOT)
     prompt_tokens: int = wire(Int(0, MAX_POSITION), 0)  # the tail scores rows before the prompt's last
     drawn: int = wire(Int(0, MAX_POSITION), 0)  # tokens sampled before: a replayed stream's sampler skips them
+    # where the stream's output begins: the ``drawn`` tokens are the rows from here on, which the
+    # tail takes back into the history its penalties read
+    output_position: int = wire(Int(0, MAX_POSITION), 0)
 
     @classmethod
-    def of(cls, slot: int, params: SamplingParams, prompt_tokens: int = 0, drawn: int = 0) -> StreamStart:
+    def of(cls, slot: int, params: SamplingParams, prompt_tokens: int = 0, drawn: int = 0,
+           output_position: int = 0) -> StreamStart:  # fmt: skip
         return cls(
             slot=slot,
             prompt_tokens=prompt_tokens,
             drawn=drawn,
+            output_position=output_position,
             **{name: getattr(params, name) for name in _SAMPLING_FIELDS},
         )
 
@@ -553,20 +559,28 @@ FINISH_REASONS = frozenset(reason.value for reason in FinishReason)
 
 @dataclass(frozen=True, eq=False)
 class SubmitMsg(Message, SamplingFields):
-    """A new stream: prompt token ids and sampling parameters, named by the client's request id."""
+    """A new stream: prompt token ids and sampling parameters, named by the client's request id.
+    A continuation (a stream that another pipeline failed after it sent tokens) has its output so
+    far as the last ``continued`` prompt ids: the head counts them as the stream's output (length
+    and stop rules, the sampler's draws and penalties), so it goes on as an undisturbed run would."""
 
     TYPE: ClassVar[str] = "submit"
     request_id: int = wire(REQUEST_ID)
     prompt_ids: torch.Tensor = wire(INT_IDS)  # [N] int64
+    continued: int = wire(Int(0, MAX_POSITION), 0)
 
     def check(self) -> None:
         _rows(self.TYPE + ".prompt_ids", self.prompt_ids, MAX_POSITION)
         _values_in("submit.prompt_ids", self.prompt_ids, 0, MAX_TOKEN_ID)
+        if self.continued >= self.prompt_ids.shape[0]:
+            raise MalformedMessage(f"submit.continued={self.continued} must be below the {self.prompt_ids.shape[0]} "
+                                   "prompt ids (the prompt itself comes first)")  # fmt: skip
 
     @classmethod
-    def of(cls, request_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SubmitMsg:
+    def of(cls, request_id: int, prompt_ids: Sequence[int], params: SamplingParams, continued: int = 0) -> SubmitMsg:
         ids = torch.tensor(list(prompt_ids), dtype=torch.int64)
-        return cls(request_id=request_id, prompt_ids=ids, **{n: getattr(params, n) for n in _SAMPLING_FIELDS})
+        fields = {n: getattr(params, n) for n in _SAMPLING_FIELDS}
+        return cls(request_id=request_id, prompt_ids=ids, continued=continued, **fields)
 
 
 @dataclass(frozen=True)

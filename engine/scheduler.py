@@ -216,12 +216,21 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def submit(self, key: Hashable, prompt: Sequence[int], params: SamplingParams, now: float) -> StreamState | Refusal:
-        refusal = self.refusal(prompt)
+    def submit(
+        self, key: Hashable, prompt: Sequence[int], params: SamplingParams, now: float, output: Sequence[int] = ()
+    ) -> StreamState | Refusal:
+        """``output``: a continuation's output so far (the stream ran on another pipeline, which
+        failed it): it is committed already, prefilled after the prompt like a replay's, and the
+        stream goes on under the same length rules and sampler position as an undisturbed run."""
+        refusal = self.refusal([*prompt, *output])
+        if refusal is None and output and len(output) >= params.max_tokens:
+            message = f"the continuation has {len(output)} output tokens, not fewer than max_tokens={params.max_tokens}"
+            refusal = Refusal(ErrorCode.INPUT, message)
         if refusal is not None:
             return refusal
         stop = params.stop_token_ids if params.stop_token_ids is not None else self.config.eos_token_ids
-        stream = StreamState(key, list(prompt), params, frozenset(stop), now)
+        stream = StreamState(key, list(prompt), params, frozenset(stop), now, generated=list(output))
+        stream.prefill = [*prompt, *output]
         self.queue.append(stream)
         return stream
 
