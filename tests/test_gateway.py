@@ -825,6 +825,27 @@ def test_a_streamed_request_that_fails_after_its_first_token_continues_on_anothe
         failing.close()
 
 
+def test_a_seeded_sampled_stream_with_penalties_continued_on_another_head_gives_the_undisturbed_runs_tokens(
+    fleet, reference
+) -> None:
+    """Issue 34: the continuation carries the stream's position: the other head counts the tokens
+    sent as the stream's output, so its sampler skips their draws and its penalties count them."""
+    sampling = {"temperature": 1.0, "seed": 1234, "frequency_penalty": 1.5, "presence_penalty": 0.5}
+    prompt = [5, 17, 42, 99, 3]
+    undisturbed = reference(prompt, max_tokens=16, stop_token_ids=(), **sampling)
+    failing = FailingHead(tokens=tuple(undisturbed[:5]))
+    try:
+        with gateway_before_fleet(fleet, failing) as retrying:
+            body = {"model": retrying.gateway.model_name, "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
+                    "return_token_ids": True, "stream": True, **sampling}  # fmt: skip
+            chunks = [json.loads(e) for e in sse_events(retrying.post("/v1/completions", body))[:-1]]
+            assert all("error" not in c for c in chunks), chunks[-1]
+            assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == undisturbed
+            assert by_reason(retrying, "modelfleet_gateway_failovers_total") == {"stream_failed": 1.0}
+    finally:
+        failing.close()
+
+
 def test_without_another_ready_head_the_request_gets_the_heads_error_and_retries_are_bounded(fleet) -> None:
     heads = [FailingHead(), FailingHead()]
     body = {"model": fleet.plan.model.served_name, "prompt": [5, 17, 42], "max_tokens": 4}
