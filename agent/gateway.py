@@ -82,8 +82,9 @@ from .textstream import Piece, TextStream
 
 log = logging.getLogger("modelfleet.gateway")
 DISCONNECT_CHECK_SECONDS = 0.2
-# A request whose head has not reported ready for this long fails: the head itself may be gone,
-# and then no answer (not even an error) would ever come.
+# A request whose head answers but has not reported ready (nor paused) for this long fails: its
+# chain may be gone, and then no answer (not even an error) would ever come. A head that does not
+# answer at all is gone after its own measured deadline (agent.headlink).
 HEAD_SILENCE_SECONDS = 5.0
 # A stream whose head is alive but paused (a lost stage, see agent.head) this long moves to another
 # ready head, if there is one: shorter than the head's replay deadline, longer than a quick restart.
@@ -455,7 +456,8 @@ class Gateway:
         self.heads = [HeadLink(address, config.keys, config.ready_poll_seconds, DISCONNECT_CHECK_SECONDS)
                       for address, _ in heads]  # fmt: skip
         self.admission = Admission([limit for _, limit in heads], config.max_queue, config.queue_timeout_seconds,
-                                   ready=lambda h: self.heads[h].ready)  # fmt: skip
+                                   ready=lambda h: self.heads[h].ready, healing=lambda h: self.heads[h].healing,
+                                   heal_timeout_seconds=max(p.serving.replay_timeout_seconds for p in config.plans))  # fmt: skip
         self.metrics = GatewayMetrics(self.admission, self.heads)
         self.model_name = plan.model.served_name
         self.created = int(time.time())  # /v1/models' "created": when this gateway began serving the model
@@ -466,6 +468,12 @@ class Gateway:
     def ready(self) -> bool:
         """At least one head reports ready."""
         return any(head.ready for head in self.heads)
+
+    def _check_serving(self) -> None:
+        """A request is taken while some head is ready or healing (it waits in line for it)."""
+        if not self.ready and not any(head.healing for head in self.heads):
+            raise ApiError(503, "the fleet is not ready (no head reports ready); retry shortly",
+                           retry_after_seconds=1)  # fmt: skip
 
     # ---- the HTTP surface -----------------------------------------------------------------
 
@@ -715,16 +723,14 @@ class Gateway:
 
     async def _serve(self, request: Request, job: Job) -> Response:
         path = request.url.path
-        if not self.ready:
-            raise ApiError(503, "the fleet is not ready (no head reports ready); retry shortly",
-                           retry_after_seconds=1)  # fmt: skip
+        self._check_serving()
         events = self._generate(request, job)
         try:
             first = await anext(events)  # admission and the head's first answer happen here
             if isinstance(first, Finish) and first.error is not None:
                 raise first.error
         except Busy as exc:
-            raise ApiError(429, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
+            raise ApiError(exc.status, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
         except (ClientGone, Abandoned):
             self.metrics.answered(path, 499)
             return Response(status_code=499)
@@ -901,13 +907,18 @@ class Gateway:
             woken = await inbox.wait()
 
     def _check_head(self, head: HeadLink) -> None:
-        """A head gone (no /status answer) fails its requests; a paused one only once another head is ready."""
+        """A head gone (no /status answer within its measured deadline) fails its requests; a
+        paused one only once another head is ready; one whose answers are late is waited for."""
+        if head.ready:
+            return
+        if head.gone:
+            raise HeadSilent(f"the head at {head.address} has not answered for over {head.silence_deadline():.0f} s")
         if head.paused:
             if head.silent_for() > FAILOVER_SECONDS and any(h.ready for h in self.heads if h is not head):
                 raise HeadPaused(f"the pipeline of the head at {head.address} has been paused for a lost stage "
                                  f"over {FAILOVER_SECONDS:g} s")  # fmt: skip
             return
-        if head.silent_for() > HEAD_SILENCE_SECONDS:
+        if head.answering and head.silent_for() > HEAD_SILENCE_SECONDS:
             raise HeadSilent(f"the head at {head.address} has not reported ready for over {HEAD_SILENCE_SECONDS:g} s")
 
     async def _collect(self, job: Job, events: AsyncIterator[Text | Finish]) -> dict[str, Any]:
@@ -1004,9 +1015,7 @@ class Gateway:
         if len(jobs) == 1:
             return await self._serve(request, jobs[0])
         path = request.url.path
-        if not self.ready:
-            raise ApiError(503, "the fleet is not ready (no head reports ready); retry shortly",
-                           retry_after_seconds=1)  # fmt: skip
+        self._check_serving()
         for job in jobs[1:]:
             job.id = jobs[0].id
         streams = [self._generate(request, job) for job in jobs]
@@ -1028,7 +1037,7 @@ class Gateway:
             for events in streams:
                 await events.aclose()
             if isinstance(exc, Busy):
-                raise ApiError(429, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
+                raise ApiError(exc.status, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
             if isinstance(exc, ClientGone | Abandoned):
                 self.metrics.answered(path, 499)
                 return Response(status_code=499)

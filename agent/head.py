@@ -264,7 +264,10 @@ class Head:
                 self.metrics.malformed.inc()
 
     def submit(self, client: bytes, msg: wire.SubmitMsg) -> None:
-        if not self.chain_ready:
+        """A stream arriving while the pipeline is paused for a lost stage waits in the queue (for
+        the heal, bounded by the replay deadline); one arriving before the chain was ever whole
+        is refused."""
+        if not self.chain_ready and not self.scheduler.paused:
             refusal = Refusal(
                 ErrorCode.NOT_READY, "the fleet is not ready: a pipeline stage is not answering; retry shortly"
             )

@@ -35,6 +35,7 @@ from modelfleet.agent import transport as wire
 from modelfleet.agent.admission import Admission, Busy
 from modelfleet.agent.client import FleetClient, FleetError
 from modelfleet.agent.gateway import Gateway, GatewayConfig
+from modelfleet.agent.headlink import HeadLink
 from modelfleet.agent.launcher import LocalFleet, fetch_json
 from modelfleet.agent.openai_schema import ChatCompletionRequest, CompletionRequest
 from modelfleet.agent.textstream import StopMatcher, TextStream
@@ -1073,6 +1074,50 @@ def test_a_retried_request_avoids_the_heads_that_failed_it_and_its_wait_counts_f
         assert admission.active_by_head == [1, 1] and not admission.waiting
 
     asyncio.run(scenario())
+
+
+def test_a_request_finding_every_head_healing_waits_past_the_queue_timeout_up_to_the_replay_deadline() -> None:
+    """Issue 34: while the only pipelines replay (their heads alive, paused), a request waits for
+    one rather than failing at the queue timeout; the replay deadline bounds the wait (503)."""
+    ready, healing = [False, False], [True, False]
+    admission = Admission([1, 1], max_queue=4, queue_timeout_seconds=0.3, ready=lambda h: ready[h],
+                          healing=lambda h: healing[h], heal_timeout_seconds=1.0)  # fmt: skip
+
+    async def scenario() -> None:
+        waiter = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0.6)  # past the queue timeout: still waiting, head 0 heals
+        assert not waiter.done()
+        ready[0] = True
+        assert await asyncio.wait_for(waiter, 1.0) == 0
+        healing[1] = True  # a request that may not take head 0 waits for head 1 to heal, until its deadline
+        with pytest.raises(Busy, match="no pipeline healed within 1 s") as healed_not:
+            await asyncio.wait_for(admission.acquire(avoid=frozenset({0}), waited_seconds=0.5), 2.0)
+        assert healed_not.value.status == 503
+        ready[1] = True  # head 1 ready but busy, head 0 busy too: the queue timeout, 429
+        admission.active_by_head[1] = 1
+        with pytest.raises(Busy, match="waited over 0.3 s") as busy:
+            await asyncio.wait_for(admission.acquire(), 2.0)
+        assert busy.value.status == 429
+
+    asyncio.run(scenario())
+
+
+def test_a_heads_status_deadlines_are_measured_from_its_answers() -> None:
+    """Issue 34: a head whose /status answers come late (a starved machine) is healing, not gone,
+    for 3x its longest recent gap between answers (5-30 s); its polls wait 4x its slowest answer."""
+    link = HeadLink("127.0.0.1:1", poll_seconds=0.5)
+    assert link.gone and not link.healing  # never answered
+    for t in range(5):
+        link._answered({"ready": True}, t * 4.0 - 1.5, t * 4.0)  # every 4 s, each taking 1.5 s
+    assert link.ready and link.silence_deadline() == 12.0 and link.poll_timeout() == 6.0
+    link._answered(None, 16.0, 22.0)
+    assert not link.ready and link.unanswered == 1 and not link.answering
+    link.answered_at = time.monotonic() - 11.0
+    assert link.healing and not link.gone
+    link.answered_at = time.monotonic() - 13.0
+    assert link.gone and not link.healing
+    link._answered({"ready": False, "head": {"paused": True, "replay_timeout_seconds": 60}}, 0.0, time.monotonic())
+    assert link.paused and link.healing and link.replay_timeout_seconds == 60.0 and link.answer_gaps[-1] == 4.0
 
 
 def test_plans_behind_one_gateway_must_serve_one_model_and_not_share_a_head(fleet) -> None:

@@ -356,3 +356,24 @@ def test_a_continuation_prefills_prompt_and_output_so_far_and_keeps_the_streams_
     assert isinstance(refused, Refusal) and "not fewer than max_tokens=2" in refused.message
     too_long = s.submit("c", [1] * 30, SamplingParams(max_tokens=8), 0.0, output=[5, 6])
     assert isinstance(too_long, Refusal) and too_long.code == ErrorCode.CONTEXT_LENGTH
+
+
+def test_a_stream_queued_while_the_pipeline_is_paused_waits_for_the_heal_bounded_by_the_replay_deadline() -> None:
+    """Issue 34: a request arriving while a pipeline replays is not refused: it waits in the
+    queue, the time paused does not count toward its queue timeout, and the replay deadline
+    fails it as it fails the seated streams."""
+    s = scheduler(max_streams=1, queue_timeout_seconds=30.0)
+    seated = admit(s, "a", [1], max_tokens=4)
+    s.schedule(0.0)
+    s.pause(10.0)
+    queued = admit(s, "b", [2], now=12.0)
+    assert s.expire(100.0) == [] and s.schedule(100.0) == []
+    s.resume(100.0)
+    assert queued.arrived_at == 100.0 and s.expire(125.0) == []  # queued from the heal on
+    [window] = s.schedule(125.0)
+    assert window.new_streams == (seated,)
+    s.pause(130.0)
+    late = admit(s, "c", [3], now=131.0)
+    finishes = s.expire_paused(251.0, 120.0)
+    assert {f.stream.key for f in finishes} == {"a", "b", "c"} and late.done
+    assert all(f.code == ErrorCode.REPLAY_TIMEOUT for f in finishes)
