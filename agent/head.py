@@ -265,9 +265,11 @@ class Head:
 
     def submit(self, client: bytes, msg: wire.SubmitMsg) -> None:
         """A stream arriving while the pipeline is paused for a lost stage waits in the queue (for
-        the heal, bounded by the replay deadline); one arriving before the chain was ever whole
-        is refused."""
-        if not self.chain_ready and not self.scheduler.paused:
+        the heal, bounded by the replay deadline); one arriving before the chain was ever whole,
+        or once the pause outlived its deadline, is refused."""
+        since = self.scheduler.paused_since
+        healing = since is not None and time.monotonic() - since <= self.config.replay_timeout_seconds
+        if not self.chain_ready and not healing:
             refusal = Refusal(
                 ErrorCode.NOT_READY, "the fleet is not ready: a pipeline stage is not answering; retry shortly"
             )

@@ -346,18 +346,20 @@ def test_a_stage_stopped_past_its_heartbeat_deadline_then_continued_is_replayed_
     secure_fleet, tiny_checkpoint
 ) -> None:
     """Issue 30, item 4 made a SIGSTOPed stage lost within seconds (heartbeats, tests/test_hardening.py
-    has the deadlines' table); issue 34 keeps its streams paused until it beats again."""
-    prompts, params = long_streams(4)
+    has the deadlines' table); issue 34 keeps its streams paused until it beats again, and a
+    request arriving meanwhile waits for the heal instead of being refused."""
+    prompts, params = long_streams(5)
     expected = reference(tiny_checkpoint("qwen3_moe")[0], prompts, params)
     stage = secure_fleet.local.children[1].process
     with secure_fleet.client() as client:
-        ids = submit_all(client, prompts, params)
+        ids = submit_all(client, prompts[:4], params[:4])
         stage.send_signal(signal.SIGSTOP)
         try:
             wait_until(lambda: secure_fleet.status(0)["head"]["paused"], 15, "the head paused the pipeline")
             head = secure_fleet.status(0)["head"]
             assert head["stages_lost"] == [1] and head["streams_waiting_for_replay"] == 4
             assert secure_fleet.readyz() == 503
+            ids.append(client.submit(prompts[4], params[4]))  # arrives while the pipeline heals
         finally:
             stage.send_signal(signal.SIGCONT)
         results = client.wait(ids)
