@@ -486,6 +486,31 @@ def plan_with_head_at(plan: FleetPlan, port: int) -> FleetPlan:
     return plan.model_copy(update={"groups": (group,)})
 
 
+def test_a_request_arriving_while_the_only_pipeline_heals_waits_for_it_and_gets_the_engines_tokens(
+    fleet, served, reference
+) -> None:
+    """Issue 34: a stopped stage pauses the pipeline (the head stays alive and says so); a request
+    arriving then waits in line for the heal instead of a 503, and completes once the stage is back."""
+    stage = fleet.local.children[1].process
+    gateway = served.gateway
+    prompt = [5, 17, 42, 99, 3]
+    body = {"model": gateway.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    answers: list[httpx.Response] = []
+    stage.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: gateway.heads[0].paused and gateway.heads[0].healing, 20, "the gateway sees the pause")
+        assert not gateway.ready and httpx.get(served.url + "/readyz", timeout=5).status_code == 503
+        asking = threading.Thread(target=lambda: answers.append(served.post("/v1/completions", body)))
+        asking.start()
+        wait_until(lambda: len(gateway.admission.waiting) == 1, 10, "the request waits in line")
+    finally:
+        stage.send_signal(signal.SIGCONT)
+    asking.join(60)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text
+    assert answers[0].json()["choices"][0]["token_ids"] == reference(prompt, max_tokens=6)
+    wait_until(lambda: gateway.ready, 20, "the head is ready again")
+
+
 def test_a_gateway_whose_fleet_is_not_ready_answers_503_but_stays_alive(fleet) -> None:
     with Served(GatewayConfig.of(plan_with_head_at(fleet.plan, free_base_port(1)))) as served:
         response = served.post("/v1/completions", {"model": fleet.plan.model.served_name, "prompt": "hi"})
