@@ -18,13 +18,17 @@ Invariants:
   loop, so one huge prompt does not stall other streams or ``/healthz``; a token or a few are
   detokenized in the loop (a short window each: a thread hop would cost more than the decode);
 - a request its head fails (a broken chain, a head gone silent) is tried again on another ready
-  head, at most ``retries`` times and never twice on one head, while nothing of it has reached
-  the client: a streamed request until its first token, a non-streamed one until it finishes.
+  (or healing: see below) head, at most ``retries`` times and never twice on one head, while
+  nothing of it has reached the client: a streamed request until its first token, a non-streamed
+  one until it finishes.
+- a request that finds no head ready while some are healing (alive, a pipeline paused for a lost
+  stage or answering late: :mod:`.headlink`) waits in line for one, up to the replay deadline.
 - a streamed request whose head fails it after text was sent (the head died, or its pipeline
   stayed paused for a lost stage over ``FAILOVER_SECONDS`` while another head is ready) fails
   over: the prompt plus every token the head sent is submitted as a continuation to another
-  ready head (at most ``MAX_FAILOVERS`` times), and the client's stream goes on from where it
-  was, through the same detokenizer. A head paused for a lost stage with no other head ready is
+  ready head (at most ``MAX_FAILOVERS`` times), which counts those tokens as the stream's output
+  (its length rules, its sampler's draws and penalties), and the client's stream goes on from
+  where it was, through the same detokenizer, with an undisturbed run's tokens. A head paused for a lost stage with no other head ready is
   waited for: its replay deadline ends the stream if it does not heal.
 
 One module over 400 lines because a request's life (checks, admission, the head's stream, the
@@ -763,22 +767,32 @@ class Gateway:
             if not continuing:
                 text = TextStream(self.prompts.tokenizer, job.body.stop_strings)
             assert text is not None
+            if continuing and self._at_length(job):  # the head died between the last token and its finish
+                yield Text(text.finish(), [])
+                yield Finish("length")
+                return
             async with contextlib.aclosing(self._attempt(request, job, failure, text)) as events:
-                async for event in events:
-                    if isinstance(event, Text):
-                        if job.body.stream:
+                try:
+                    async for event in events:
+                        if isinstance(event, Text):
+                            if job.body.stream:
+                                yield event
+                            else:
+                                held.append(event)
+                            continue
+                        streamed = bool(job.body.stream and job.generated)
+                        if event.retry is None or not (self._may_fail_over(job) if streamed else self._may_retry(job)):
+                            for piece in held:
+                                yield piece
                             yield event
-                        else:
-                            held.append(event)
-                        continue
-                    streamed = bool(job.body.stream and job.generated)
-                    if event.retry is None or not (self._may_fail_over(job) if streamed else self._may_retry(job)):
-                        for piece in held:
-                            yield piece
-                        yield event
-                        return
-                    failure = event
-                    break
+                            return
+                        failure = event
+                        break
+                except Busy as exc:  # a continuation found no head in time: its stream ends with the error
+                    if not continuing:
+                        raise
+                    yield Finish("error", ApiError(exc.status, str(exc), retry_after_seconds=exc.retry_after_seconds))
+                    return
             assert failure is not None and failure.retry is not None
             if job.body.stream and job.generated:
                 job.failovers += 1
@@ -786,14 +800,20 @@ class Gateway:
             else:
                 self.metrics.retries.labels(reason=failure.retry).inc()
 
+    def _at_length(self, job: Job) -> bool:
+        """The stream has all its tokens (max_tokens, or the context is full): nothing to continue."""
+        generated = len(job.generated)
+        return generated >= job.params.max_tokens or len(job.prompt_ids) + generated >= self.context_length
+
     def _may_fail_over(self, job: Job) -> bool:
-        """A continuation is left, and a head other than the last one reports ready."""
-        others = [h for h, head in enumerate(self.heads) if head.ready and h != job.heads_tried[-1]]
+        """A continuation is left, and a head other than the last one reports ready or is healing
+        (admission waits for it, up to the replay deadline)."""
+        others = [h for h, head in enumerate(self.heads) if (head.ready or head.healing) and h != job.heads_tried[-1]]
         return job.failovers < MAX_FAILOVERS and bool(others)
 
     def _may_retry(self, job: Job) -> bool:
-        """Retries are left, and some head the request has not been on reports ready."""
-        untried = [h for h, head in enumerate(self.heads) if head.ready and h not in job.heads_tried]
+        """Retries are left, and some head the request has not been on reports ready or is healing."""
+        untried = [h for h, head in enumerate(self.heads) if (head.ready or head.healing) and h not in job.heads_tried]
         return len(job.heads_tried) <= self.config.retries and bool(untried)
 
     async def _attempt(
@@ -802,8 +822,8 @@ class Gateway:
         """One try on one head (not one tried before; ``after``: the last try's failure): text
         pieces, then one Finish; the slot and the head's stream are released in every case. A
         streamed request with tokens sent goes on as a continuation (prompt + those tokens)."""
-        waited = time.perf_counter() - job.arrived
         continuing = bool(job.body.stream and job.generated)
+        waited = 0.0 if continuing else time.perf_counter() - job.arrived  # a continuation waits from its failover
         avoid = frozenset(job.heads_tried[-1:] if continuing else job.heads_tried)
         async with self.admission.slot(request.is_disconnected, avoid, waited) as h:
             head = self.heads[h]

@@ -872,6 +872,56 @@ def test_a_seeded_sampled_stream_with_penalties_continued_on_another_head_gives_
         failing.close()
 
 
+def test_a_stream_failing_over_while_the_other_pipeline_heals_waits_for_it_and_goes_on(fleet, reference) -> None:
+    """Issue 34: the only other head is healing (a stopped stage paused its pipeline), so the
+    continuation waits in line for it rather than ending the stream, and goes on once it heals."""
+    prompt = [5, 17, 42, 99, 3]
+    undisturbed = reference(prompt, max_tokens=10, stop_token_ids=())
+    failing = FailingHead(tokens=tuple(undisturbed[:3]))
+    stage = fleet.local.children[1].process
+    answers: list[httpx.Response] = []
+    try:
+        with gateway_before_fleet(fleet, failing) as served:
+            gateway = served.gateway
+            body = {"model": gateway.model_name, "prompt": prompt, "max_tokens": 10, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+            stage.send_signal(signal.SIGSTOP)
+            try:
+                wait_until(lambda: gateway.heads[1].healing and gateway.heads[1].paused, 20, "the pipeline pauses")
+                asking = threading.Thread(target=lambda: answers.append(served.post("/v1/completions", body)))
+                asking.start()
+                wait_until(lambda: len(gateway.admission.waiting) == 1, 10, "the continuation waits in line")
+            finally:
+                stage.send_signal(signal.SIGCONT)
+            asking.join(60)
+            chunks = [json.loads(e) for e in sse_events(answers[0])[:-1]]
+            assert all("error" not in c for c in chunks), chunks[-1]
+            assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == undisturbed
+            assert by_reason(served, "modelfleet_gateway_failovers_total") == {"stream_failed": 1.0}
+            wait_until(lambda: gateway.heads[1].ready, 20, "the head is ready again")
+    finally:
+        failing.close()
+
+
+def test_a_stream_whose_head_dies_after_its_last_token_but_before_its_finish_ends_at_its_length(
+    fleet, reference
+) -> None:
+    """Nothing is left to continue: the stream ends with its tokens and finish_reason length."""
+    prompt = [5, 17, 42, 99, 3]
+    undisturbed = reference(prompt, max_tokens=4, stop_token_ids=())
+    failing = FailingHead(tokens=tuple(undisturbed))
+    try:
+        with gateway_before_fleet(fleet, failing) as served:
+            body = {"model": served.gateway.model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+            chunks = [json.loads(e) for e in sse_events(served.post("/v1/completions", body))[:-1]]
+            assert all("error" not in c for c in chunks), chunks[-1]
+            assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == undisturbed
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        failing.close()
+
+
 def test_without_another_ready_head_the_request_gets_the_heads_error_and_retries_are_bounded(fleet) -> None:
     heads = [FailingHead(), FailingHead()]
     body = {"model": fleet.plan.model.served_name, "prompt": [5, 17, 42], "max_tokens": 4}
