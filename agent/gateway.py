@@ -28,8 +28,9 @@ Invariants:
   over: the prompt plus every token the head sent is submitted as a continuation to another
   ready head (at most ``MAX_FAILOVERS`` times), which counts those tokens as the stream's output
   (its length rules, its sampler's draws and penalties), and the client's stream goes on from
-  where it was, through the same detokenizer, with an undisturbed run's tokens. A head paused for a lost stage with no other head ready is
-  waited for: its replay deadline ends the stream if it does not heal.
+  where it was, through the same detokenizer, with an undisturbed run's tokens. A head paused
+  for a lost stage with no other head ready is waited for: its replay deadline ends the stream
+  if it does not heal.
 
 One module over 400 lines because a request's life (checks, admission, the head's stream, the
 response's two shapes) shares :class:`Job` and the invariants above; the parts that stand alone
