@@ -8,6 +8,11 @@ lower index. Which heads are ready is asked of ``ready(h)`` at each decision. A 
 ``avoid`` some heads (those that already failed it): it is admitted only to the others, and a
 waiter that avoids every head with a free stream lets the next waiter have it.
 
+A request that finds no head it may take ready while some of them are **healing** (alive, their
+pipeline paused for a lost stage, see :mod:`.headlink`) waits for one, past
+``queue_timeout_seconds`` and up to ``heal_timeout_seconds`` (the heads' replay deadline) after
+it arrived: a pipeline that replays is a short outage, not a full fleet.
+
 Invariant: ``active_by_head[h] <= limits[h]`` and ``len(waiting) <= max_queue``; a freed stream
 goes straight to the oldest waiter that may take it (on whichever ready head it may take is then
 least loaded), so a late arrival cannot overtake the queue. Waiters also look again every
@@ -28,9 +33,9 @@ CHECK_SECONDS = 0.2
 class Busy(Exception):
     """No stream is free and the queue is full, or the wait timed out; retry after a while."""
 
-    def __init__(self, message: str, retry_after_seconds: int = 1):
+    def __init__(self, message: str, retry_after_seconds: int = 1, status: int = 429):
         super().__init__(message)
-        self.retry_after_seconds = retry_after_seconds
+        self.retry_after_seconds, self.status = retry_after_seconds, status  # status: 503 when no head healed
 
 
 class Abandoned(Exception):
@@ -50,10 +55,13 @@ class Admission:
         max_queue: int,
         queue_timeout_seconds: float,
         ready: Callable[[int], bool] = lambda head: True,
+        healing: Callable[[int], bool] = lambda head: False,
+        heal_timeout_seconds: float = 0.0,
     ):
         if not limits or min(limits) < 1:
             raise ValueError(f"every head needs a stream limit >= 1, got {list(limits)}")
         self.limits, self.max_queue, self.timeout, self.ready = list(limits), max_queue, queue_timeout_seconds, ready
+        self.healing, self.heal_timeout = healing, max(heal_timeout_seconds, queue_timeout_seconds)
         self.active_by_head = [0] * len(self.limits)
         self.waiting: deque[Waiter] = deque()
 
@@ -107,14 +115,12 @@ class Admission:
         waiter = Waiter(turn, avoid)
         self.waiting.append(waiter)
         deadline = loop.time() + self.timeout - waited_seconds
+        heal_deadline = loop.time() + self.heal_timeout - waited_seconds
         try:
             while not turn.done():
-                if loop.time() >= deadline:
-                    raise Busy(
-                        f"waited over {self.timeout:g} s for a free stream (queue_timeout_seconds); retry later",
-                        max(1, round(self.timeout)),
-                    )
-                await asyncio.wait([turn], timeout=min(CHECK_SECONDS, deadline - loop.time()))
+                if loop.time() >= deadline and not (loop.time() < heal_deadline and self.heals(avoid)):
+                    raise self._timed_out(self.heals(avoid))
+                await asyncio.wait([turn], timeout=CHECK_SECONDS)
                 self._hand_out()  # a head may have turned ready
                 if not turn.done() and gone is not None and await gone():
                     raise Abandoned()
@@ -126,6 +132,18 @@ class Admission:
                 turn.cancel()
                 self.waiting.remove(waiter)
             raise
+
+    def heals(self, avoid: frozenset[int] = frozenset()) -> bool:
+        """No head outside ``avoid`` is ready and one of them is healing: worth waiting for."""
+        heads = [h for h in range(len(self.limits)) if h not in avoid]
+        return not any(self.ready(h) for h in heads) and any(self.healing(h) for h in heads)
+
+    def _timed_out(self, healing: bool) -> Busy:
+        if healing:
+            return Busy(f"no pipeline healed within {self.heal_timeout:g} s (replay_timeout_seconds) while this "
+                        "request waited; retry later", 1, status=503)  # fmt: skip
+        return Busy(f"waited over {self.timeout:g} s for a free stream (queue_timeout_seconds); retry later",
+                    max(1, round(self.timeout)))  # fmt: skip
 
     def release(self, head: int) -> None:
         self.active_by_head[head] -= 1

@@ -18,14 +18,19 @@ Invariants:
   loop, so one huge prompt does not stall other streams or ``/healthz``; a token or a few are
   detokenized in the loop (a short window each: a thread hop would cost more than the decode);
 - a request its head fails (a broken chain, a head gone silent) is tried again on another ready
-  head, at most ``retries`` times and never twice on one head, while nothing of it has reached
-  the client: a streamed request until its first token, a non-streamed one until it finishes.
+  (or healing: see below) head, at most ``retries`` times and never twice on one head, while
+  nothing of it has reached the client: a streamed request until its first token, a non-streamed
+  one until it finishes.
+- a request that finds no head ready while some are healing (alive, a pipeline paused for a lost
+  stage or answering late: :mod:`.headlink`) waits in line for one, up to the replay deadline.
 - a streamed request whose head fails it after text was sent (the head died, or its pipeline
   stayed paused for a lost stage over ``FAILOVER_SECONDS`` while another head is ready) fails
   over: the prompt plus every token the head sent is submitted as a continuation to another
-  ready head (at most ``MAX_FAILOVERS`` times), and the client's stream goes on from where it
-  was, through the same detokenizer. A head paused for a lost stage with no other head ready is
-  waited for: its replay deadline ends the stream if it does not heal.
+  ready head (at most ``MAX_FAILOVERS`` times), which counts those tokens as the stream's output
+  (its length rules, its sampler's draws and penalties), and the client's stream goes on from
+  where it was, through the same detokenizer, with an undisturbed run's tokens. A head paused
+  for a lost stage with no other head ready is waited for: its replay deadline ends the stream
+  if it does not heal.
 
 One module over 400 lines because a request's life (checks, admission, the head's stream, the
 response's two shapes) shares :class:`Job` and the invariants above; the parts that stand alone
@@ -82,8 +87,9 @@ from .textstream import Piece, TextStream
 
 log = logging.getLogger("modelfleet.gateway")
 DISCONNECT_CHECK_SECONDS = 0.2
-# A request whose head has not reported ready for this long fails: the head itself may be gone,
-# and then no answer (not even an error) would ever come.
+# A request whose head answers but has not reported ready (nor paused) for this long fails: its
+# chain may be gone, and then no answer (not even an error) would ever come. A head that does not
+# answer at all is gone after its own measured deadline (agent.headlink).
 HEAD_SILENCE_SECONDS = 5.0
 # A stream whose head is alive but paused (a lost stage, see agent.head) this long moves to another
 # ready head, if there is one: shorter than the head's replay deadline, longer than a quick restart.
@@ -455,7 +461,8 @@ class Gateway:
         self.heads = [HeadLink(address, config.keys, config.ready_poll_seconds, DISCONNECT_CHECK_SECONDS)
                       for address, _ in heads]  # fmt: skip
         self.admission = Admission([limit for _, limit in heads], config.max_queue, config.queue_timeout_seconds,
-                                   ready=lambda h: self.heads[h].ready)  # fmt: skip
+                                   ready=lambda h: self.heads[h].ready, healing=lambda h: self.heads[h].healing,
+                                   heal_timeout_seconds=max(p.serving.replay_timeout_seconds for p in config.plans))  # fmt: skip
         self.metrics = GatewayMetrics(self.admission, self.heads)
         self.model_name = plan.model.served_name
         self.created = int(time.time())  # /v1/models' "created": when this gateway began serving the model
@@ -466,6 +473,12 @@ class Gateway:
     def ready(self) -> bool:
         """At least one head reports ready."""
         return any(head.ready for head in self.heads)
+
+    def _check_serving(self) -> None:
+        """A request is taken while some head is ready or healing (it waits in line for it)."""
+        if not self.ready and not any(head.healing for head in self.heads):
+            raise ApiError(503, "the fleet is not ready (no head reports ready); retry shortly",
+                           retry_after_seconds=1)  # fmt: skip
 
     # ---- the HTTP surface -----------------------------------------------------------------
 
@@ -715,16 +728,14 @@ class Gateway:
 
     async def _serve(self, request: Request, job: Job) -> Response:
         path = request.url.path
-        if not self.ready:
-            raise ApiError(503, "the fleet is not ready (no head reports ready); retry shortly",
-                           retry_after_seconds=1)  # fmt: skip
+        self._check_serving()
         events = self._generate(request, job)
         try:
             first = await anext(events)  # admission and the head's first answer happen here
             if isinstance(first, Finish) and first.error is not None:
                 raise first.error
         except Busy as exc:
-            raise ApiError(429, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
+            raise ApiError(exc.status, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
         except (ClientGone, Abandoned):
             self.metrics.answered(path, 499)
             return Response(status_code=499)
@@ -757,22 +768,32 @@ class Gateway:
             if not continuing:
                 text = TextStream(self.prompts.tokenizer, job.body.stop_strings)
             assert text is not None
+            if continuing and self._at_length(job):  # the head died between the last token and its finish
+                yield Text(text.finish(), [])
+                yield Finish("length")
+                return
             async with contextlib.aclosing(self._attempt(request, job, failure, text)) as events:
-                async for event in events:
-                    if isinstance(event, Text):
-                        if job.body.stream:
+                try:
+                    async for event in events:
+                        if isinstance(event, Text):
+                            if job.body.stream:
+                                yield event
+                            else:
+                                held.append(event)
+                            continue
+                        streamed = bool(job.body.stream and job.generated)
+                        if event.retry is None or not (self._may_fail_over(job) if streamed else self._may_retry(job)):
+                            for piece in held:
+                                yield piece
                             yield event
-                        else:
-                            held.append(event)
-                        continue
-                    streamed = bool(job.body.stream and job.generated)
-                    if event.retry is None or not (self._may_fail_over(job) if streamed else self._may_retry(job)):
-                        for piece in held:
-                            yield piece
-                        yield event
-                        return
-                    failure = event
-                    break
+                            return
+                        failure = event
+                        break
+                except Busy as exc:  # a continuation found no head in time: its stream ends with the error
+                    if not continuing:
+                        raise
+                    yield Finish("error", ApiError(exc.status, str(exc), retry_after_seconds=exc.retry_after_seconds))
+                    return
             assert failure is not None and failure.retry is not None
             if job.body.stream and job.generated:
                 job.failovers += 1
@@ -780,14 +801,20 @@ class Gateway:
             else:
                 self.metrics.retries.labels(reason=failure.retry).inc()
 
+    def _at_length(self, job: Job) -> bool:
+        """The stream has all its tokens (max_tokens, or the context is full): nothing to continue."""
+        generated = len(job.generated)
+        return generated >= job.params.max_tokens or len(job.prompt_ids) + generated >= self.context_length
+
     def _may_fail_over(self, job: Job) -> bool:
-        """A continuation is left, and a head other than the last one reports ready."""
-        others = [h for h, head in enumerate(self.heads) if head.ready and h != job.heads_tried[-1]]
+        """A continuation is left, and a head other than the last one reports ready or is healing
+        (admission waits for it, up to the replay deadline)."""
+        others = [h for h, head in enumerate(self.heads) if (head.ready or head.healing) and h != job.heads_tried[-1]]
         return job.failovers < MAX_FAILOVERS and bool(others)
 
     def _may_retry(self, job: Job) -> bool:
-        """Retries are left, and some head the request has not been on reports ready."""
-        untried = [h for h, head in enumerate(self.heads) if head.ready and h not in job.heads_tried]
+        """Retries are left, and some head the request has not been on reports ready or is healing."""
+        untried = [h for h, head in enumerate(self.heads) if (head.ready or head.healing) and h not in job.heads_tried]
         return len(job.heads_tried) <= self.config.retries and bool(untried)
 
     async def _attempt(
@@ -796,8 +823,8 @@ class Gateway:
         """One try on one head (not one tried before; ``after``: the last try's failure): text
         pieces, then one Finish; the slot and the head's stream are released in every case. A
         streamed request with tokens sent goes on as a continuation (prompt + those tokens)."""
-        waited = time.perf_counter() - job.arrived
         continuing = bool(job.body.stream and job.generated)
+        waited = 0.0 if continuing else time.perf_counter() - job.arrived  # a continuation waits from its failover
         avoid = frozenset(job.heads_tried[-1:] if continuing else job.heads_tried)
         async with self.admission.slot(request.is_disconnected, avoid, waited) as h:
             head = self.heads[h]
@@ -812,18 +839,14 @@ class Gateway:
                             head.address)  # fmt: skip
             job.heads_tried.append(h)
             prompt, params = job.prompt_ids, job.params
-            if continuing:  # the prompt's log-probabilities were sent: the continuation does not score it again
+            if continuing:  # the head counts the output so far as the stream's (its length rules, its
+                # sampler's draws and penalties); the prompt's log-probabilities were sent already
                 prompt = [*job.prompt_ids, *job.generated]
-                params = dataclasses.replace(
-                    job.params,
-                    max_tokens=job.params.max_tokens - len(job.generated),
-                    min_tokens=max(0, job.params.min_tokens - len(job.generated)),
-                    prompt_logprobs=None,
-                )
+                params = dataclasses.replace(job.params, prompt_logprobs=None)
             else:
                 job.token_ids, job.generated, job.logprobs, job.prompt_logprobs = [], [], [], {}
             self.metrics.prompt_tokens.inc(len(prompt))
-            request_id, inbox = head.submit(prompt, params)
+            request_id, inbox = head.submit(prompt, params, len(prompt) - len(job.prompt_ids))
             done, last_token_at = False, None
             try:
                 while True:
@@ -905,13 +928,18 @@ class Gateway:
             woken = await inbox.wait()
 
     def _check_head(self, head: HeadLink) -> None:
-        """A head gone (no /status answer) fails its requests; a paused one only once another head is ready."""
+        """A head gone (no /status answer within its measured deadline) fails its requests; a
+        paused one only once another head is ready; one whose answers are late is waited for."""
+        if head.ready:
+            return
+        if head.gone:
+            raise HeadSilent(f"the head at {head.address} has not answered for over {head.silence_deadline():.0f} s")
         if head.paused:
             if head.silent_for() > FAILOVER_SECONDS and any(h.ready for h in self.heads if h is not head):
                 raise HeadPaused(f"the pipeline of the head at {head.address} has been paused for a lost stage "
                                  f"over {FAILOVER_SECONDS:g} s")  # fmt: skip
             return
-        if head.silent_for() > HEAD_SILENCE_SECONDS:
+        if head.answering and head.silent_for() > HEAD_SILENCE_SECONDS:
             raise HeadSilent(f"the head at {head.address} has not reported ready for over {HEAD_SILENCE_SECONDS:g} s")
 
     async def _collect(self, job: Job, events: AsyncIterator[Text | Finish]) -> dict[str, Any]:
@@ -1008,9 +1036,7 @@ class Gateway:
         if len(jobs) == 1:
             return await self._serve(request, jobs[0])
         path = request.url.path
-        if not self.ready:
-            raise ApiError(503, "the fleet is not ready (no head reports ready); retry shortly",
-                           retry_after_seconds=1)  # fmt: skip
+        self._check_serving()
         for job in jobs[1:]:
             job.id = jobs[0].id
         streams = [self._generate(request, job) for job in jobs]
@@ -1032,7 +1058,7 @@ class Gateway:
             for events in streams:
                 await events.aclose()
             if isinstance(exc, Busy):
-                raise ApiError(429, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
+                raise ApiError(exc.status, str(exc), retry_after_seconds=exc.retry_after_seconds) from None
             if isinstance(exc, ClientGone | Abandoned):
                 self.metrics.answered(path, 499)
                 return Response(status_code=499)

@@ -264,13 +264,20 @@ class Head:
                 self.metrics.malformed.inc()
 
     def submit(self, client: bytes, msg: wire.SubmitMsg) -> None:
-        if not self.chain_ready:
+        """A stream arriving while the pipeline is paused for a lost stage waits in the queue (for
+        the heal, bounded by the replay deadline); one arriving before the chain was ever whole,
+        or once the pause outlived its deadline, is refused."""
+        since = self.scheduler.paused_since
+        healing = since is not None and time.monotonic() - since <= self.config.replay_timeout_seconds
+        if not self.chain_ready and not healing:
             refusal = Refusal(
                 ErrorCode.NOT_READY, "the fleet is not ready: a pipeline stage is not answering; retry shortly"
             )
         else:
-            admitted = self.scheduler.submit((client, msg.request_id), msg.prompt_ids.tolist(), msg.sampling_params(),
-                                             time.monotonic())  # fmt: skip
+            ids = msg.prompt_ids.tolist()
+            cut = len(ids) - msg.continued  # a continuation's output so far follows its prompt
+            admitted = self.scheduler.submit((client, msg.request_id), ids[:cut], msg.sampling_params(),
+                                             time.monotonic(), ids[cut:])  # fmt: skip
             if isinstance(admitted, StreamState):
                 self.streams[(client, msg.request_id)] = admitted
                 self.pump()
@@ -315,9 +322,10 @@ class Head:
         if self.send_next is None:
             self._sample_here(step, frame, out)
             return
-        # a replayed stream (prefilled again after a lost stage) skips its earlier draws and does
-        # not score its prompt again (its client has those log-probabilities)
-        starts = tuple(wire.StreamStart.of(s.slot, s.params, 0 if s.replays else len(s.prompt), len(s.generated))
+        # a replayed stream (prefilled again after a lost stage) or a continuation skips its
+        # earlier draws, takes its earlier output back from its rows, and does not score its
+        # prompt again (its client has those log-probabilities)
+        starts = tuple(wire.StreamStart.of(s.slot, s.params, *self._start(s))
                        for s in step.new_streams if s.slot in set(slots))  # fmt: skip
         self.send_next(wire.FrameMsg(
             microbatch=step.microbatch, step=step.id, slots=frame.slots, positions=frame.positions, hidden=out,
@@ -328,12 +336,10 @@ class Head:
         """A one-stage fleet's head is its tail too: sample (and score prompt rows) here."""
         assert self.sampler is not None and frame.token_ids is not None
         for stream in step.new_streams:
-            self.sampler.start(
-                stream.slot, stream.params, 0 if stream.replays else len(stream.prompt), len(stream.generated)
-            )
+            self.sampler.start(stream.slot, stream.params, *self._start(stream))
         slots, positions, ids = frame.slots.tolist(), frame.positions.tolist(), frame.token_ids.tolist()
         rows = [] if frame.output_rows is None else frame.output_rows.tolist()
-        self.sampler.observe(slots, ids)
+        self.sampler.observe(slots, positions, ids)
         tokens, errors, logprobs, prompt = tail_step(
             self.sampler, [slots[r] for r in rows], [positions[r] for r in rows], [ids[r] for r in rows], logits,
             lambda: list(zip(slots, positions, ids, strict=True)),
@@ -341,6 +347,11 @@ class Head:
         self._send_prompt_logprobs(step, prompt)
         self.deliver([self._fail_slot(step, slot, exc.code, str(exc)) for slot, exc in errors.items()])
         self.deliver(self.scheduler.complete(step.id, tokens, time.monotonic(), logprobs))
+
+    @staticmethod
+    def _start(stream: StreamState) -> tuple[int, int, int]:
+        """A starting stream's prompt rows to score, draws made before, and where its output begins."""
+        return 0 if stream.replays else len(stream.prompt), len(stream.generated), len(stream.prompt)
 
     def _send_prompt_logprobs(self, step: Step | None, scored: Mapping[int, list[tuple[int, TokenLogprobs]]]) -> None:
         """Prompt tokens' log-probabilities to their clients, before the stream's first token."""

@@ -479,10 +479,11 @@ class StageAgent:
         its own and has no token."""
         assert self.sampler is not None
         for start in starts:
-            self.sampler.start(start.slot, start.sampling_params(), start.prompt_tokens, start.drawn)
+            self.sampler.start(start.slot, start.sampling_params(), start.prompt_tokens, start.drawn,
+                               start.output_position)  # fmt: skip
         every = msg.slots.tolist(), msg.positions.tolist(), [] if msg.token_ids is None else msg.token_ids.tolist()
         if every[2]:
-            self.sampler.observe(every[0], every[2])
+            self.sampler.observe(*every)
         is_prompt = self.sampler.prompt_rows(slots, positions)
         tokens, errors, logprobs, prompt = tail_step(
             self.sampler, slots, positions, output_tokens, logits, lambda: list(zip(*every, strict=False))

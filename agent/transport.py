@@ -39,12 +39,15 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ..engine.errors import ErrorCode, ModelfleetError
+from ..engine.kvcache import SlotState
 from ..engine.sampling import LOGPROB_FLOOR, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from ..engine.scheduler import FinishReason
 
 # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
 # 4: log-probabilities (tokens, output), penalties, logit bias and min_tokens (stream_start, submit)
-PROTOCOL_VERSION = 4
+# 5: continuations (submit.continued), a replayed stream's output history (stream_start.output_position),
+#    a slot's state from a drained stage to its replacement (slot_state)
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20
@@ -381,13 +384,18 @@ class StreamStart(SamplingFields):
     slot: int = wire(SLOT)
     prompt_tokens: int = wire(Int(0, MAX_POSITION), 0)  # the tail scores rows before the prompt's last
     drawn: int = wire(Int(0, MAX_POSITION), 0)  # tokens sampled before: a replayed stream's sampler skips them
+    # where the stream's output begins: the ``drawn`` tokens are the rows from here on, which the
+    # tail takes back into the history its penalties read
+    output_position: int = wire(Int(0, MAX_POSITION), 0)
 
     @classmethod
-    def of(cls, slot: int, params: SamplingParams, prompt_tokens: int = 0, drawn: int = 0) -> StreamStart:
+    def of(cls, slot: int, params: SamplingParams, prompt_tokens: int = 0, drawn: int = 0,
+           output_position: int = 0) -> StreamStart:  # fmt: skip
         return cls(
             slot=slot,
             prompt_tokens=prompt_tokens,
             drawn=drawn,
+            output_position=output_position,
             **{name: getattr(params, name) for name in _SAMPLING_FIELDS},
         )
 
@@ -553,20 +561,28 @@ FINISH_REASONS = frozenset(reason.value for reason in FinishReason)
 
 @dataclass(frozen=True, eq=False)
 class SubmitMsg(Message, SamplingFields):
-    """A new stream: prompt token ids and sampling parameters, named by the client's request id."""
+    """A new stream: prompt token ids and sampling parameters, named by the client's request id.
+    A continuation (a stream that another pipeline failed after it sent tokens) has its output so
+    far as the last ``continued`` prompt ids: the head counts them as the stream's output (length
+    and stop rules, the sampler's draws and penalties), so it goes on as an undisturbed run would."""
 
     TYPE: ClassVar[str] = "submit"
     request_id: int = wire(REQUEST_ID)
     prompt_ids: torch.Tensor = wire(INT_IDS)  # [N] int64
+    continued: int = wire(Int(0, MAX_POSITION), 0)
 
     def check(self) -> None:
         _rows(self.TYPE + ".prompt_ids", self.prompt_ids, MAX_POSITION)
         _values_in("submit.prompt_ids", self.prompt_ids, 0, MAX_TOKEN_ID)
+        if self.continued >= self.prompt_ids.shape[0]:
+            raise MalformedMessage(f"submit.continued={self.continued} must be below the {self.prompt_ids.shape[0]} "
+                                   "prompt ids (the prompt itself comes first)")  # fmt: skip
 
     @classmethod
-    def of(cls, request_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> SubmitMsg:
+    def of(cls, request_id: int, prompt_ids: Sequence[int], params: SamplingParams, continued: int = 0) -> SubmitMsg:
         ids = torch.tensor(list(prompt_ids), dtype=torch.int64)
-        return cls(request_id=request_id, prompt_ids=ids, **{n: getattr(params, n) for n in _SAMPLING_FIELDS})
+        fields = {n: getattr(params, n) for n in _SAMPLING_FIELDS}
+        return cls(request_id=request_id, prompt_ids=ids, continued=continued, **fields)
 
 
 @dataclass(frozen=True)
@@ -598,11 +614,93 @@ class CancelMsg(Message):
     request_id: int = wire(REQUEST_ID)
 
 
+# ---- a slot's state, from a stage drained on purpose to its replacement ---------------------
+
+MAX_STAGE_LAYERS = 4096
+
+
+@dataclass(frozen=True)
+class SlotEntry(Checked):
+    """One cached tensor of a layer's slot state: its name, dtype and shape; its bytes follow the
+    previous entry's in the message's payload."""
+
+    TYPE: ClassVar[str] = "slot_entry"
+    name: str = wire(Str(64, pattern=r"[A-Za-z0-9_.]+"))
+    dtype: str = wire(Str(16, choices=frozenset(DTYPES)))
+    shape: tuple[int, ...] = wire(IntList(8, Int(0, MAX_MESSAGE_BYTES)))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+
+@dataclass(frozen=True, eq=False)
+class SlotStateMsg(Message):
+    """One layer of one stream's state on a stage (``engine.kvcache.SlotState``: the slot's
+    ``length`` and the layer's stored rows), one message per layer of the stage so each stays
+    under the message limit: a stage drained on purpose hands its slots to its replacement with
+    these (``slot_state_messages``, ``slot_state_of``) instead of the head replaying them."""
+
+    TYPE: ClassVar[str] = "slot_state"
+    slot: int = wire(SLOT)
+    length: int = wire(POSITION)
+    layer: int = wire(Int(0, MAX_STAGE_LAYERS - 1))  # of the stage's cached layers, in order
+    layers: int = wire(Int(1, MAX_STAGE_LAYERS))  # the stage's cached layers: this many messages make the state
+    entries: tuple[SlotEntry, ...] = wire(Records(SlotEntry, 64))
+    payload: torch.Tensor = wire(Tensor(("uint8",), 1))  # the entries' bytes, in order
+
+    def check(self) -> None:
+        if self.layer >= self.layers:
+            raise MalformedMessage(f"slot_state.layer={self.layer} must be below slot_state.layers={self.layers}")
+        names = [e.name for e in self.entries]
+        if len(set(names)) != len(names):
+            raise MalformedMessage(f"slot_state.entries repeat a name: {names}")
+        need = sum(e.nbytes for e in self.entries)
+        if need != self.payload.numel():
+            raise MalformedMessage(f"slot_state.payload has {self.payload.numel()} bytes; its entries need {need}")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's stored rows by name (views of the payload, which the decoded message owns)."""
+        out, offset = {}, 0
+        for e in self.entries:
+            raw = self.payload[offset : offset + e.nbytes]
+            out[e.name] = raw.view(DTYPES[e.dtype]).view(e.shape) if e.nbytes else torch.empty(e.shape)
+            offset += e.nbytes
+        return out
+
+
+def slot_state_messages(slot: int, state: SlotState) -> list[SlotStateMsg]:
+    """A slot's exported state as one message per layer (CPU tensors, as ``export_slot`` gives them)."""
+    messages = []
+    for index, layer in enumerate(state.layers):
+        names = sorted(layer)
+        entries = tuple(SlotEntry(name=n, dtype=DTYPE_NAMES[layer[n].dtype], shape=tuple(layer[n].shape))
+                        for n in names)  # fmt: skip
+        flat = [layer[n].contiguous().reshape(-1).view(torch.uint8) for n in names]
+        payload = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+        messages.append(SlotStateMsg(slot=slot, length=state.length, layer=index, layers=len(state.layers),
+                                     entries=entries, payload=payload))  # fmt: skip
+    return messages
+
+
+def slot_state_of(messages: Sequence[SlotStateMsg]) -> SlotState:
+    """The state those messages carry: every layer once, of one slot and one length."""
+    if not messages:
+        raise MalformedMessage("no slot_state message: a slot's state needs one per layer")
+    first = messages[0]
+    by_layer = {m.layer: m for m in messages}
+    if sorted(by_layer) != list(range(first.layers)) or len(messages) != first.layers:
+        raise MalformedMessage(f"slot_state messages cover layers {sorted(by_layer)}; the state has {first.layers}")
+    if any((m.slot, m.length, m.layers) != (first.slot, first.length, first.layers) for m in messages):
+        raise MalformedMessage("slot_state messages of one state must agree on slot, length and layers")
+    return SlotState(first.length, tuple(by_layer[i].tensors() for i in range(first.layers)))
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         FrameMsg, TokensMsg, ReleaseMsg, RewindMsg, ProbeMsg, ProbeAckMsg, HeartbeatMsg, ErrorMsg, SubmitMsg,
-        OutputMsg, CancelMsg,
+        OutputMsg, CancelMsg, SlotStateMsg,
     )
 }  # fmt: skip
 

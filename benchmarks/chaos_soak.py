@@ -1,11 +1,14 @@
 """Chaos soak (issue 34): streams survive lost stages, checked token by token.
 
 A local fleet of the bundled demo model, ``--stages`` stages x ``--groups`` pipeline replicas,
-behind one gateway, serves ``--streams`` concurrent streamed greedy requests (each resubmitted as
-it ends) for ``--seconds``. Every ``--every`` seconds (a range) a random stage process, the heads
+behind one gateway, serves ``--streams`` concurrent streamed requests (each resubmitted as it
+ends) for ``--seconds``: greedy ones, and a share (``--sampled``) seeded sampled with frequency and
+presence penalties, whose tokens must also survive a replay or a failover unchanged. Every ``--every`` seconds (a range) a random stage process, the heads
 included, is SIGKILLed (and restarted after a backoff, as ``modelfleet up`` supervises:
 :mod:`modelfleet.agent.supervisor`) or SIGSTOPed for ``--stop`` seconds (a range) and continued.
-Every completed request is checked against the single-process engine's greedy tokens.
+Every completed request is checked against the single-process engine's tokens for the same
+prompt and sampling parameters. Faults stop 10 s before the end; requests still running
+``--drain`` seconds after it are reported as unfinished, so the program always ends.
 
 Prints and writes (CSV) requests, completed correct, completed wrong, failed, the latency a fault
 added to the requests in flight across it (p50/p99 of their latency minus the median of requests
@@ -37,11 +40,28 @@ import httpx
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 
 
+SAMPLED = {"temperature": 0.8, "top_k": 40, "frequency_penalty": 0.5, "presence_penalty": 0.3}  # and a seed per case
+
+
+@dataclass(frozen=True)
+class Case:
+    prompt: list[int]
+    max_tokens: int
+    seed: int | None  # None: greedy; else sampled with SAMPLED and this seed
+    expected: list[int]
+
+    def body(self) -> dict[str, object]:
+        sampling = {"temperature": 0} if self.seed is None else {**SAMPLED, "seed": self.seed}
+        return {"prompt": self.prompt, "max_tokens": self.max_tokens, **sampling}
+
+
 @dataclass
 class Tally:
     results: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, correct|wrong|failed)
+    sampled: list[str] = field(default_factory=list)  # the outcomes of the sampled requests among them
     faults: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, what)
     replays_before_kill: float = 0.0
+    unfinished: int = 0  # requests still running when the drain ended
     failures: dict[str, int] = field(default_factory=dict)  # why, and how often
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -54,10 +74,9 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def stream(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) -> list[int] | str:
+def stream(client: httpx.Client, model: str, case: Case) -> list[int] | str:
     """One streamed request's token ids, or why it failed."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
-            "stream": True}  # fmt: skip
+    body = {"model": model, **case.body(), "return_token_ids": True, "stream": True}
     tokens: list[int] = []
     with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -73,21 +92,21 @@ def stream(client: httpx.Client, model: str, prompt: list[int], max_tokens: int)
     return tokens
 
 
-def load(
-    url: str, model: str, cases: list[tuple[list[int], int, list[int]]], end: float, tally: Tally, seed: int
-) -> None:
+def load(url: str, model: str, cases: list[Case], end: float, tally: Tally, seed: int) -> None:
     rng = random.Random(seed)
     with httpx.Client(base_url=url, timeout=300) as client:
         while time.monotonic() < end:
-            prompt, max_tokens, expected = rng.choice(cases)
+            case = rng.choice(cases)
             started = time.monotonic()
             try:
-                got = stream(client, model, prompt, max_tokens)
+                got = stream(client, model, case)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 got = f"{type(exc).__name__}: {exc}"[:160]
-            outcome = "failed" if isinstance(got, str) else "correct" if got == expected else "wrong"
+            outcome = "failed" if isinstance(got, str) else "correct" if got == case.expected else "wrong"
             with tally.lock:
                 tally.results.append((started, time.monotonic(), outcome))
+                if case.seed is not None:
+                    tally.sampled.append(outcome)
                 if isinstance(got, str):
                     tally.failures[got] = tally.failures.get(got, 0) + 1
             if isinstance(got, str):
@@ -128,17 +147,20 @@ def chaos(fleet, supervisor, plan, end: float, args: argparse.Namespace, tally: 
         tally.faults.append((started, time.monotonic(), what))
 
 
-def references(cases: int, seed: int) -> list[tuple[list[int], int, list[int]]]:
+def references(cases: int, sampled: float, seed: int) -> list[Case]:
     from modelfleet.engine.generate import LocalModel, generate_batch
     from modelfleet.engine.sampling import SamplingParams
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(4, 40))] for _ in range(cases)]
     lengths = [rng.randrange(24, 96) for _ in range(cases)]
+    seeds = [rng.randrange(1 << 20) if i < round(sampled * cases) else None for i in range(cases)]
     lm = LocalModel.load(DEMO, max_slots=cases, max_context=512)
-    params = [SamplingParams(max_tokens=n) for n in lengths]  # the model's EOS stops, as over HTTP
+    # the model's EOS stops, as over HTTP
+    params = [SamplingParams(max_tokens=n, **({} if s is None else {**SAMPLED, "seed": s}))  # type: ignore[arg-type]
+              for n, s in zip(lengths, seeds, strict=True)]  # fmt: skip
     outputs = generate_batch(lm, prompts, params)
-    return [(p, n, o.token_ids) for p, n, o in zip(prompts, lengths, outputs, strict=True)]
+    return [Case(p, n, s, o.token_ids) for p, n, s, o in zip(prompts, lengths, seeds, outputs, strict=True)]
 
 
 def main() -> None:
@@ -152,6 +174,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8431)
     parser.add_argument("--base-port", type=int, default=27100)
+    parser.add_argument("--cases", type=int, default=24, help="distinct prompts, each with its reference output")
+    parser.add_argument("--sampled", type=float, default=0.25, help="share of seeded sampled requests")
+    parser.add_argument("--drain", type=float, default=60.0, help="seconds requests may run past the end")
+    parser.add_argument("--workdir", type=Path, default=None, help="for the plan and fleet.log (default: a temp dir)")
     parser.add_argument("--csv", type=Path, default=Path("docs/results/chaos_soak.csv"))
     args = parser.parse_args()
 
@@ -159,12 +185,13 @@ def main() -> None:
     from modelfleet.agent.supervisor import RestartPolicy, Supervisor
     from modelfleet.commands.fleet import make_plan
 
-    cases = references(24, args.seed)
+    cases = references(args.cases, args.sampled, args.seed)
     print(f"[soak] {len(cases)} reference outputs from the single-process engine", flush=True)
     plan = make_plan(DEMO, args.stages, groups=args.groups, max_streams=8, context_length=512,
                      base_port=args.base_port)  # fmt: skip
     check_ports(plan, extra=[args.port])
-    workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "plan.json").write_text(plan.to_json())
     log = (workdir / "fleet.log").open("w")
     fleet = LocalFleet(plan, workdir / "plan.json", out=log)
@@ -183,13 +210,14 @@ def main() -> None:
         supervisor = Supervisor(fleet, RestartPolicy(max_stage_restarts=1000, backoff_seconds=1.0), print)
         tally = Tally()
         end = time.monotonic() + args.seconds
-        workers = [threading.Thread(target=load, args=(url, plan.model.served_name, cases, end, tally, i))
+        workers = [threading.Thread(target=load, args=(url, plan.model.served_name, cases, end, tally, i), daemon=True)
                    for i in range(args.streams)]  # fmt: skip
         for worker in workers:
             worker.start()
         chaos(fleet, supervisor, plan, end, args, tally)
         for worker in workers:
-            worker.join(600)
+            worker.join(max(0.0, end + args.drain - time.monotonic()))
+        tally.unfinished = sum(1 for worker in workers if worker.is_alive())
         heads = [c for c in fleet.children if "stage 0" in c.name and c.status_url]
         replays = tally.replays_before_kill + sum(
             metric(c.status_url.replace("/status", "/metrics"), "modelfleet_head_replays_total{") for c in heads
@@ -215,7 +243,8 @@ def report(tally: Tally, replays: float, failovers: float, args: argparse.Namesp
     row = {
         "seconds": args.seconds, "stages": args.stages, "groups": args.groups, "streams": args.streams,
         "faults": len(tally.faults), "requests": len(outcomes), "correct": outcomes.count("correct"),
-        "wrong": outcomes.count("wrong"), "failed": outcomes.count("failed"),
+        "wrong": outcomes.count("wrong"), "failed": outcomes.count("failed"), "unfinished": tally.unfinished,
+        "sampled_correct": tally.sampled.count("correct"), "sampled_wrong": tally.sampled.count("wrong"),
         "requests_across_a_fault": len(touched), "quiet_latency_p50_s": round(base, 2),
         "added_latency_p50_s": round(pct(0.5), 2), "added_latency_p99_s": round(pct(0.99), 2),
         "replays": int(replays), "failovers": int(failovers),

@@ -273,7 +273,7 @@ def generate_batch(
                     seated.add(stream.slot)
                 logits = model.run_step(step)
                 rows = step.output_rows
-                sampler.observe(list(step.slots), list(step.token_ids))
+                sampler.observe(list(step.slots), list(step.positions), list(step.token_ids))
                 tokens, errors, logprobs, scored = tail_step(
                     sampler, [step.slots[r] for r in rows], [step.positions[r] for r in rows],
                     [step.token_ids[r] for r in rows], logits,

@@ -139,15 +139,20 @@ class StreamSampler:
     """Samples one stream's tokens; the same seed gives the same tokens.
 
     ``drawn``: tokens the stream sampled before this sampler (a stream prefilled again after a
-    lost stage): the generator first skips that many draws, so a seeded stream goes on with the
-    tokens an undisturbed run would draw. A draw consumes the generator alike whatever the
-    probabilities (``torch.multinomial`` of one sample draws one exponential per vocabulary
-    entry), so skipping is drawing from a uniform distribution of the same size."""
+    lost stage, or continued on another pipeline): the generator first skips that many draws, so
+    a seeded stream goes on with the tokens an undisturbed run would draw. A draw consumes the
+    generator alike whatever the probabilities (``torch.multinomial`` of one sample draws one
+    exponential per vocabulary entry), so skipping is drawing from a uniform distribution of the
+    same size. Those ``drawn`` tokens are the input rows at positions [output_position,
+    output_position + drawn), which the stream's prefill carries before its first sample:
+    :meth:`observe` takes them back into the output history that penalties and min_tokens read."""
 
-    def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...] = (), drawn: int = 0):
+    def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...] = (), drawn: int = 0,
+                 output_position: int = 0):  # fmt: skip
         self.params = params
         self.stop_ids = set(params.stop_token_ids if params.stop_token_ids is not None else eos_token_ids)
-        self.generated: list[int] = []  # tokens this sampler emitted (kept only when penalties read them)
+        self.generated: list[int] = []  # the stream's output (kept only when penalties read them)
+        self.drawn, self.output_position = drawn, output_position
         self.seen: set[int] = set()  # prompt and fed-back tokens (kept only for repetition_penalty)
         self.generator: torch.Generator | None = None
         self.skip = 0 if params.greedy else drawn  # draws still to skip, once the vocabulary's size is known
@@ -162,10 +167,14 @@ class StreamSampler:
             torch.multinomial(uniform, 1, generator=self.generator)
         self.skip = 0
 
-    def observe(self, token_ids: list[int]) -> None:
-        """Input tokens of this stream's rows (its prompt, then its fed-back output)."""
+    def observe(self, positions: list[int], token_ids: list[int]) -> None:
+        """Input tokens of this stream's rows (its prompt, then its fed-back output), by position."""
         if self.params.repetition_penalty != 1.0:
             self.seen.update(token_ids)
+        if self.params.processes_logits and len(self.generated) < self.drawn:
+            for position, token in zip(positions, token_ids, strict=True):
+                if position == self.output_position + len(self.generated) < self.output_position + self.drawn:
+                    self.generated.append(token)  # the output drawn before: rows in order, each once
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits: [V] for this stream's last position."""
@@ -256,9 +265,11 @@ class TailSampler:
         self.samplers: dict[int, StreamSampler] = {}
         self.scorers: dict[int, PromptScorer] = {}
 
-    def start(self, slot: int, params: SamplingParams, prompt_tokens: int = 0, drawn: int = 0) -> None:
-        """``drawn``: tokens the stream sampled before (a replay; see :class:`StreamSampler`)."""
-        self.samplers[slot] = StreamSampler(params, self.eos_token_ids, drawn)
+    def start(self, slot: int, params: SamplingParams, prompt_tokens: int = 0, drawn: int = 0,
+              output_position: int = 0) -> None:  # fmt: skip
+        """``drawn``: tokens the stream sampled before, from ``output_position`` on (a replay or a
+        continuation; see :class:`StreamSampler`)."""
+        self.samplers[slot] = StreamSampler(params, self.eos_token_ids, drawn, output_position)
         if params.prompt_logprobs is not None:
             self.scorers[slot] = PromptScorer(params.prompt_logprobs, prompt_tokens)
         else:
@@ -295,12 +306,13 @@ class TailSampler:
                 del self.scorers[slot]  # every prompt token is scored: the stream's rows are sampled from now on
         return out
 
-    def observe(self, slots: list[int], token_ids: list[int]) -> None:
-        """A frame's input rows: streams with a repetition penalty remember their tokens."""
-        for slot, token in zip(slots, token_ids, strict=True):
+    def observe(self, slots: list[int], positions: list[int], token_ids: list[int]) -> None:
+        """A frame's input rows: streams with penalties remember their tokens (a replayed
+        stream's earlier output among them)."""
+        for slot, position, token in zip(slots, positions, token_ids, strict=True):
             sampler = self.samplers.get(slot)
-            if sampler is not None and sampler.params.repetition_penalty != 1.0:
-                sampler.seen.add(token)
+            if sampler is not None and sampler.params.processes_logits:
+                sampler.observe([position], [token])
 
     def sample(self, slots: list[int], logits: torch.Tensor) -> tuple[dict[int, int], dict[int, ModelfleetError]]:
         """logits [N, V] of the output rows, whose streams are in ``slots`` -> ({slot: token}, {slot: error})."""

@@ -216,12 +216,21 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def submit(self, key: Hashable, prompt: Sequence[int], params: SamplingParams, now: float) -> StreamState | Refusal:
-        refusal = self.refusal(prompt)
+    def submit(
+        self, key: Hashable, prompt: Sequence[int], params: SamplingParams, now: float, output: Sequence[int] = ()
+    ) -> StreamState | Refusal:
+        """``output``: a continuation's output so far (the stream ran on another pipeline, which
+        failed it): it is committed already, prefilled after the prompt like a replay's, and the
+        stream goes on under the same length rules and sampler position as an undisturbed run."""
+        refusal = self.refusal([*prompt, *output])
+        if refusal is None and output and len(output) >= params.max_tokens:
+            message = f"the continuation has {len(output)} output tokens, not fewer than max_tokens={params.max_tokens}"
+            refusal = Refusal(ErrorCode.INPUT, message)
         if refusal is not None:
             return refusal
         stop = params.stop_token_ids if params.stop_token_ids is not None else self.config.eos_token_ids
-        stream = StreamState(key, list(prompt), params, frozenset(stop), now)
+        stream = StreamState(key, list(prompt), params, frozenset(stop), now, generated=list(output))
+        stream.prefill = [*prompt, *output]
         self.queue.append(stream)
         return stream
 
@@ -245,7 +254,10 @@ class Scheduler:
         return None
 
     def expire(self, now: float) -> list[Finish]:
-        """Queued streams that waited over ``queue_timeout_seconds`` for a slot."""
+        """Queued streams that waited over ``queue_timeout_seconds`` for a slot (time paused for a
+        lost stage does not count: the replay deadline bounds it, :meth:`expire_paused`)."""
+        if self.paused:
+            return []
         limit, expired = self.config.queue_timeout_seconds, []
         while self.queue and now - self.queue[0].arrived_at > limit:
             stream = self.queue.popleft()
@@ -444,6 +456,8 @@ class Scheduler:
             stream.scheduled, stream.awaiting = 0, False
             stream.replays += 1
         paused, self.paused_since = now - self.paused_since, None
+        for stream in self.queue:  # time queued while paused does not count toward the queue timeout
+            stream.arrived_at += now - max(stream.arrived_at, now - paused)
         tokens = sum(len(s.prefill) for s in seated)
         return Replay(tuple(range(self.config.max_streams)), len(seated), tokens, paused)
 
@@ -454,8 +468,8 @@ class Scheduler:
             return []
         message = (f"a pipeline stage was lost and the pipeline did not heal within {replay_timeout_seconds:g} s "
                    "(serving.replay_timeout_seconds); retry the request")  # fmt: skip
-        seated = [s for streams in self.microbatches for s in streams]
-        return [f for s in seated if (f := self.fail(s, ErrorCode.REPLAY_TIMEOUT, message)) is not None]
+        waiting = [*(s for streams in self.microbatches for s in streams), *self.queue]
+        return [f for s in waiting if (f := self.fail(s, ErrorCode.REPLAY_TIMEOUT, message)) is not None]
 
     @property
     def waiting_for_replay(self) -> int:

@@ -35,6 +35,7 @@ from modelfleet.agent import transport as wire
 from modelfleet.agent.admission import Admission, Busy
 from modelfleet.agent.client import FleetClient, FleetError
 from modelfleet.agent.gateway import Gateway, GatewayConfig
+from modelfleet.agent.headlink import HeadLink
 from modelfleet.agent.launcher import LocalFleet, fetch_json
 from modelfleet.agent.openai_schema import ChatCompletionRequest, CompletionRequest
 from modelfleet.agent.textstream import StopMatcher, TextStream
@@ -485,6 +486,31 @@ def plan_with_head_at(plan: FleetPlan, port: int) -> FleetPlan:
     return plan.model_copy(update={"groups": (group,)})
 
 
+def test_a_request_arriving_while_the_only_pipeline_heals_waits_for_it_and_gets_the_engines_tokens(
+    fleet, served, reference
+) -> None:
+    """Issue 34: a stopped stage pauses the pipeline (the head stays alive and says so); a request
+    arriving then waits in line for the heal instead of a 503, and completes once the stage is back."""
+    stage = fleet.local.children[1].process
+    gateway = served.gateway
+    prompt = [5, 17, 42, 99, 3]
+    body = {"model": gateway.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    answers: list[httpx.Response] = []
+    stage.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: gateway.heads[0].paused and gateway.heads[0].healing, 20, "the gateway sees the pause")
+        assert not gateway.ready and httpx.get(served.url + "/readyz", timeout=5).status_code == 503
+        asking = threading.Thread(target=lambda: answers.append(served.post("/v1/completions", body)))
+        asking.start()
+        wait_until(lambda: len(gateway.admission.waiting) == 1, 10, "the request waits in line")
+    finally:
+        stage.send_signal(signal.SIGCONT)
+    asking.join(60)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text
+    assert answers[0].json()["choices"][0]["token_ids"] == reference(prompt, max_tokens=6)
+    wait_until(lambda: gateway.ready, 20, "the head is ready again")
+
+
 def test_a_gateway_whose_fleet_is_not_ready_answers_503_but_stays_alive(fleet) -> None:
     with Served(GatewayConfig.of(plan_with_head_at(fleet.plan, free_base_port(1)))) as served:
         response = served.post("/v1/completions", {"model": fleet.plan.model.served_name, "prompt": "hi"})
@@ -825,6 +851,77 @@ def test_a_streamed_request_that_fails_after_its_first_token_continues_on_anothe
         failing.close()
 
 
+def test_a_seeded_sampled_stream_with_penalties_continued_on_another_head_gives_the_undisturbed_runs_tokens(
+    fleet, reference
+) -> None:
+    """Issue 34: the continuation carries the stream's position: the other head counts the tokens
+    sent as the stream's output, so its sampler skips their draws and its penalties count them."""
+    sampling = {"temperature": 1.0, "seed": 1234, "frequency_penalty": 1.5, "presence_penalty": 0.5}
+    prompt = [5, 17, 42, 99, 3]
+    undisturbed = reference(prompt, max_tokens=16, stop_token_ids=(), **sampling)
+    failing = FailingHead(tokens=tuple(undisturbed[:5]))
+    try:
+        with gateway_before_fleet(fleet, failing) as retrying:
+            body = {"model": retrying.gateway.model_name, "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
+                    "return_token_ids": True, "stream": True, **sampling}  # fmt: skip
+            chunks = [json.loads(e) for e in sse_events(retrying.post("/v1/completions", body))[:-1]]
+            assert all("error" not in c for c in chunks), chunks[-1]
+            assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == undisturbed
+            assert by_reason(retrying, "modelfleet_gateway_failovers_total") == {"stream_failed": 1.0}
+    finally:
+        failing.close()
+
+
+def test_a_stream_failing_over_while_the_other_pipeline_heals_waits_for_it_and_goes_on(fleet, reference) -> None:
+    """Issue 34: the only other head is healing (a stopped stage paused its pipeline), so the
+    continuation waits in line for it rather than ending the stream, and goes on once it heals."""
+    prompt = [5, 17, 42, 99, 3]
+    undisturbed = reference(prompt, max_tokens=10, stop_token_ids=())
+    failing = FailingHead(tokens=tuple(undisturbed[:3]))
+    stage = fleet.local.children[1].process
+    answers: list[httpx.Response] = []
+    try:
+        with gateway_before_fleet(fleet, failing) as served:
+            gateway = served.gateway
+            body = {"model": gateway.model_name, "prompt": prompt, "max_tokens": 10, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+            stage.send_signal(signal.SIGSTOP)
+            try:
+                wait_until(lambda: gateway.heads[1].healing and gateway.heads[1].paused, 20, "the pipeline pauses")
+                asking = threading.Thread(target=lambda: answers.append(served.post("/v1/completions", body)))
+                asking.start()
+                wait_until(lambda: len(gateway.admission.waiting) == 1, 10, "the continuation waits in line")
+            finally:
+                stage.send_signal(signal.SIGCONT)
+            asking.join(60)
+            chunks = [json.loads(e) for e in sse_events(answers[0])[:-1]]
+            assert all("error" not in c for c in chunks), chunks[-1]
+            assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == undisturbed
+            assert by_reason(served, "modelfleet_gateway_failovers_total") == {"stream_failed": 1.0}
+            wait_until(lambda: gateway.heads[1].ready, 20, "the head is ready again")
+    finally:
+        failing.close()
+
+
+def test_a_stream_whose_head_dies_after_its_last_token_but_before_its_finish_ends_at_its_length(
+    fleet, reference
+) -> None:
+    """Nothing is left to continue: the stream ends with its tokens and finish_reason length."""
+    prompt = [5, 17, 42, 99, 3]
+    undisturbed = reference(prompt, max_tokens=4, stop_token_ids=())
+    failing = FailingHead(tokens=tuple(undisturbed))
+    try:
+        with gateway_before_fleet(fleet, failing) as served:
+            body = {"model": served.gateway.model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+            chunks = [json.loads(e) for e in sse_events(served.post("/v1/completions", body))[:-1]]
+            assert all("error" not in c for c in chunks), chunks[-1]
+            assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == undisturbed
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        failing.close()
+
+
 def test_without_another_ready_head_the_request_gets_the_heads_error_and_retries_are_bounded(fleet) -> None:
     heads = [FailingHead(), FailingHead()]
     body = {"model": fleet.plan.model.served_name, "prompt": [5, 17, 42], "max_tokens": 4}
@@ -1052,6 +1149,50 @@ def test_a_retried_request_avoids_the_heads_that_failed_it_and_its_wait_counts_f
         assert admission.active_by_head == [1, 1] and not admission.waiting
 
     asyncio.run(scenario())
+
+
+def test_a_request_finding_every_head_healing_waits_past_the_queue_timeout_up_to_the_replay_deadline() -> None:
+    """Issue 34: while the only pipelines replay (their heads alive, paused), a request waits for
+    one rather than failing at the queue timeout; the replay deadline bounds the wait (503)."""
+    ready, healing = [False, False], [True, False]
+    admission = Admission([1, 1], max_queue=4, queue_timeout_seconds=0.3, ready=lambda h: ready[h],
+                          healing=lambda h: healing[h], heal_timeout_seconds=1.0)  # fmt: skip
+
+    async def scenario() -> None:
+        waiter = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0.6)  # past the queue timeout: still waiting, head 0 heals
+        assert not waiter.done()
+        ready[0] = True
+        assert await asyncio.wait_for(waiter, 1.0) == 0
+        healing[1] = True  # a request that may not take head 0 waits for head 1 to heal, until its deadline
+        with pytest.raises(Busy, match="no pipeline healed within 1 s") as healed_not:
+            await asyncio.wait_for(admission.acquire(avoid=frozenset({0}), waited_seconds=0.5), 2.0)
+        assert healed_not.value.status == 503
+        ready[1] = True  # head 1 ready but busy, head 0 busy too: the queue timeout, 429
+        admission.active_by_head[1] = 1
+        with pytest.raises(Busy, match="waited over 0.3 s") as busy:
+            await asyncio.wait_for(admission.acquire(), 2.0)
+        assert busy.value.status == 429
+
+    asyncio.run(scenario())
+
+
+def test_a_heads_status_deadlines_are_measured_from_its_answers() -> None:
+    """Issue 34: a head whose /status answers come late (a starved machine) is healing, not gone,
+    for 3x its longest recent gap between answers (5-30 s); its polls wait 4x its slowest answer."""
+    link = HeadLink("127.0.0.1:1", poll_seconds=0.5)
+    assert link.gone and not link.healing  # never answered
+    for t in range(5):
+        link._answered({"ready": True}, t * 4.0 - 1.5, t * 4.0)  # every 4 s, each taking 1.5 s
+    assert link.ready and link.silence_deadline() == 12.0 and link.poll_timeout() == 6.0
+    link._answered(None, 16.0, 22.0)
+    assert not link.ready and link.unanswered == 1 and not link.answering
+    link.answered_at = time.monotonic() - 11.0
+    assert link.healing and not link.gone
+    link.answered_at = time.monotonic() - 13.0
+    assert link.gone and not link.healing
+    link._answered({"ready": False, "head": {"paused": True, "replay_timeout_seconds": 60}}, 0.0, time.monotonic())
+    assert link.paused and link.healing and link.replay_timeout_seconds == 60.0 and link.answer_gaps[-1] == 4.0
 
 
 def test_plans_behind_one_gateway_must_serve_one_model_and_not_share_a_head(fleet) -> None:

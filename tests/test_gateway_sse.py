@@ -123,7 +123,7 @@ def test_outputs_that_arrived_together_go_out_as_one_chunk_with_the_same_text() 
 
     class FakeHead:
         address = "h:1"
-        paused = False  # its pipeline is whole (a paused one is waited for: agent.head's replay)
+        ready = True  # its pipeline is whole (a paused one is waited for: agent.head's replay)
 
         @staticmethod
         def silent_for() -> float:

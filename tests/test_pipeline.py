@@ -301,10 +301,14 @@ def _ids(values: list[int]):  # type: ignore[no-untyped-def]
 
 def long_streams(count: int) -> tuple[list[list[int]], list[SamplingParams]]:
     """Greedy streams of different lengths, long enough to be mid-stream when a stage is lost,
-    and one seeded sampled stream."""
+    one with frequency, presence and repetition penalties (the tail must count the output from
+    before the loss), and one seeded sampled stream."""
     prompts, _ = prompts_and_params(count)
-    params = [SamplingParams(max_tokens=30 + 7 * i, stop_token_ids=()) for i in range(count - 1)]
-    return prompts, [*params, SamplingParams(temperature=0.9, top_k=20, seed=11, max_tokens=40, stop_token_ids=())]
+    params = [SamplingParams(max_tokens=30 + 7 * i, stop_token_ids=()) for i in range(count - 2)]
+    penalised = SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=40,
+                               stop_token_ids=())  # fmt: skip
+    sampled = SamplingParams(temperature=0.9, top_k=20, seed=11, max_tokens=40, stop_token_ids=())
+    return prompts, [*params, penalised, sampled]
 
 
 def submit_all(client: FleetClient, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
@@ -319,7 +323,7 @@ def test_killing_the_middle_stage_mid_stream_loses_no_token_and_eight_streams_fi
 ) -> None:
     """Issue 34: the head pauses the pipeline, the restarted stage (a new incarnation) is replayed
     into (prompt + committed output on every stage), and each stream goes on where it stopped,
-    a seeded sampled one too."""
+    a seeded sampled one and one with penalties too."""
     prompts, params = long_streams(8)
     expected = reference(tiny_checkpoint("qwen3_moe")[0], prompts, params)
     replays = secure_fleet.metric(0, "modelfleet_head_replays_total")
@@ -342,18 +346,20 @@ def test_a_stage_stopped_past_its_heartbeat_deadline_then_continued_is_replayed_
     secure_fleet, tiny_checkpoint
 ) -> None:
     """Issue 30, item 4 made a SIGSTOPed stage lost within seconds (heartbeats, tests/test_hardening.py
-    has the deadlines' table); issue 34 keeps its streams paused until it beats again."""
-    prompts, params = long_streams(4)
+    has the deadlines' table); issue 34 keeps its streams paused until it beats again, and a
+    request arriving meanwhile waits for the heal instead of being refused."""
+    prompts, params = long_streams(5)
     expected = reference(tiny_checkpoint("qwen3_moe")[0], prompts, params)
     stage = secure_fleet.local.children[1].process
     with secure_fleet.client() as client:
-        ids = submit_all(client, prompts, params)
+        ids = submit_all(client, prompts[:4], params[:4])
         stage.send_signal(signal.SIGSTOP)
         try:
             wait_until(lambda: secure_fleet.status(0)["head"]["paused"], 15, "the head paused the pipeline")
             head = secure_fleet.status(0)["head"]
             assert head["stages_lost"] == [1] and head["streams_waiting_for_replay"] == 4
             assert secure_fleet.readyz() == 503
+            ids.append(client.submit(prompts[4], params[4]))  # arrives while the pipeline heals
         finally:
             stage.send_signal(signal.SIGCONT)
         results = client.wait(ids)

@@ -335,3 +335,45 @@ def test_a_greedy_run_through_a_replay_commits_the_tokens_of_an_undisturbed_run(
 
 def answer_with(s: Scheduler, step: Step, kv: dict[int, dict[int, int]]) -> list[Token | Finish]:
     return s.complete(step.id, {st.slot: sum(kv[st.slot].values()) % 97 + 3 for st in step.sampled})  # type: ignore[return-value]
+
+
+def test_a_continuation_prefills_prompt_and_output_so_far_and_keeps_the_streams_length_rules() -> None:
+    """Issue 34: a stream another pipeline failed goes on here as a replayed one would: its output
+    so far is committed, prefilled after the prompt, and counts toward max_tokens."""
+    s = scheduler(window_rows=4)
+    a = s.submit("a", [10, 11, 12], SamplingParams(max_tokens=5), 0.0, output=[40, 41])
+    assert isinstance(a, StreamState) and a.generated == [40, 41] and a.confirmed == 5
+    [window] = s.schedule(0.0)
+    assert rows(window) == [(0, 0, 10), (0, 1, 11), (0, 2, 12), (0, 3, 40)] and window.new_streams == (a,)
+    assert s.complete(window.id, {}) == []
+    [rest] = s.schedule(0.0)
+    assert rows(rest) == [(0, 4, 41)] and rest.output_rows == (0,)
+    assert [e.token_id for e in answer(s, rest, 42) if isinstance(e, Token)] == [42]
+    answer(s, s.schedule(0.0)[0], 43)
+    assert a.generated == [40, 41, 42, 43] and not a.done
+    assert isinstance(answer(s, s.schedule(0.0)[0], 44)[-1], Finish) and a.generated == [40, 41, 42, 43, 44]
+    refused = s.submit("b", [1], SamplingParams(max_tokens=2), 0.0, output=[5, 6])
+    assert isinstance(refused, Refusal) and "not fewer than max_tokens=2" in refused.message
+    too_long = s.submit("c", [1] * 30, SamplingParams(max_tokens=8), 0.0, output=[5, 6])
+    assert isinstance(too_long, Refusal) and too_long.code == ErrorCode.CONTEXT_LENGTH
+
+
+def test_a_stream_queued_while_the_pipeline_is_paused_waits_for_the_heal_bounded_by_the_replay_deadline() -> None:
+    """Issue 34: a request arriving while a pipeline replays is not refused: it waits in the
+    queue, the time paused does not count toward its queue timeout, and the replay deadline
+    fails it as it fails the seated streams."""
+    s = scheduler(max_streams=1, queue_timeout_seconds=30.0)
+    seated = admit(s, "a", [1], max_tokens=4)
+    s.schedule(0.0)
+    s.pause(10.0)
+    queued = admit(s, "b", [2], now=12.0)
+    assert s.expire(100.0) == [] and s.schedule(100.0) == []
+    s.resume(100.0)
+    assert queued.arrived_at == 100.0 and s.expire(125.0) == []  # queued from the heal on
+    [window] = s.schedule(125.0)
+    assert window.new_streams == (seated,)
+    s.pause(130.0)
+    late = admit(s, "c", [3], now=131.0)
+    finishes = s.expire_paused(251.0, 120.0)
+    assert {f.stream.key for f in finishes} == {"a", "b", "c"} and late.done
+    assert all(f.code == ErrorCode.REPLAY_TIMEOUT for f in finishes)

@@ -29,6 +29,9 @@ from modelfleet.agent.transport import (
     StreamStart,
     TokensMsg,
 )
+from modelfleet.engine.frame import Frame
+from modelfleet.engine.generate import LocalModel, generate
+from modelfleet.engine.kvcache import SlotState
 from modelfleet.engine.sampling import SamplingParams
 
 RECEIVE_TIMEOUT_MS = 5000
@@ -73,6 +76,9 @@ MESSAGES: dict[str, Callable[[], Message]] = {
         sent_ns=7, group_index=1, stage_index=2, ready=True, plan_hash="cd" * 32
     ),
     "error": lambda: ErrorMsg(code="capacity", message="no free KV slot (16 in use)", slot=None),
+    "slot_state": lambda: transport.slot_state_messages(
+        3, SlotState(5, ({"k": torch.randn(8, 2, 4), "v": torch.randn(8, 2, 4).to(torch.bfloat16)},))
+    )[0],
 }
 
 
@@ -436,3 +442,31 @@ def test_a_malformed_key_file_or_an_empty_allow_list_is_refused(tmp_path, contex
         transport.load_key(tmp_path / "absent.key")
     with pytest.raises(transport.TransportConfigError, match="at least one client public key"):
         transport.start_authenticator(context, [])
+
+
+def test_a_streams_state_sent_as_slot_state_messages_continues_identically_in_another_model(tiny_checkpoint):
+    """Issue 34, item 4: a drained stage's slot travels to its replacement, one message per layer
+    through the wire's checks, and the stream goes on there as it would have at home."""
+    path, _ = tiny_checkpoint("qwen3_moe")
+    prompt = [5, 17, 99, 3, 64, 21, 8, 120, 45, 77, 12, 33]
+    expected = generate(
+        LocalModel.load(path, max_context=64), prompt, SamplingParams(max_tokens=6, stop_token_ids=())
+    ).token_ids
+    source, target = LocalModel.load(path, max_context=64), LocalModel.load(path, max_context=64)
+    logits = source.forward(Frame.of_streams([(1, 0, prompt)]))
+    messages = transport.slot_state_messages(1, source.export_slot(1))
+    assert len(messages) == source.spec.num_layers
+    received = [transport.decode(transport.encode(m)) for m in reversed(messages)]  # in any order
+    target.import_slot(2, transport.slot_state_of(received))  # type: ignore[arg-type]
+    tokens, position = [], len(prompt)
+    for _ in range(6):
+        tokens.append(int(logits[-1].argmax()))
+        logits = target.forward(Frame.of_streams([(2, position, [tokens[-1]])]))
+        position += 1
+    assert tokens == expected
+    with pytest.raises(MalformedMessage, match="cover layers"):
+        transport.slot_state_of(received[1:])  # type: ignore[arg-type]
+    one = messages[0]
+    with pytest.raises(MalformedMessage, match="payload has .* bytes; its entries need"):
+        transport.SlotStateMsg(slot=1, length=one.length, layer=0, layers=one.layers, entries=one.entries,
+                               payload=one.payload[:-1])  # fmt: skip
