@@ -48,6 +48,7 @@ from ..engine.shard import Shard
 from ..engine.speculative.build import build_proposer
 from ..engine.speculative.speculator import Speculator
 from ..engine.speculative.verify import tail_step
+from ..engine.structured import Grammars
 from ..engine.tensor_parallel import TensorGroup, init_tensor_group
 from ..plan import FleetPlan, Formats, StagePlan
 from . import numa
@@ -214,6 +215,7 @@ class StageAgent:
         return Head(
             scheduler, self.backend, head_config, compute=self.compute, send=None if self.is_tail else self.send,
             context=self.context, plan_hash=self.plan.plan_hash(), metrics=self.metrics, status=self.status,
+            grammars=self._grammars(),
         )  # fmt: skip
 
     def install_signal_handlers(self) -> None:
@@ -247,7 +249,12 @@ class StageAgent:
         verify_numa(self.status)
         self.status.backend = backend_info(backend)
         if self.is_tail:
-            self.sampler = TailSampler(backend.spec.eos_token_ids)
+            self.sampler = TailSampler(backend.spec.eos_token_ids, self._grammars())
+
+    def _grammars(self) -> Grammars:
+        """The tail's grammar compiler, for the checkpoint's tokenizer (read on the first grammar)."""
+        assert self.backend is not None
+        return Grammars(self.plan.model.path, self.backend.spec.vocab_size)
 
     def _loaded(self, done: int, total: int) -> None:
         self.status.layers_loaded = done

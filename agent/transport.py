@@ -41,10 +41,12 @@ from zmq.auth.thread import ThreadAuthenticator
 from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.sampling import LOGPROB_FLOOR, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from ..engine.scheduler import FinishReason
+from ..engine.structured import MAX_SPEC_CHARS
 
 # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
 # 4: log-probabilities (tokens, output), penalties, logit bias and min_tokens (stream_start, submit)
-PROTOCOL_VERSION = 4
+# 5: a structured-output grammar spec, JSON text, and the tokens it already matched (stream_start, submit)
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20
@@ -365,6 +367,8 @@ class SamplingFields(Checked):
     min_tokens: int = wire(Int(0, MAX_POSITION), 0)
     logit_bias_ids: tuple[int, ...] = wire(IntList(MAX_LOGIT_BIAS, Int(0, MAX_TOKEN_ID)), ())
     logit_bias_values: tuple[float, ...] = wire(FloatList(MAX_LOGIT_BIAS, Float(-100.0, 100.0)), ())
+    grammar: str | None = wire(Optional(Str(MAX_SPEC_CHARS)), None)  # JSON text, parsed only by the tail's compiler
+    grammar_committed: int = wire(Int(0, MAX_POSITION), 0)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})
