@@ -114,9 +114,11 @@ def test_stop_tokens_are_allowed_only_where_the_grammar_may_end(grammars: Gramma
     assert state.ended
 
 
-def test_a_replayed_stream_rebuilds_its_grammar_state_from_the_committed_tokens(grammars: Grammars) -> None:
-    """The tail restarts a stream (a replay after a lost stage: ``drawn`` tokens were committed,
-    and its prefill carries prompt + those tokens): its next mask is an undisturbed run's."""
+@pytest.mark.parametrize("how", ["replay", "continuation"])
+def test_a_restarted_stream_rebuilds_its_grammar_state_from_the_committed_tokens(grammars: Grammars, how: str) -> None:
+    """The tail restarts a stream whose prefill carries prompt + the tokens it had committed: a
+    head's replay after a lost stage (``drawn``), or the gateway's continuation on another head
+    (``grammar_committed``); its next mask is an undisturbed run's."""
     params = SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=(EOS,), grammar=SPEC)
     prompt = [17, 18, 19]
     first = TailSampler((EOS,), grammars)
@@ -130,7 +132,10 @@ def test_a_replayed_stream_rebuilds_its_grammar_state_from_the_committed_tokens(
         committed.append(tokens[0])
         first.observe([0], [tokens[0]])
     again = TailSampler((EOS,), grammars)
-    again.start(3, params, 0, drawn=len(committed))
+    if how == "replay":
+        again.start(3, params, 0, drawn=len(committed))
+    else:
+        again.start(3, SamplingParams(**{**params.__dict__, "grammar_committed": len(committed)}), len(committed) + 3)
     rows = [*prompt, *committed]
     again.observe([3] * 4, rows[:4])  # the replay's prefill, in two windows
     again.observe([3] * (len(rows) - 4), rows[4:])
