@@ -43,8 +43,8 @@ TOOLS_PREAMBLE = (
 
 
 def grammar_spec(body: CompletionRequest | ChatCompletionRequest) -> str | None:
-    """The request's grammar spec (checked: a schema xgrammar cannot read is a PromptError naming
-    its field), or None when its output is free text."""
+    """The request's grammar spec (checked: a schema xgrammar cannot read, or no xgrammar here, is
+    a PromptError naming the field), or None when its output is free text."""
     spec: dict[str, Any] | None = None
     param = "response_format"
     fmt = body.response_format
@@ -59,11 +59,11 @@ def grammar_spec(body: CompletionRequest | ChatCompletionRequest) -> str | None:
         }
         param = "response_format.json_schema.schema"
     elif isinstance(body, ChatCompletionRequest) and body.calls_tools:
-        spec, param = _tools_spec(body), "tools"
-    if spec is None:
+        param = "tools"
+    else:
         return None
     try:
-        text = spec_text(spec)
+        text = spec_text(spec if spec is not None else _tools_spec(body))  # type: ignore[arg-type]
         check_spec(text)
     except StructuredOutputError as exc:
         raise PromptError(f"{param}: {exc}", param) from None

@@ -213,3 +213,20 @@ def test_streamed_text_splits_into_content_and_tool_calls_however_it_is_cut() ->
         assert "".join(p[0] for p in pieces) + parser.finish() == content
         assert [c["function"] for p in pieces for c in p[1]] == [c["function"] for c in calls]
     assert split_tool_calls(f"{CALL_OPEN}\n{{}}")[0] == f"{CALL_OPEN}\n{{}}"  # cut by max_tokens: text
+
+
+def test_without_xgrammar_structured_output_is_a_clear_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from modelfleet.agent.prompts import PromptError
+    from modelfleet.agent.structured import grammar_spec
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # an import of it fails, as where it is not installed
+    for body, param in (
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [WEATHER]}, "tools"),
+    ):
+        request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
+        with pytest.raises(PromptError, match="needs xgrammar") as caught:
+            grammar_spec(request)
+        assert caught.value.param == param
