@@ -230,3 +230,29 @@ def test_without_xgrammar_structured_output_is_a_clear_refusal(monkeypatch: pyte
         with pytest.raises(PromptError, match="needs xgrammar") as caught:
             grammar_spec(request)
         assert caught.value.param == param
+
+
+def test_auto_tool_choice_allows_text_and_constrains_a_call_once_it_starts(grammars: Grammars) -> None:
+    from tokenizers import Tokenizer
+
+    from modelfleet.agent.structured import grammar_spec
+
+    tokenizer = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": [tool]})
+    spec = grammar_spec(body)
+    assert spec is not None
+
+    def fed(text: str) -> Any:
+        state = grammars.state(spec, (EOS,))
+        for token in tokenizer.encode(text).ids:
+            state.accept(token)
+        return state
+
+    assert fed("def f(x): return x  # any text").allowed()[EOS]  # text may be the whole answer
+    opened = fed(f'Let me look. {CALL_OPEN}\n{{"name": "get_weather", "arguments": ')
+    assert not opened.allowed()[EOS]  # a call, once begun, must be finished
+    texts = {tokenizer.decode([t]) for t in opened.allowed().nonzero().flatten().tolist()}
+    assert texts and all(text.lstrip().startswith("{") or not text.strip() for text in texts), texts
+    with pytest.raises(StructuredOutputError):
+        fed(f'{CALL_OPEN}\n{{"name": "get_time"')  # not a tool of the request
