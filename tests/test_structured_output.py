@@ -6,6 +6,10 @@ parses and validates does so because the tail's grammar mask allowed nothing els
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -13,8 +17,8 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
-from test_gateway import Served, TestFleet
-from test_pipeline import wait_until
+from test_gateway import Served, TestFleet, free_port
+from test_pipeline import free_base_port, wait_until
 
 from modelfleet.agent.gateway import GatewayConfig
 
@@ -197,3 +201,31 @@ def test_langchain_with_structured_output_returns_the_pydantic_model(demo: Serve
                      max_tokens=64, max_retries=0)  # type: ignore[arg-type]  # fmt: skip
     person = llm.with_structured_output(Person).invoke("Describe a programmer.")
     assert isinstance(person, Person)
+
+
+def test_modelfleet_up_with_one_stage_serves_json_schema_output_from_its_head(tmp_path: Path) -> None:
+    """A one-stage fleet's head is its tail: it masks too. Through `modelfleet up`, as a user runs it."""
+    port, base = free_port(), free_base_port(1)
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    args = ["up", "--model", str(DEMO), "--stages", "1", "--port", str(port), "--base-port", str(base),
+            "--context-length", "256", "--ready-timeout", "60"]  # fmt: skip
+    up = subprocess.Popen([sys.executable, "-P", "-m", "modelfleet.cli", *args], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("try: curl"):
+                break
+        assert lines and lines[-1].startswith("try: curl"), "".join(lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        out = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "x = 1"}], max_tokens=96, temperature=0.9, seed=1,
+            response_format=person_format(),  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content or ""), PERSON)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(30)
