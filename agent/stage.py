@@ -165,6 +165,7 @@ class StageAgent:
         self.stopping = threading.Event()
         self.backend: StageBackend | None = None
         self.sampler: TailSampler | None = None  # the tail's
+        self.grammars: Grammars | None = None  # the tail's structured-output compiler
         self.context = zmq.Context()
         self.inbox: zmq.Socket[Any] | None = None
         self.outbox: zmq.Socket[Any] | None = None
@@ -215,7 +216,7 @@ class StageAgent:
         return Head(
             scheduler, self.backend, head_config, compute=self.compute, send=None if self.is_tail else self.send,
             context=self.context, plan_hash=self.plan.plan_hash(), metrics=self.metrics, status=self.status,
-            grammars=self._grammars(),
+            grammars=self.grammars,
         )  # fmt: skip
 
     def install_signal_handlers(self) -> None:
@@ -249,12 +250,10 @@ class StageAgent:
         verify_numa(self.status)
         self.status.backend = backend_info(backend)
         if self.is_tail:
-            self.sampler = TailSampler(backend.spec.eos_token_ids, self._grammars())
-
-    def _grammars(self) -> Grammars:
-        """The tail's grammar compiler, for the checkpoint's tokenizer (read on the first grammar)."""
-        assert self.backend is not None
-        return Grammars(self.plan.model.path, self.backend.spec.vocab_size)
+            # the grammar compiler for the checkpoint's tokenizer, built beside the serving loop
+            self.grammars = Grammars(self.plan.model.path, backend.spec.vocab_size)
+            self.grammars.prepare()
+            self.sampler = TailSampler(backend.spec.eos_token_ids, self.grammars)
 
     def _loaded(self, done: int, total: int) -> None:
         self.status.layers_loaded = done

@@ -28,6 +28,7 @@ and one without it installed refuses grammars with :class:`StructuredOutputError
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from pathlib import Path
@@ -37,6 +38,7 @@ import torch
 
 from .errors import InputError
 
+log = logging.getLogger("modelfleet.structured")
 MAX_SPEC_CHARS = 1 << 17  # a spec's JSON text: a schema of a few thousand properties
 GRAMMAR_TYPES = ("json_object", "json_schema", "structural_tag")
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept per process (xgrammar's cache, by spec)
@@ -119,6 +121,22 @@ class Grammars:
         self.model_dir, self.vocab_size = Path(model_dir), vocab_size
         self._compiler: Any = None
         self._lock = threading.Lock()
+
+    def prepare(self) -> threading.Thread | None:
+        """Build the compiler in a thread of its own: importing xgrammar and reading the vocabulary
+        take a second or more, which on a tail's serving loop would hold the step of every stream
+        beside the first grammar stream. A checkpoint without a tokenizer serves no grammars."""
+        if not (self.model_dir / "tokenizer.json").is_file():
+            return None
+        thread = threading.Thread(target=self._prepare, name="grammars", daemon=True)
+        thread.start()
+        return thread
+
+    def _prepare(self) -> None:
+        try:
+            self.compiler()
+        except StructuredOutputError as exc:  # each grammar stream fails with it, as an InputError
+            log.info("structured output is not available here: %s", exc)
 
     def compiler(self) -> Any:
         with self._lock:
