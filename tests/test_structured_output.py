@@ -18,9 +18,12 @@ import jsonschema
 import openai
 import pytest
 from test_gateway import Served, TestFleet, free_port
-from test_pipeline import free_base_port, wait_until
+from test_pipeline import Fleet, free_base_port, reference, submit_all, wait_until
 
 from modelfleet.agent.gateway import GatewayConfig
+from modelfleet.engine.sampling import SamplingParams
+from modelfleet.engine.structured import spec_text
+from modelfleet.engine.tokenizer import TextTokenizer
 
 pytest.importorskip("xgrammar")
 
@@ -229,3 +232,37 @@ def test_modelfleet_up_with_one_stage_serves_json_schema_output_from_its_head(tm
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(30)
+
+
+def test_grammar_streams_replayed_after_their_tail_was_killed_go_on_with_the_engines_tokens(tmp_path: Path) -> None:
+    """The head replays each stream (prompt + committed tokens) into the restarted tail, whose
+    grammar state is rebuilt from those tokens: greedy and seeded sampled streams end with the
+    tokens of an undisturbed single-process run, valid JSON."""
+    note = {"type": "object", "properties": {"note": {"type": "string", "minLength": 40, "maxLength": 48}},
+            "required": ["note"], "additionalProperties": False}  # fmt: skip
+    grammar = spec_text({"type": "json_schema", "schema": note, "strict": True})
+    stop = (0,)  # the demo's end of text
+    params = [
+        SamplingParams(max_tokens=120, stop_token_ids=stop, grammar=grammar),
+        SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=120, stop_token_ids=stop, grammar=grammar),
+    ]
+    tokenizer = TextTokenizer(DEMO)
+    prompts = [tokenizer.encode("def load(path):\n"), tokenizer.encode("class Cache:\n")]
+    expected = reference(DEMO, prompts, params)
+    fleet = Fleet(DEMO, tmp_path, stages=2)
+    fleet.start()
+    try:
+        with fleet.client() as client:
+            ids = submit_all(client, prompts, params)
+            fleet.local.children[1].process.send_signal(signal.SIGKILL)
+            fleet.local.children[1].process.wait()
+            wait_until(lambda: fleet.status(0)["head"]["streams_waiting_for_replay"] > 0, 10, "streams wait")
+            fleet.restart(1)
+            results = client.wait(ids)
+        assert fleet.metric(0, "modelfleet_head_replayed_tokens_total") > 0
+    finally:
+        fleet.stop()
+    assert [r.token_ids for r in results] == expected, [r.error for r in results]
+    for result in results:
+        assert result.finish_reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(result.token_ids)), note)
