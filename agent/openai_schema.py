@@ -258,7 +258,11 @@ class ChatMessage(BaseModel):
     name: Annotated[StrictStr, Field(max_length=256)] | None = None
     tool_call_id: StrictStr | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's earlier calls
-    refusal: StrictStr | None = None  # an assistant message as OpenAI returned it (its refusal, if any, is null)
+    # what a message returned by OpenAI's API carries, sent back as it came (null or empty: nothing to render)
+    refusal: StrictStr | None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _tool_calls_of_the_assistant(self) -> ChatMessage:

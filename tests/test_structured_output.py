@@ -139,7 +139,7 @@ def test_a_forced_tool_call_round_trip(demo: Served) -> None:
     assert call.type == "function" and call.function.name == "get_weather" and call.id  # type: ignore[union-attr]
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])  # type: ignore[index,union-attr]
     messages += [
-        choice.message.model_dump(exclude_none=True),
+        choice.message.model_dump(),  # as it came back, nulls included
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
     ]
     answer = client.chat.completions.create(
