@@ -83,6 +83,7 @@ from .openai_schema import (
 )
 from .prompts import PromptError, Prompts
 from .sse import DONE, IDS_MARK, TEXT_MARK, TokenChunks, data_frame
+from .structured import ToolCallParser, chat_messages, grammar_spec, split_tool_calls
 from .textstream import Piece, TextStream
 
 log = logging.getLogger("modelfleet.gateway")
@@ -381,6 +382,7 @@ class Job:
     # the server tells the streamed response of a disconnect itself, which then ends the stream
     # (Starlette listens for it under ASGI spec < 2.4), so polling the client is not needed
     disconnect_watched: bool = False
+    tool_calls: ToolCallParser | None = None  # a streamed chat that may call tools: its text split as it comes
 
     def __post_init__(self) -> None:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -591,7 +593,8 @@ class Gateway:
         assert isinstance(body, CompletionRequest)
         self._check_model(body.model)
         prompts = [await self._prompt_off_loop(lambda p=p: self.prompts.completion(p)) for p in body.prompt_values]  # type: ignore[misc]
-        return await self._serve_all(request, self._jobs(body, prompts, arrived))
+        grammar = await self._grammar(body)
+        return await self._serve_all(request, self._jobs(body, prompts, arrived, grammar))
 
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
@@ -599,13 +602,24 @@ class Gateway:
         body = await self._body(ChatCompletionRequest, request)
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+        template = self.prompts.chat_template
+        messages, extra = chat_messages(body, template.variables if template is not None else frozenset())
         ids = await self._prompt_off_loop(
-            lambda: self.prompts.chat(
-                messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
-            )
+            lambda: self.prompts.chat(messages, body.add_generation_prompt, body.continue_final_message, extra)
         )
-        return await self._serve_all(request, self._jobs(body, [ids], arrived))
+        grammar = await self._grammar(body)
+        return await self._serve_all(request, self._jobs(body, [ids], arrived, grammar))
+
+    async def _grammar(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+        """The request's grammar spec (:mod:`.structured`), checked in the text pool (a large schema takes ms)."""
+        if self.prompts.tokenizer is None and (
+            (body.response_format is not None and body.response_format.type != "text")
+            or (isinstance(body, ChatCompletionRequest) and body.calls_tools)
+        ):
+            raise ApiError(400, "structured output needs the checkpoint's tokenizer.json, which it does not have",
+                           "response_format")  # fmt: skip
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.text_pool, lambda: self._prompt_value(lambda: grammar_spec(body)))
 
     # ---- checks ---------------------------------------------------------------------------
 
@@ -670,8 +684,12 @@ class Gateway:
 
     @staticmethod
     def _prompt(make: Any) -> list[int]:
+        return list(Gateway._prompt_value(make))
+
+    @staticmethod
+    def _prompt_value(make: Callable[[], Any]) -> Any:
         try:
-            return list(make())
+            return make()
         except PromptError as exc:
             raise ApiError(400, str(exc), exc.param) from None
 
@@ -685,8 +703,9 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, text.push, token_ids)
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int,
-                logprobs: int | None, seed: int | None) -> SamplingParams:  # fmt: skip
-        """``logprobs``: alternatives the tail reports per token (None: none); ``seed``: this choice's."""
+                logprobs: int | None, seed: int | None, grammar: str | None = None) -> SamplingParams:  # fmt: skip
+        """``logprobs``: alternatives the tail reports per token (None: none); ``seed``: this
+        choice's; ``grammar``: the structured-output spec its tokens must follow."""
         # max_tokens 0 (echo, scoring the prompt) runs one step, whose token the client never sees
         max_tokens = max(1, self._prompt(lambda: [self.prompts.max_tokens(prompt_tokens, body.max_tokens)])[0])
         echo = isinstance(body, CompletionRequest) and body.echo
@@ -703,11 +722,11 @@ class Gateway:
             prompt_logprobs=body.top_logprobs_asked if echo else None,
             frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0, min_tokens=body.min_tokens,
-            logit_bias_ids=tuple(t for t, _ in bias), logit_bias_values=tuple(b for _, b in bias),
+            logit_bias_ids=tuple(t for t, _ in bias), logit_bias_values=tuple(b for _, b in bias), grammar=grammar,
         )  # fmt: skip
 
     def _jobs(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-              arrived: float) -> list[Job]:  # fmt: skip
+              arrived: float, grammar: str | None = None) -> list[Job]:  # fmt: skip
         """One stream per prompt and choice: n of each (best_of, when larger, ranked at the end).
         Choice c of a seeded request samples with seed + c, so the choices differ and repeat."""
         chat = isinstance(body, ChatCompletionRequest)
@@ -719,9 +738,11 @@ class Gateway:
         for p, ids in enumerate(prompts):
             for c in range(best_of):
                 seed = None if body.seed is None else (body.seed + c) % (SEED_MAX + 1)
-                params = self._params(body, len(ids), logprobs, seed)
+                params = self._params(body, len(ids), logprobs, seed, grammar)
                 jobs.append(Job(body, ids, params, self.model_name, arrived, chat, index=p * best_of + c,
                                 prompt_index=p))  # fmt: skip
+                if isinstance(body, ChatCompletionRequest) and body.stream and body.calls_tools:
+                    jobs[-1].tool_calls = ToolCallParser()
         return jobs
 
     # ---- serving --------------------------------------------------------------------------
@@ -967,6 +988,11 @@ class Gateway:
         asked = job.body.top_logprobs_asked
         if job.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if isinstance(job.body, ChatCompletionRequest) and job.body.calls_tools:
+                content, calls = split_tool_calls(text)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    choice["finish_reason"] = "tool_calls" if finish.reason == "stop" else finish.reason
             if asked is not None:
                 choice["logprobs"] = {"content": self._chat_logprobs(job.token_ids, job.logprobs, asked)}
         else:
@@ -1122,10 +1148,9 @@ class Gateway:
                 if isinstance(event, Finish) and event.error is not None:
                     yield data_frame(event.error.body())
                     break
-                chunk = self._chunk(job, event, first=job.index not in started)
-                started.add(job.index)
-                if chunk is not None:
+                for chunk in self._chunks(job, event, first=job.index not in started):
                     yield data_frame(chunk)
+                started.add(job.index)
             else:
                 if jobs[0].body.include_usage:
                     yield data_frame({**self._envelope(jobs[0]), "choices": [], "usage": _usage(jobs)})
@@ -1143,19 +1168,17 @@ class Gateway:
         with_ids = job.body.return_token_ids
         tokens = self._token_chunks(job)
         try:
-            opening = self._chunk(job, first, first=True)
-            assert opening is not None  # a first chunk always says something (the role, at least)
-            yield data_frame(opening)
+            for opening in self._chunks(job, first, first=True):  # the first says something (the role, at least)
+                yield data_frame(opening)
             async for event in events:
-                if type(event) is Text and job.body.top_logprobs_asked is None:
+                if type(event) is Text and job.body.top_logprobs_asked is None and job.tool_calls is None:
                     if event.text or (with_ids and event.token_ids):
                         yield tokens.frame(event.text, event.token_ids)
                     continue
                 if isinstance(event, Finish) and event.error is not None:
                     yield data_frame(event.error.body())
                     break
-                chunk = self._chunk(job, event, first=False)
-                if chunk is not None:
+                for chunk in self._chunks(job, event, first=False):
                     yield data_frame(chunk)
             else:
                 if job.body.include_usage:
@@ -1171,6 +1194,30 @@ class Gateway:
         if job.body.return_token_ids:
             chunk["choices"][0]["token_ids"] = IDS_MARK
         return TokenChunks.of(chunk)
+
+    def _chunks(self, job: Job, event: Text | Finish, first: bool) -> list[dict[str, Any]]:
+        """The chunks of one event: :meth:`_chunk`'s, or for a chat that may call tools, its text
+        split into content and each tool call completed (one delta with the whole call, in
+        OpenAI's shape), and ``tool_calls`` for the finish of a stream that called any."""
+        parser = job.tool_calls
+        if parser is None:
+            return [c] if (c := self._chunk(job, event, first)) is not None else []
+        calls: list[dict[str, Any]] = []
+        if isinstance(event, Text):
+            content, calls = parser.push(event.text)
+            event = Text(content, event.token_ids, event.logprobs)
+        else:
+            rest = parser.finish()
+            chunks = [c] if rest and (c := self._chunk(job, Text(rest, []), first)) is not None else []
+            reason = "tool_calls" if parser.calls and event.reason == "stop" else event.reason
+            return [*chunks, *([c] if (c := self._chunk(job, Finish(reason), first and not chunks)) else [])]
+        chunks = [c] if (c := self._chunk(job, event, first)) is not None else []
+        done = len(parser.calls) - len(calls)
+        for k, call in enumerate(calls):
+            choice = {"index": job.index, "delta": {"tool_calls": [{"index": done + k, **call}]}, "logprobs": None,
+                      "finish_reason": None}  # fmt: skip
+            chunks.append({**self._envelope(job), "choices": [choice]})
+        return chunks
 
     def _chunk(self, job: Job, event: Text | Finish, first: bool) -> dict[str, Any] | None:
         text, token_ids = (event.text, event.token_ids) if isinstance(event, Text) else ("", [])

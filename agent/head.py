@@ -44,6 +44,7 @@ from ..engine.sampling import TailSampler, TokenLogprobs
 from ..engine.scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, StreamState, Token
 from ..engine.speculative.speculator import SpeculationStats
 from ..engine.speculative.verify import tail_step
+from ..engine.structured import Grammars
 from ..plan import FleetPlan
 from . import transport as wire
 from .health import AgentStatus, StageMetrics
@@ -91,11 +92,12 @@ class Head:
         plan_hash: str,
         metrics: StageMetrics,
         status: AgentStatus,
+        grammars: Grammars | None = None,  # the tail's grammar compiler, when the head is the tail
     ):
         self.scheduler, self.backend, self.config = scheduler, backend, config
         self.compute, self.send_next = compute, send
         self.plan_hash, self.metrics, self.status = plan_hash, metrics, status
-        self.sampler = TailSampler(backend.spec.eos_token_ids) if send is None else None
+        self.sampler = TailSampler(backend.spec.eos_token_ids, grammars) if send is None else None
         self.streams: dict[tuple[bytes, int], StreamState] = {}
         self.nonce = 0
         self.last_probe = 0.0

@@ -2,8 +2,10 @@
 
 Every field is type- and range-checked (strict: ``"5"`` is not 5, ``true`` is not 1) and unknown
 fields are refused, so a typo never silently changes a request. Fields that ask for something
-this server does not do yet (``suffix``, ``tools``, ``response_format`` other than text, ...) are
-accepted only with values that mean "off"; any other value is refused with a message saying so.
+this server does not do yet (``suffix``, the legacy ``functions``, ...) are accepted only with
+values that mean "off"; any other value is refused with a message saying so. Structured output
+(``response_format``, chat ``tools`` and ``tool_choice``) is typed here and served by
+:mod:`.structured`.
 vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids``, ``chat_template_kwargs``, ``continue_final_message``)
 are accepted as vLLM defines them. docs/gateway.md lists every field with its status.
@@ -45,16 +47,79 @@ StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)
 # values listed (all meaning "off"), refused otherwise with a message naming the field.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 # Fields with no effect on generation: accepted and ignored.
-_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+_IGNORED = ("user", "metadata", "store", "service_tier")
+MAX_TOOLS = 128
+Name = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for function and schema names
+Schema = Annotated[dict[StrictStr, Any], Field(max_length=1024)]  # a JSON schema: xgrammar checks it
 Penalty = Annotated[Float, Field(ge=-2.0, le=2.0)]
 Bias = Annotated[Float, Field(ge=-100.0, le=100.0)]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Name
+    description: StrictStr | None = None
+    schema_: Schema | None = Field(None, alias="schema")  # None: any JSON (OpenAI allows leaving it out)
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text"}`` (the default), ``{"type": "json_object"}``, or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format.json_schema is given exactly when response_format.type is "json_schema"')
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Name
+    description: StrictStr | None = None
+    parameters: Schema | None = None  # None: any arguments
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Name
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Name
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant message, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Annotated[StrictStr, Field(max_length=256)]
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class StreamOptions(BaseModel):
@@ -90,18 +155,15 @@ class _Request(BaseModel):
     logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Bias], Field(max_length=300)] | None = (
         None
     )
+    response_format: ResponseFormat | None = None  # json_object, json_schema: constrained by a grammar
     # accepted only when "off" (see _OFF_VALUES) or ignored (see _IGNORED)
     suffix: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     user: Any = None
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Request:
@@ -114,6 +176,9 @@ class _Request(BaseModel):
                 )
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.ignore_eos and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("ignore_eos cannot be combined with a JSON response_format: the output ends where "
+                             "its grammar does")  # fmt: skip
         return self
 
     @property
@@ -192,6 +257,18 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[TextPart] | None = None
     name: Annotated[StrictStr, Field(max_length=256)] | None = None
     tool_call_id: StrictStr | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's earlier calls
+    # what a message returned by OpenAI's API carries, sent back as it came (null or empty: nothing to render)
+    refusal: StrictStr | None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _tool_calls_of_the_assistant(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls are allowed only in messages from the assistant")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -209,6 +286,9 @@ class ChatCompletionRequest(_Request):
     )
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
     def _one_max(self) -> ChatCompletionRequest:
@@ -221,7 +301,30 @@ class ChatCompletionRequest(_Request):
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
             raise ValueError("continue_final_message needs add_generation_prompt: false and a last message "
                              "from the assistant")  # fmt: skip
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: each function needs a name of its own")
+        choice = self.tool_choice
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
+            raise ValueError("tool_choice: required or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools "
+                             f"({', '.join(names)})")  # fmt: skip
+        json_format = self.response_format is not None and self.response_format.type != "text"
+        if json_format and self.calls_tools:
+            raise ValueError("response_format cannot be combined with tools unless tool_choice is \"none\": "
+                             "the output is either the given JSON or tool calls")  # fmt: skip
+        if self.calls_tools and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with tools: the output ends where its grammar does")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are given and tool_choice lets the model call them."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def top_logprobs_asked(self) -> int | None:

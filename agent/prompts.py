@@ -34,7 +34,7 @@ def _token_text(value: object) -> str:
 
 class ChatTemplate:
     def __init__(self, source: str, config: dict[str, Any]):
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         # as transformers renders templates: loop controls, raise_exception, strftime_now, plain tojson
@@ -46,6 +46,8 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         try:
             self.template = env.from_string(source)
+            # the variables it reads (whether it renders tools, say)
+            self.variables = frozenset(meta.find_undeclared_variables(env.parse(source)))
         except TemplateError as exc:
             raise CheckpointError(f"the checkpoint's chat template does not parse: {exc}") from exc
         self.specials = {

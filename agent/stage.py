@@ -48,6 +48,7 @@ from ..engine.shard import Shard
 from ..engine.speculative.build import build_proposer
 from ..engine.speculative.speculator import Speculator
 from ..engine.speculative.verify import tail_step
+from ..engine.structured import Grammars
 from ..engine.tensor_parallel import TensorGroup, init_tensor_group
 from ..plan import FleetPlan, Formats, StagePlan
 from . import numa
@@ -164,6 +165,7 @@ class StageAgent:
         self.stopping = threading.Event()
         self.backend: StageBackend | None = None
         self.sampler: TailSampler | None = None  # the tail's
+        self.grammars: Grammars | None = None  # the tail's structured-output compiler
         self.context = zmq.Context()
         self.inbox: zmq.Socket[Any] | None = None
         self.outbox: zmq.Socket[Any] | None = None
@@ -214,6 +216,7 @@ class StageAgent:
         return Head(
             scheduler, self.backend, head_config, compute=self.compute, send=None if self.is_tail else self.send,
             context=self.context, plan_hash=self.plan.plan_hash(), metrics=self.metrics, status=self.status,
+            grammars=self.grammars,
         )  # fmt: skip
 
     def install_signal_handlers(self) -> None:
@@ -247,7 +250,10 @@ class StageAgent:
         verify_numa(self.status)
         self.status.backend = backend_info(backend)
         if self.is_tail:
-            self.sampler = TailSampler(backend.spec.eos_token_ids)
+            # the grammar compiler for the checkpoint's tokenizer, built beside the serving loop
+            self.grammars = Grammars(self.plan.model.path, backend.spec.vocab_size)
+            self.grammars.prepare()
+            self.sampler = TailSampler(backend.spec.eos_token_ids, self.grammars)
 
     def _loaded(self, done: int, total: int) -> None:
         self.status.layers_loaded = done

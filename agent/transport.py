@@ -42,12 +42,14 @@ from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.kvcache import SlotState
 from ..engine.sampling import LOGPROB_FLOOR, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from ..engine.scheduler import FinishReason
+from ..engine.structured import MAX_SPEC_CHARS
 
 # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
 # 4: log-probabilities (tokens, output), penalties, logit bias and min_tokens (stream_start, submit)
 # 5: continuations (submit.continued), a replayed stream's output history (stream_start.output_position),
 #    a slot's state from a drained stage to its replacement (slot_state)
-PROTOCOL_VERSION = 5
+# 6: a structured-output grammar spec, JSON text (stream_start, submit)
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20
@@ -368,6 +370,7 @@ class SamplingFields(Checked):
     min_tokens: int = wire(Int(0, MAX_POSITION), 0)
     logit_bias_ids: tuple[int, ...] = wire(IntList(MAX_LOGIT_BIAS, Int(0, MAX_TOKEN_ID)), ())
     logit_bias_values: tuple[float, ...] = wire(FloatList(MAX_LOGIT_BIAS, Float(-100.0, 100.0)), ())
+    grammar: str | None = wire(Optional(Str(MAX_SPEC_CHARS)), None)  # JSON text, parsed only by the tail's compiler
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS})

@@ -33,6 +33,7 @@ from .speculative.speculator import Speculator
 from .speculative.verify import tail_step
 from .split import even_split
 from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, graph_bucket, supports_static_decode
+from .structured import Grammars
 from .tensor_parallel import TensorGroup
 
 
@@ -45,6 +46,7 @@ class LocalModel:
         self.static_decode = (on_gpu if static_decode is None else static_decode) and supports_static_decode(shards)
         self._decoders: dict[int, StaticDecoder] = {}
         self.placements: list[StagePlacement] = []  # per shard, when its device memory was capped
+        self.grammars: Grammars | None = None  # structured output's compiler (set by load: it needs the tokenizer)
 
     @classmethod
     def load(
@@ -90,6 +92,7 @@ class LocalModel:
             shard.allocate_cache(max_slots, context)
         loaded = cast(list[Shard], parts)  # both backends are Shards
         model = cls(loaded, static_decode)
+        model.grammars = Grammars(model_dir, spec.vocab_size)
         if device_memory_bytes is not None:
             options = store_options or StoreOptions()
             model.placements = [offload_experts(p, device_memory_bytes // shards, None, options) for p in loaded]
@@ -259,7 +262,7 @@ def generate_batch(
         if (refusal := scheduler.refusal(prompt)) is not None:
             raise InputError(refusal.message)
     results = [GenerationResult(len(prompt)) for prompt in prompts]
-    sampler = TailSampler(model.spec.eos_token_ids)
+    sampler = TailSampler(model.spec.eos_token_ids, model.grammars)
     start = time.perf_counter()
     for index, (prompt, p) in enumerate(zip(prompts, per_stream, strict=True)):
         admitted = scheduler.submit(index, prompt, p, 0.0)

@@ -1,6 +1,6 @@
 """Per-stream sampling: greedy, temperature, top-k, top-p, min-p, seeded generators, stops;
-penalties, logit bias and min_tokens applied to the logits first; log-probabilities of the
-distribution actually sampled from.
+penalties, logit bias and min_tokens applied to the logits first, then a grammar's mask
+(:mod:`.structured`); log-probabilities of the distribution actually sampled from.
 
 Log-probabilities are vLLM's "processed" ones: the log of the distribution the token was drawn
 from, after penalties, bias, temperature, top-k, top-p and min-p (a token those filters removed
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError, ModelfleetError
+from .structured import MAX_SPEC_CHARS, Grammars, GrammarState, StructuredOutputError
 
 # Temperatures below this sample as it does: float32 holds it (a smaller one would be 0 there),
 # and it already leaves only the largest logits (those within ~1e-30 of the top) any mass.
@@ -50,6 +51,7 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens cannot be sampled before this many tokens
     logit_bias_ids: tuple[int, ...] = ()  # added to these tokens' logits ...
     logit_bias_values: tuple[float, ...] = ()  # ... these values, in [-100, 100]
+    grammar: str | None = None  # a structured-output spec (JSON text, see .structured): tokens outside it are masked
 
     def __post_init__(self) -> None:
         checks = [
@@ -73,6 +75,7 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, ">= 0"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            ("grammar", self.grammar is None or len(self.grammar) <= MAX_SPEC_CHARS, f"at most {MAX_SPEC_CHARS} chars"),
         ]
         for name, ok, limit in checks:
             if not ok:
@@ -91,13 +94,14 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Greedy on raw logits with nothing to report: an argmax shared with other rows does."""
-        return self.greedy and not self.processes_logits and self.logprobs is None
+        return self.greedy and not self.processes_logits and self.logprobs is None and self.grammar is None
 
     @property
     def speculates(self) -> bool:
-        """Speculation verifies on raw logits and emits no log-probabilities, so streams that ask for
-        either are decoded one token a step."""
-        return not self.processes_logits and self.logprobs is None
+        """Speculation verifies on raw logits and emits no log-probabilities, so streams that
+        process their logits (a grammar masks them) or ask for log-probabilities are decoded one
+        token a step."""
+        return not self.processes_logits and self.logprobs is None and self.grammar is None
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -145,14 +149,24 @@ class StreamSampler:
     exponential per vocabulary entry), so skipping is drawing from a uniform distribution of the
     same size. Those ``drawn`` tokens are the input rows at positions [output_position,
     output_position + drawn), which the stream's prefill carries before its first sample:
-    :meth:`observe` takes them back into the output history that penalties and min_tokens read."""
+    :meth:`observe` takes them back into the output history that penalties, min_tokens and the
+    grammar read.
+
+    ``grammar``: the stream's grammar state (:mod:`.structured`), which masks its logits last
+    (after penalties and bias, before temperature and the filters) and advances with each token;
+    a stream prefilled again catches it up on that earlier output before its first sample.
+    min_tokens does not hold stop tokens back in a grammar stream: where the grammar may end is
+    the grammar's to say."""
 
     def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...] = (), drawn: int = 0,
-                 output_position: int = 0):  # fmt: skip
+                 output_position: int = 0, grammar: GrammarState | None = None):  # fmt: skip
         self.params = params
         self.stop_ids = set(params.stop_token_ids if params.stop_token_ids is not None else eos_token_ids)
-        self.generated: list[int] = []  # the stream's output (kept only when penalties read them)
+        self.generated: list[int] = []  # the stream's output (kept only when penalties or a grammar read it)
         self.drawn, self.output_position = drawn, output_position
+        self.grammar = grammar
+        if grammar is not None:
+            grammar.pending = drawn
         self.seen: set[int] = set()  # prompt and fed-back tokens (kept only for repetition_penalty)
         self.generator: torch.Generator | None = None
         self.skip = 0 if params.greedy else drawn  # draws still to skip, once the vocabulary's size is known
@@ -171,7 +185,7 @@ class StreamSampler:
         """Input tokens of this stream's rows (its prompt, then its fed-back output), by position."""
         if self.params.repetition_penalty != 1.0:
             self.seen.update(token_ids)
-        if self.params.processes_logits and len(self.generated) < self.drawn:
+        if (self.params.processes_logits or self.grammar is not None) and len(self.generated) < self.drawn:
             for position, token in zip(positions, token_ids, strict=True):
                 if position == self.output_position + len(self.generated) < self.output_position + self.drawn:
                     self.generated.append(token)  # the output drawn before: rows in order, each once
@@ -183,6 +197,12 @@ class StreamSampler:
     def sample_with_logprobs(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
         params = self.params
         logits = self.process(logits.to("cpu", torch.float32)) if params.processes_logits else logits
+        if self.grammar is not None:
+            if self.grammar.pending:
+                if len(self.generated) < self.grammar.pending:
+                    raise StructuredOutputError("the stream's committed tokens did not all reach the tail")
+                self.grammar.catch_up(self.generated[: self.grammar.pending])
+            logits = self.grammar.mask(logits.to("cpu", torch.float32))
         if params.greedy:
             token = int(torch.argmax(logits))
             logprobs = torch.log_softmax(logits.to("cpu", torch.float32), -1) if params.logprobs is not None else None
@@ -194,6 +214,8 @@ class StreamSampler:
             logprobs = torch.log(probs) if params.logprobs is not None else None
         if params.processes_logits:
             self.generated.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
         if logprobs is None or params.logprobs is None:
             return token, None
         return token, top_logprobs(logprobs, token, params.logprobs)
@@ -214,7 +236,7 @@ class StreamSampler:
         if params.logit_bias_ids:
             ids = torch.tensor(params.logit_bias_ids, dtype=torch.int64)
             logits.index_add_(0, ids, torch.tensor(params.logit_bias_values, dtype=torch.float32))
-        if len(self.generated) < params.min_tokens and self.stop_ids:
+        if len(self.generated) < params.min_tokens and self.stop_ids and self.grammar is None:
             stops = torch.tensor(sorted(t for t in self.stop_ids if t < vocab), dtype=torch.int64)
             logits[stops] = float("-inf")
         return logits
@@ -258,26 +280,46 @@ class TailSampler:
     A stream's sampler starts when its first rows pass (``start``) and ends with its slot
     (``release``). ``sample`` draws one token per output row; a row that cannot be sampled fails
     alone, so one stream's values never fail another stream of the same frame.
+
+    ``grammars``: the checkpoint's grammar compiler, for streams with a grammar (None: such a
+    stream fails, saying why).
     """
 
-    def __init__(self, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, eos_token_ids: tuple[int, ...] = (), grammars: Grammars | None = None):
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
         self.samplers: dict[int, StreamSampler] = {}
         self.scorers: dict[int, PromptScorer] = {}
+        self.broken: dict[int, ModelfleetError] = {}  # slot -> why its stream cannot be sampled (its grammar)
 
     def start(self, slot: int, params: SamplingParams, prompt_tokens: int = 0, drawn: int = 0,
               output_position: int = 0) -> None:  # fmt: skip
         """``drawn``: tokens the stream sampled before, from ``output_position`` on (a replay or a
         continuation; see :class:`StreamSampler`)."""
-        self.samplers[slot] = StreamSampler(params, self.eos_token_ids, drawn, output_position)
+        self.broken.pop(slot, None)
+        grammar = None
+        if params.grammar is not None:
+            try:
+                grammar = self._grammar(params)
+            except ModelfleetError as exc:
+                self.broken[slot] = exc
+        self.samplers[slot] = StreamSampler(params, self.eos_token_ids, drawn, output_position, grammar)
         if params.prompt_logprobs is not None:
             self.scorers[slot] = PromptScorer(params.prompt_logprobs, prompt_tokens)
         else:
             self.scorers.pop(slot, None)
 
+    def _grammar(self, params: SamplingParams) -> GrammarState:
+        assert params.grammar is not None
+        if self.grammars is None:
+            raise StructuredOutputError("this stage has no grammar compiler, so it cannot serve structured output")
+        stops = params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
+        return self.grammars.state(params.grammar, stops)
+
     def release(self, slot: int) -> None:
         self.samplers.pop(slot, None)
         self.scorers.pop(slot, None)
+        self.broken.pop(slot, None)
 
     def prompt_rows(self, slots: list[int], positions: list[int]) -> list[bool]:
         """Which output rows are scored prompt rows (of a stream that asked for prompt log-probabilities)."""
@@ -307,11 +349,11 @@ class TailSampler:
         return out
 
     def observe(self, slots: list[int], positions: list[int], token_ids: list[int]) -> None:
-        """A frame's input rows: streams with penalties remember their tokens (a replayed
-        stream's earlier output among them)."""
+        """A frame's input rows: streams with penalties or a grammar remember their tokens (a
+        replayed stream's earlier output among them)."""
         for slot, position, token in zip(slots, positions, token_ids, strict=True):
             sampler = self.samplers.get(slot)
-            if sampler is not None and sampler.params.processes_logits:
+            if sampler is not None and (sampler.params.processes_logits or sampler.grammar is not None):
                 sampler.observe([position], [token])
 
     def sample(self, slots: list[int], logits: torch.Tensor) -> tuple[dict[int, int], dict[int, ModelfleetError]]:
@@ -338,11 +380,16 @@ class TailSampler:
             picked = logits[plain].argmax(dim=-1).tolist()
             tokens.update((slots[row], token) for row, token in zip(plain, picked, strict=True))
         for row, slot in known:
-            if not self.samplers[slot].params.plain:
+            if slot in self.broken:
+                errors[slot] = self.broken[slot]
+            elif not self.samplers[slot].params.plain:
                 try:
                     tokens[slot], reported = self.samplers[slot].sample_with_logprobs(logits[row])
                 except RuntimeError as exc:  # torch.multinomial on a distribution that is not one
                     errors[slot] = InputError(f"sampling failed for these sampling parameters: {exc}")
+                    continue
+                except ModelfleetError as exc:  # a grammar that refuses (never for a token its mask allowed)
+                    errors[slot] = exc
                     continue
                 if reported is not None:
                     logprobs[slot] = reported

@@ -692,7 +692,8 @@ def build_plan(
     ranges = [_group_ranges(sizes, kv, stages, m, runtime_reserve_bytes) for m in members]
     model = {
         "path": model_path or str(Path(model_dir).resolve()), "served_name": served_name or Path(model_dir).name,
-        "family": spec.family, "num_layers": spec.num_layers, "dtype": dtype, "formats": formats or Formats(),
+        "family": spec.family, "num_layers": spec.num_layers, "dtype": dtype,
+        "formats": formats or stored_formats(spec.raw, dtype) or Formats(),
     }  # fmt: skip
 
     def device_of(g: int, s: int) -> str:
@@ -704,6 +705,20 @@ def build_plan(
     hosts = None if nodes is None else [usable_memory(node, runtime_reserve_bytes) for node in nodes]
     expert_placements(plan, model_dir, hosts)  # a stage neither side can hold fails here, at plan time
     return plan
+
+
+def stored_formats(raw_config: Mapping[str, Any], dtype: str) -> Formats | None:
+    """The formats a checkpoint quantized by ``modelfleet quantize`` is served in (what it stores;
+    its plain roles in the compute ``dtype``), so the plan records what runs; None for any other."""
+    from .engine.formats.plain import PLAIN_DTYPES
+    from .engine.quantized_checkpoint import stored_plan
+    from .engine.shard import resolve_dtype
+
+    stored = stored_plan(dict(raw_config))
+    if stored is None:
+        return None
+    plain = next(name for name, torch_dtype in PLAIN_DTYPES.items() if torch_dtype == resolve_dtype(dtype))
+    return Formats.model_validate({role: getattr(stored, role) or plain for role in Formats.model_fields})
 
 
 def _refuse_combinations(

@@ -47,6 +47,12 @@ if [ "${1:-}" = "test" ]; then
     .venv/checkov/bin/python -m pip install -q --disable-pip-version-check "checkov==3.3.30"
   fi
 else
-  "${PIP[@]}" -e .
+  "${PIP[@]}" -e ".[structured]"
 fi
+# structured output (response_format, tools) is xgrammar's grammar mask; its wheel declares triton
+# on Linux x86-64, a GPU kernel library the CPU mask does not use and that the suite must not see
+# (scripts/test.sh installs it beside .venv), so xgrammar comes without its declared dependencies
+# and the "structured" extra installs those it imports
+step "installing xgrammar (structured output) without triton"
+"${PIP[@]}" --no-deps "xgrammar==0.2.9"
 step "done: .venv/bin/modelfleet --help"

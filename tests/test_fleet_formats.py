@@ -75,6 +75,24 @@ def test_plan_command_sizes_stages_in_the_formats_asked_for_and_names_a_bad_one(
     assert result.exit_code == 2 and "--experts 'int3' is not a weight format" in result.output
 
 
+def test_the_plan_of_a_quantized_checkpoint_records_the_formats_it_serves(tmp_path: Path) -> None:
+    """The bundled demo stores int4 experts and int8 attention (head and embeddings plain, in the
+    compute dtype): `modelfleet plan` says so, where it said bf16 for every role, and its stages load it."""
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", "--model", str(demo), "--stages", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    model = FleetPlan.from_json(out.read_text()).model
+    plain = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[model.dtype]  # the compute dtype's
+    formats = model.formats
+    assert formats == Formats(experts="int4", attention="int8", head=plain, embeddings=plain)
+    assert format_plan(formats) == FormatPlan(experts="int4", attention="int8")  # the checkpoint's own: loads as stored
+
+
 def test_an_agent_asked_for_a_backend_or_device_it_lacks_says_so_before_loading(
     tiny_checkpoint, tmp_path: Path
 ) -> None:

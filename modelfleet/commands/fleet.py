@@ -177,7 +177,7 @@ def plan_formats(experts: str | None, attention: str | None, head: str | None, e
     for role, name in given.items():
         if (why := unsupported(role, name)) is not None:
             fail(f"--{role} {why}")
-    return Formats.model_validate(given)
+    return Formats.model_validate(given) if given else None  # None: the checkpoint's own (see build_plan)
 
 
 def plan(
