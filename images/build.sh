@@ -26,6 +26,9 @@ REGISTRY=${REGISTRY:-ghcr.io/modelfleet}
 IMAGES=${IMAGES:-"operator agent-cpu agent-openvino agent-cuda"}
 TORCH=${TORCH:-torch==2.13.0}
 OPENVINO=${OPENVINO:-openvino==2026.4.1}
+# structured output's grammar library, downloaded without its declared dependencies (its wheel
+# declares triton, which the mask never uses); the agents install modelfleet[structured] beside it
+XGRAMMAR=${XGRAMMAR:-xgrammar==0.2.9}
 WORK=${WORK:-$ROOT/build/images}
 PYTHON=${PYTHON:-python3}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
@@ -79,7 +82,9 @@ download() { # SET PIP-DOWNLOAD-ARGS...
   rm -f "$dir"/modelfleet-*.whl
   cp "$WORK/dist/$wheel" "$dir/"
   "${pipenv[@]}" "$PYTHON" -m pip download -d "$dir" --only-binary=:all: --python-version 3.11 \
-    --progress-bar off "$@" "$dir/$wheel"
+    --progress-bar off "$@" "$dir/$wheel[structured]"
+  "${pipenv[@]}" "$PYTHON" -m pip download -d "$dir" --only-binary=:all: --python-version 3.11 \
+    --progress-bar off --no-deps "$XGRAMMAR"
   local torch_wheels
   torch_wheels=$(cd "$dir" && echo torch-*.whl)
   if [[ $set == cpu && $torch_wheels != *+cpu* ]] || [[ $set == cuda && $torch_wheels == *+cpu* ]]; then
