@@ -76,6 +76,10 @@ if HAVE_TRITON:
         row = qkv_ptr + b * qkv_stride
         cache_k = k_ptr + slot * c_slot + g * D
         cache_v = v_ptr + slot * c_slot + g * D
+        gi = tl.arange(0, GP)
+        qmask = gi < G
+        if ATTEND:
+            q = _norm_rope(row, g * G + gi, qmask, offs_d, swap_d, D, EPS, norm_ptr, cos, sin, HAS_NORM)
         if WRITE:
             one = tl.arange(0, 1)
             k_new = _norm_rope(row, HQ + g + one, one < 1, offs_d, swap_d, D, EPS, norm_ptr, cos, sin, HAS_NORM)
@@ -90,23 +94,18 @@ if HAVE_TRITON:
                 tl.debug_barrier()  # this program's stores are visible to all its threads
         if ATTEND:
             _attend(
-                row, cos, sin, norm_ptr, EPS, cache_k, cache_v, c_pos, pos, sinks_ptr, out_ptr + b * HQ * D, g,
-                SCALE, CAP, WINDOW, offs_d, swap_d, HQ, D, G, GP, BLOCK_N, HAS_NORM, HAS_SINKS, RING, HAS_WINDOW, IEEE,
+                q, gi, qmask, cache_k, cache_v, c_pos, pos, sinks_ptr, out_ptr + b * HQ * D, g, SCALE, CAP, WINDOW,
+                offs_d, D, G, GP, BLOCK_N, HAS_SINKS, RING, HAS_WINDOW, IEEE,
             )  # fmt: skip
 
     @triton.jit
     def _attend(
-        row, cos, sin, norm_ptr, EPS, cache_k, cache_v, c_pos, pos, sinks_ptr, out_ptr, g,
-        SCALE, CAP, WINDOW, offs_d, swap_d,
-        HQ: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_NORM: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        IEEE: tl.constexpr,
+        q, gi, qmask, cache_k, cache_v, c_pos, pos, sinks_ptr, out_ptr, g, SCALE, CAP, WINDOW, offs_d,
+        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKS: tl.constexpr,
+        RING: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        """The row's q heads of KV group ``g`` over the visible entries of its slot's cache (held
-        positions up to ``pos``, inside the window), written to ``out_ptr`` ([HQ, D])."""
-        gi = tl.arange(0, GP)
-        qmask = gi < G
-        q = _norm_rope(row, g * G + gi, qmask, offs_d, swap_d, D, EPS, norm_ptr, cos, sin, HAS_NORM)
+        """The row's q heads ``q`` ([GP, D], of KV group ``g``) over the visible entries of its slot's
+        cache (held positions up to ``pos``, inside the window), written to ``out_ptr`` ([Hq, D])."""
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + g * G + gi, mask=qmask, other=0.0)
             m_i = sink.to(q.dtype).to(tl.float32)  # rounded to the activations' dtype, as the torch path
