@@ -196,7 +196,7 @@ def speculative_generation_is_static(monkeypatch, path, **load) -> LocalModel:  
 
 def test_speculative_generation_verifies_in_static_steps(tiny_checkpoint, monkeypatch):
     path, _ = tiny_checkpoint("qwen3_moe")
-    speculative_generation_is_static(monkeypatch, path)
+    speculative_generation_is_static(monkeypatch, path, shards=2)
 
 
 CUDA_CASES = [
