@@ -4,13 +4,15 @@
 would between machines); it is a :class:`~modelfleet.engine.backend.StageBackend` of the whole
 model. ``generate_batch`` is a short loop of the fleet's own :class:`~.scheduler.Scheduler`
 over it: whole prompts prefill in one frame, then every live stream adds one decode row to a
-shared frame per step (a fixed-shape CUDA-graph step where the model allows).
+shared frame per step, with its verify window when speculating (a fixed-shape CUDA-graph step
+where the model allows).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +34,7 @@ from .spec import ModelSpec, load_spec
 from .speculative.speculator import Speculator
 from .speculative.verify import tail_step
 from .split import even_split
-from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, graph_bucket, supports_static_decode
+from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, graph_bucket, rows_per_stream_limit, supports_static_decode
 from .structured import Grammars
 from .tensor_parallel import TensorGroup
 
@@ -45,6 +47,7 @@ class LocalModel:
         on_gpu = shards[0].device.type == "cuda"
         self.static_decode = (on_gpu if static_decode is None else static_decode) and supports_static_decode(shards)
         self._decoders: dict[int, StaticDecoder] = {}
+        self._rows_per_stream: int | None = None  # of a static step (the caches' limit), once asked
         self.placements: list[StagePlacement] = []  # per shard, when its device memory was capped
         self.grammars: Grammars | None = None  # structured output's compiler (set by load: it needs the tokenizer)
 
@@ -155,6 +158,7 @@ class LocalModel:
         for shard in self.shards:
             shard.allocate_cache(max_slots, max_context, kv_budget_bytes)
         self._decoders.clear()
+        self._rows_per_stream = None
 
     def refusals(self, frame: Frame) -> dict[int, ModelfleetError]:
         return self.shards[0].refusals(frame)
@@ -184,15 +188,22 @@ class LocalModel:
             start += len(shard.kv)
 
     def decode(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """Logits [B, vocab] for one decode row per stream."""
+        """Logits [B, vocab] for decode rows: one per stream, or a verify window of rows at
+        consecutive positions (a stream's rows adjacent)."""
         batch = len(tokens)
-        if not self.static_decode or batch > MAX_GRAPH_BATCH:
-            streams = [(s, p, [t]) for t, s, p in zip(tokens, slots, positions, strict=True)]
-            return self.forward(Frame.of_streams(streams))
+        if not self.static_decode or batch > MAX_GRAPH_BATCH or not self._static_windows_fit(slots):
+            ids = (torch.tensor(list(v), dtype=torch.int64) for v in (slots, positions, tokens))
+            return self.forward(Frame(next(ids), next(ids), token_ids=next(ids)))
         bucket = graph_bucket(batch)
         if bucket not in self._decoders:
             self._decoders[bucket] = StaticDecoder(self.shards, bucket)
         return self._decoders[bucket].step(tokens, slots, positions)
+
+    def _static_windows_fit(self, slots: Sequence[int]) -> bool:
+        """Whether no stream has more rows than a static step takes (longer windows run as frames)."""
+        if self._rows_per_stream is None:
+            self._rows_per_stream = rows_per_stream_limit(self.shards)
+        return max(Counter(slots).values(), default=0) <= self._rows_per_stream
 
     def acquire(self) -> int:
         """A free slot, claimed on every shard (for callers that drive frames by hand)."""

@@ -71,9 +71,11 @@ class FrameContext:
     """What every layer needs to know about the frame being computed.
 
     ``segments`` describes a general frame (prefill windows and decode rows, computed per
-    stream). When it is None the frame is a *static decode* frame: exactly one row per slot in
-    ``slots``, every index a device tensor, so the step has fixed shapes, no host
-    synchronisation, and can be captured in a CUDA graph.
+    stream). When it is None the frame is a *static decode* frame: rows at (``slots``,
+    ``positions``), every index a device tensor, so the step has fixed shapes, no host
+    synchronisation, and can be captured in a CUDA graph. A slot has one row, or with ``windows``
+    several at consecutive positions (a speculative verify window): every row's cache entries are
+    written before any row attends, and each row sees its slot up to its own position.
     """
 
     segments: list[Segment] | None
@@ -83,6 +85,10 @@ class FrameContext:
     mask_cache: dict[tuple[int, bool, int | None], torch.Tensor] = field(default_factory=dict)
     token_ids: torch.Tensor | None = None  # [R] int64 on the device: the rows' tokens (hash routing)
     valid: torch.Tensor | None = None  # [R] bool (static decode only): False for a padded row
+    # [R] int64 (static decode with padded rows): the position a padded row writes back unchanged,
+    # one past its slot's last row in the step (no real row writes that entry)
+    spare_positions: torch.Tensor | None = None
+    windows: bool = False  # static decode: a slot may have several rows (verify windows)
 
     def static_mask(self, capacity: int, ring: bool, window: int | None) -> torch.Tensor:
         """[B, 1, 1, capacity]: which cache entries each static decode row sees (shared by layers)."""
@@ -160,13 +166,15 @@ def attend(
 
 def write_static_decode(kv: LayerKV, ctx: FrameContext, new: dict[str, torch.Tensor]) -> None:
     """Store each static decode row's cache entries at (slot, position). A padded row (``ctx.valid``
-    False) writes back what its slot holds one position later: it changes nothing, and never
-    shares an entry with a real row (each pads row i reuses real row i's slot)."""
+    False) writes back what its slot holds one past the step's rows of that slot
+    (``ctx.spare_positions``): it changes nothing, and never shares an entry with a real row (each
+    padded row i reuses real row i's slot)."""
     assert ctx.slots is not None
     slots, positions, cap = ctx.slots, ctx.positions, kv.capacity
     index = positions % cap if kv.ring else positions
     if ctx.valid is not None:
-        index = torch.where(ctx.valid, index, (positions + 1) % cap)
+        assert ctx.spare_positions is not None
+        index = torch.where(ctx.valid, index, ctx.spare_positions % cap)
     for name, rows in new.items():
         if ctx.valid is not None:
             keep = ctx.valid.view(-1, *([1] * (rows.dim() - 1)))
@@ -183,8 +191,9 @@ def attend_static_decode(
     window: int | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One decode row per slot, fixed shapes: store each row's k/v, attend over the whole
-    capacity with a visibility mask computed on the device. q: [B, Hq, D] -> [B, Hq, D]."""
+    """Static decode rows, fixed shapes: store every row's k/v, then attend each over its slot's
+    whole capacity with a visibility mask computed on the device (up to the row's own position,
+    so a verify window's rows are causal). q: [B, Hq, D] -> [B, Hq, D]."""
     assert ctx.slots is not None
     write_static_decode(kv, ctx, new)
     keys, values = kv.tensors["k"][ctx.slots], kv.tensors["v"][ctx.slots]  # [B, cap, Hkv, D]
@@ -282,7 +291,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv.tensors["k"], kv.tensors["v"]
         return decode_attention.decode_attention(
             qkv, cos, sin, norm, k_cache, v_cache, ctx.slots, ctx.positions, ctx.valid,
-            self.num_heads, self.scale, kv.ring, self.window, self.sinks,
+            self.num_heads, self.scale, kv.ring, self.window, self.sinks, ctx.windows,
         )  # fmt: skip
 
 

@@ -190,8 +190,9 @@ class Step:
 
     @property
     def decode_only(self) -> bool:
-        """One row per stream, each sampled, none starting: a step a fixed-shape (graph) decode can run."""
-        return len(self.output_rows) == self.rows and not self.new_streams and len(set(self.slots)) == self.rows
+        """Only decode rows (each stream's last token, and the proposals after it when speculating:
+        a verify window), each sampled, none starting: a step a fixed-shape (graph) decode can run."""
+        return len(self.sampled) == self.rows and not self.new_streams
 
     def frame(self) -> Frame:
         return Frame(

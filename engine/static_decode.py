@@ -1,6 +1,7 @@
 """Decode steps with fixed shapes, replayed from a CUDA graph on GPUs.
 
-A decode step of B streams (one row each) has the same shapes every time: token ids, slots and
+A decode step of B rows (one per stream, or a speculative verify window of 1 + k rows of a
+stream at consecutive positions) has the same shapes every time: token ids, slots and
 positions live in device buffers, attention reads each row's slot in place (on CUDA one fused
 kernel per layer, :mod:`.kernels.decode_attention`; elsewhere the slot's whole KV capacity under a
 visibility mask), and experts are gathered rather than grouped, so the step has no host
@@ -15,6 +16,13 @@ position and is marked invalid (``FrameContext.valid``), so its cache write chan
 (:func:`~.layers.write_static_decode`) and its logits are dropped. Rows never mix (every layer
 is row-wise but attention, which reads only the row's own slot), so real rows are unchanged.
 
+Verify windows: a step whose slots have several rows writes every row's cache entries before
+any row attends, and each row sees its slot up to its own position, as a general frame's causal
+mask does; such steps replay their own graph per bucket (the fused attention runs as two
+launches there, :mod:`.kernels.decode_attention`). Buckets count rows, not streams. The
+verify's rejected rows are rewound as in general frames (the slot's length is reset; the
+entries past it are masked until a later step overwrites them).
+
 Invariants: every shard is on the same device; the slot tables are checked before a step and
 advanced after it, exactly as a general frame would.
 """
@@ -26,7 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import InputError
-from .frame import Segment
+from .frame import segments_of
 from .layers import FrameContext
 from .quantize import QuantizedExperts
 from .shard import Shard
@@ -67,25 +75,53 @@ def supports_static_decode(shards: Sequence[Shard]) -> bool:
     )
 
 
+def rows_per_stream_limit(shards: Sequence[Shard]) -> int:
+    """The most rows of one stream a static step takes. All of a step's rows are written before any
+    attends, so in a ring (a sliding-window cache of ``capacity`` entries) a window's later row must
+    not replace an entry its earlier rows still see: at most ``capacity - window + 1`` rows. A
+    padded row's write-back entry, one past its slot's rows, must not be one of them: fewer rows
+    than the capacity. A longer window runs as a general frame."""
+    limit = MAX_GRAPH_BATCH
+    for shard in shards:
+        for layer, kv in zip(shard.layers, shard.kv, strict=True):
+            limit = min(limit, kv.capacity - 1)
+            window = getattr(layer.attention, "window", None)
+            if kv.ring and window is not None:
+                limit = min(limit, kv.capacity - window + 1)
+    return limit
+
+
 class StaticDecoder:
     def __init__(self, shards: Sequence[Shard], batch: int, use_graph: bool | None = None):
         if not supports_static_decode(shards):
             raise InputError("static decode needs every shard on one device and grouped-query or latent attention")
         self.shards = list(shards)
         self.batch = batch
+        self.rows_per_stream = rows_per_stream_limit(self.shards)
         device = self.shards[0].device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
-        # rows: token ids, slots, positions, 1 for a real row; one host-to-device copy per step from pinned memory
-        self.host = torch.zeros((4, batch), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.inputs = torch.zeros((4, batch), dtype=torch.int64, device=device)
+        # rows: token ids, slots, positions, 1 for a real row, the position a padded row writes back;
+        # one host-to-device copy per step from pinned memory
+        self.host = torch.zeros((5, batch), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.inputs = torch.zeros((5, batch), dtype=torch.int64, device=device)
         self.tokens, self.slots, self.positions = self.inputs[0], self.inputs[1], self.inputs[2]
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
+        # by whether the step has verify windows: their graph, its logits, and how often it replayed
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[bool, torch.Tensor] = {}
+        self.replays = {False: 0, True: 0}
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The graph of steps of one row per stream (None until captured)."""
+        return self.graphs.get(False)
 
     @torch.inference_mode()
-    def _compute(self) -> torch.Tensor:
+    def _compute(self, windows: bool) -> torch.Tensor:
         valid = self.inputs[3] != 0 if bucket_pads(self.batch) else None
-        ctx = FrameContext(None, self.positions, self.slots, token_ids=self.tokens, valid=valid)
+        spare = self.inputs[4] if valid is not None else None
+        ctx = FrameContext(
+            None, self.positions, self.slots, token_ids=self.tokens, valid=valid, spare_positions=spare, windows=windows
+        )
         x = self.shards[0].residual_of(self.tokens)
         for i, shard in enumerate(self.shards):
             if i > 0:  # the residual crosses a shard boundary in float32, as between machines
@@ -94,40 +130,50 @@ class StaticDecoder:
         return self.shards[-1].output(x)
 
     def step(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """Logits [n, vocab] float32 for one decode row per stream, n <= the decoder's batch."""
+        """Logits [n, vocab] float32 for n <= the decoder's batch rows: one decode row per stream,
+        or a verify window of rows at consecutive positions (a stream's rows adjacent)."""
         n = len(tokens)
         if not len(slots) == len(positions) == n or not 2 * n > self.batch >= n:
             raise InputError(f"a static decode step of {self.batch} rows takes {self.batch // 2 + 1} to {self.batch}")
         vocab = self.shards[0].spec.vocab_size
         if any(not 0 <= t < vocab for t in tokens):
             raise InputError(f"a token id is outside the vocabulary [0, {vocab})")
-        segments = [Segment(s, r, r + 1, p) for r, (s, p) in enumerate(zip(slots, positions, strict=True))]
+        segments = segments_of(list(slots), list(positions))
+        longest = max(seg.rows for seg in segments)
+        if longest > self.rows_per_stream:
+            raise InputError(
+                f"a static decode step takes at most {self.rows_per_stream} rows of one stream "
+                f"(this model's caches), got {longest}; send the window as a general frame"
+            )
         for shard in self.shards:
             shard.check_segments(segments)
+        ends = [seg.pos_end for seg in segments for _ in range(seg.rows)]  # one past each row's slot's rows
         host, pads = self.host.numpy(), self.batch - n  # padded row i repeats real row i (pads < n)
-        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = tokens, slots, positions, 1
+        host[0, :n], host[1, :n], host[2, :n], host[3, :n], host[4, :n] = tokens, slots, positions, 1, ends
         host[0, n:], host[1, n:], host[2, n:], host[3, n:] = tokens[:pads], slots[:pads], positions[:pads], 0
+        host[4, n:] = ends[:pads]
         self.inputs.copy_(self.host, non_blocking=True)
-        logits = self._run()[:n]
+        logits = self._run(longest > 1)[:n]
         for shard in self.shards:
             shard.commit_segments(segments)
         return logits
 
-    def _run(self) -> torch.Tensor:
+    def _run(self, windows: bool) -> torch.Tensor:
         if not self.use_graph:
-            return self._compute()
-        if self.graph is not None:
-            self.graph.replay()
-            assert self.logits is not None
-            return self.logits
+            return self._compute(windows)
+        graph = self.graphs.get(windows)
+        if graph is not None:
+            graph.replay()
+            self.replays[windows] += 1
+            return self.logits[windows]
         # warm up on a side stream (this computes the real step), then capture for replays
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = self._compute().clone()
+            logits = self._compute(windows).clone()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.logits = self._compute()
-        self.graph = graph
+            self.logits[windows] = self._compute(windows)
+        self.graphs[windows] = graph
         return logits

@@ -25,5 +25,5 @@ if [ "$#" -eq 0 ]; then
   # beside the venv, not in it, so the suite above sees a machine without it
   [ -d .venv/triton/triton ] || .venv/bin/python -m pip install -q --no-deps --target .venv/triton triton==3.6.0
   TRITON_INTERPRET=1 PYTHONPATH=.venv/triton .venv/bin/python -m pytest -q -k "interpreter or ptx_model or ptx_pass" \
-    tests/test_fused_moe.py tests/test_formats.py tests/test_grouped_moe.py
+    tests/test_fused_moe.py tests/test_formats.py tests/test_grouped_moe.py tests/test_decode_step_kernels.py
 fi

@@ -244,7 +244,7 @@ def test_a_decode_row_carries_the_proposals_and_wants_every_rows_output() -> Non
     scheduler = speculative_scheduler(7, 8, 9)
     stream, step = decode_step(scheduler, [10, 11, 12], first=5)
     assert step.token_ids == (5, 7, 8, 9) and step.positions == (3, 4, 5, 6)
-    assert step.output_rows == (0, 1, 2, 3) and not step.decode_only
+    assert step.output_rows == (0, 1, 2, 3) and step.decode_only  # a verify window: a static (graph) step
 
 
 def test_a_partly_accepted_window_commits_its_tokens_and_rewinds_the_rest() -> None:

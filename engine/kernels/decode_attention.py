@@ -9,6 +9,14 @@ normalises and rotates the row's q heads of the group and its k head, stores k a
 row's cache entry (a padded row, ``valid`` 0, stores nothing), and attends its q heads over the
 visible entries of its slot with an online softmax (and the learned sink logit, if any).
 
+Verify windows (speculative decoding's 1 + k rows of one stream, at consecutive positions): a
+row must see the entries of its window's earlier rows, which other programs write. Then the
+kernel runs twice, first only writing every row's k/v, then only attending; each row attends up
+to its own position (its causal limit), so a window's later entries, written already, stay
+invisible to its earlier rows. A ring (sliding-window cache) keeps them correct while a window's
+rows span at most ``capacity - window + 1`` positions: a later row's entry then never replaces
+one an earlier row still sees (:func:`~engine.static_decode.rows_per_stream_limit`).
+
 Rounding follows the torch path: the norm is computed in float32 and rounded to the
 activations' dtype, then scaled and rounded; RoPE rounds x * cos, then adds the rotated half
 times sin in float32 and rounds once (as ``addcmul``); probabilities are rounded to the dtype
@@ -55,7 +63,7 @@ if HAVE_TRITON:
         SCALE, CAP, WINDOW,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
         BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, HAS_VALID: tl.constexpr, HAS_SINKS: tl.constexpr,
-        RING: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+        RING: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, ATTEND: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         g = tl.program_id(1)
@@ -66,25 +74,41 @@ if HAVE_TRITON:
         cos = tl.load(cos_ptr + b * cs_stride + offs_d).to(tl.float32)
         sin = tl.load(sin_ptr + b * cs_stride + offs_d).to(tl.float32)
         row = qkv_ptr + b * qkv_stride
-        gi = tl.arange(0, GP)
-        qmask = gi < G
-        q = _norm_rope(row, g * G + gi, qmask, offs_d, swap_d, D, EPS, norm_ptr, cos, sin, HAS_NORM)
-        one = tl.arange(0, 1)
-        k_new = _norm_rope(row, HQ + g + one, one < 1, offs_d, swap_d, D, EPS, norm_ptr, cos, sin, HAS_NORM)
-        v_new = tl.load(row + (HQ + HKV + g) * D + offs_d)
-        entry = pos % CAP if RING else pos
         cache_k = k_ptr + slot * c_slot + g * D
         cache_v = v_ptr + slot * c_slot + g * D
-        store = offs_d < D
-        if HAS_VALID:
-            store = store & (tl.load(valid_ptr + b) != 0)
-        tl.store(cache_k + entry * c_pos + offs_d[None, :], k_new, mask=store[None, :])
-        tl.store(cache_v + entry * c_pos + offs_d, v_new, mask=store)
-        tl.debug_barrier()  # this program's stores are visible to all its threads
+        gi = tl.arange(0, GP)
+        qmask = gi < G
+        if ATTEND:
+            q = _norm_rope(row, g * G + gi, qmask, offs_d, swap_d, D, EPS, norm_ptr, cos, sin, HAS_NORM)
+        if WRITE:
+            one = tl.arange(0, 1)
+            k_new = _norm_rope(row, HQ + g + one, one < 1, offs_d, swap_d, D, EPS, norm_ptr, cos, sin, HAS_NORM)
+            v_new = tl.load(row + (HQ + HKV + g) * D + offs_d)
+            entry = pos % CAP if RING else pos
+            store = offs_d < D
+            if HAS_VALID:
+                store = store & (tl.load(valid_ptr + b) != 0)
+            tl.store(cache_k + entry * c_pos + offs_d[None, :], k_new, mask=store[None, :])
+            tl.store(cache_v + entry * c_pos + offs_d, v_new, mask=store)
+            if ATTEND:
+                tl.debug_barrier()  # this program's stores are visible to all its threads
+        if ATTEND:
+            _attend(
+                q, gi, qmask, cache_k, cache_v, c_pos, pos, sinks_ptr, out_ptr + b * HQ * D, g, SCALE, CAP, WINDOW,
+                offs_d, D, G, GP, BLOCK_N, HAS_SINKS, RING, HAS_WINDOW, IEEE,
+            )  # fmt: skip
 
+    @triton.jit
+    def _attend(
+        q, gi, qmask, cache_k, cache_v, c_pos, pos, sinks_ptr, out_ptr, g, SCALE, CAP, WINDOW, offs_d,
+        D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKS: tl.constexpr,
+        RING: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """The row's q heads ``q`` ([GP, D], of KV group ``g``) over the visible entries of its slot's
+        cache (held positions up to ``pos``, inside the window), written to ``out_ptr`` ([Hq, D])."""
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + g * G + gi, mask=qmask, other=0.0)
-            m_i = sink.to(v_new.dtype).to(tl.float32)  # rounded to the activations' dtype, as the torch path
+            m_i = sink.to(q.dtype).to(tl.float32)  # rounded to the activations' dtype, as the torch path
             l_i = tl.full((GP,), 1.0, tl.float32)
         else:
             m_i = tl.full((GP,), -1.0e30, tl.float32)
@@ -118,7 +142,7 @@ if HAVE_TRITON:
             m_i = m_new
         out = acc / l_i[:, None]
         heads = g * G + gi
-        tl.store(out_ptr + (b * HQ + heads[:, None]) * D + offs_d[None, :], out.to(q.dtype), mask=qmask[:, None])
+        tl.store(out_ptr + heads[:, None] * D + offs_d[None, :], out.to(q.dtype), mask=qmask[:, None])
 
 
 def applies(qkv: torch.Tensor, cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -151,8 +175,11 @@ def decode_attention(
     ring: bool,
     window: int | None,
     sinks: torch.Tensor | None,
+    windows: bool = False,
 ) -> torch.Tensor:
-    """One decode row per slot: write each row's k/v and attend over its slot (module docstring)."""
+    """Write each row's k/v and attend over its slot (module docstring). ``windows``: a slot may
+    have several rows (at consecutive positions, a verify window), so every row's k/v is written
+    (one launch) before any row attends (a second launch); else one launch does both per row."""
     rows = qkv.shape[0]
     slot_count, capacity, num_kv_heads, head_dim = k_cache.shape
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
@@ -162,14 +189,15 @@ def decode_attention(
     group = num_heads // num_kv_heads
     out = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     norm_weight, eps = qk_norm if qk_norm is not None else (qkv, 0.0)
-    _decode_attention_kernel[(rows, num_kv_heads)](
-        qkv, qkv.stride(0), cos, sin, cos.stride(0), norm_weight, eps,
-        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), slots, positions,
-        valid if valid is not None else slots, sinks if sinks is not None else qkv, out,
-        scale, capacity, window or 0,
-        HQ=num_heads, HKV=num_kv_heads, D=head_dim, G=group, GP=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=32 if head_dim > 128 else 64, HAS_NORM=qk_norm is not None, HAS_VALID=valid is not None,
-        HAS_SINKS=sinks is not None, RING=ring, HAS_WINDOW=window is not None, IEEE=qkv.dtype == torch.float32,
-        num_warps=4,
-    )  # fmt: skip
+    for write, attend in ((True, False), (False, True)) if windows else ((True, True),):
+        _decode_attention_kernel[(rows, num_kv_heads)](
+            qkv, qkv.stride(0), cos, sin, cos.stride(0), norm_weight, eps,
+            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), slots, positions,
+            valid if valid is not None else slots, sinks if sinks is not None else qkv, out,
+            scale, capacity, window or 0,
+            HQ=num_heads, HKV=num_kv_heads, D=head_dim, G=group, GP=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=32 if head_dim > 128 else 64, HAS_NORM=qk_norm is not None, HAS_VALID=valid is not None,
+            HAS_SINKS=sinks is not None, RING=ring, HAS_WINDOW=window is not None, IEEE=qkv.dtype == torch.float32,
+            WRITE=write, ATTEND=attend, num_warps=4,
+        )  # fmt: skip
     return out
