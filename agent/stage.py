@@ -46,6 +46,7 @@ from ..engine.sampling import TailSampler
 from ..engine.scheduler import Scheduler
 from ..engine.shard import Shard
 from ..engine.speculative.build import build_proposer
+from ..engine.speculative.config import SpeculativeConfig
 from ..engine.speculative.speculator import Speculator
 from ..engine.speculative.verify import tail_step
 from ..engine.tensor_parallel import TensorGroup, init_tensor_group
@@ -135,6 +136,7 @@ class AgentConfig:
     http_port: int | None = None  # default: the stage's port + 1 (ranks r > 0: on their own host)
     tensor_timeout_seconds: float = 300.0  # the rendezvous, or a collective, waiting longer fails
     tensor_lost_exit_seconds: float = 10.0  # a leader whose group is lost reports Failed, then exits
+    speculative: SpeculativeConfig | None = None  # the head's speculative decoding instead of the plan's
 
 
 class StageAgent:
@@ -378,12 +380,13 @@ class StageAgent:
                 ))  # fmt: skip
 
     def _speculator(self) -> Speculator | None:
-        """The head's speculative decoding, as the plan asks (a draft model runs on this stage's device)."""
-        config = self.plan.serving.speculative_config()
+        """The head's speculative decoding, as the agent's override or else the plan asks (a draft
+        model runs on this stage's device)."""
+        config = self.config.speculative or self.plan.serving.speculative_config()
         if config is None:
             return None
         proposer = build_proposer(config, self.plan.model.path, self.plan.streams_per_group, self.stage.device)
-        return Speculator(config, proposer)
+        return Speculator(config, proposer, clock=time.monotonic)
 
     def on_message(self, msg: wire.Message, arrived: float) -> None:
         """A message arriving at a stage after the head."""

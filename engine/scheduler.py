@@ -183,6 +183,7 @@ class Step:
     streams: tuple[StreamState, ...]  # every stream with rows here, in row order
     new_streams: tuple[StreamState, ...]  # streams whose first rows are here: the tail starts their samplers
     sent_at: float
+    proposing_seconds: float = 0.0  # what proposing this step's tokens took (the speculator's D)
 
     @property
     def rows(self) -> int:
@@ -297,6 +298,7 @@ class Scheduler:
         sampled: list[StreamState] = []
         new: list[StreamState] = []
         drafts = self._drafts([s for s in streams if not s.prefilling])
+        proposing = self.speculator.last_proposing_seconds if drafts and self.speculator is not None else 0.0
         for stream in streams:
             if stream.scheduled == 0:
                 new.append(stream)
@@ -322,7 +324,7 @@ class Scheduler:
                 sampled += [stream] * due
         step = Step(
             next(self._ids), index, tuple(slots), tuple(positions), tuple(tokens), tuple(output_rows),
-            tuple(sampled), tuple(streams), tuple(new), now,
+            tuple(sampled), tuple(streams), tuple(new), now, proposing,
         )  # fmt: skip
         self.in_flight[step.id] = step
         return step
@@ -351,8 +353,9 @@ class Scheduler:
         step = self.in_flight.pop(step_id, None)
         if step is None:
             return []
-        if now is not None and self.speculator is not None:
-            self.speculator.step_time(step.rows, now - step.sent_at)
+        if now is not None and self.speculator is not None and len(step.sampled) == step.rows:
+            # V(k) from steps of decode rows and verify windows only, the proposing (D) taken out
+            self.speculator.step_time(step.rows, now - step.sent_at - step.proposing_seconds)
         events: list[Event] = []
         for stream in dict.fromkeys(step.sampled):  # each stream once, in row order
             if stream.done:

@@ -5,7 +5,7 @@ tables, the scheduler's verify windows and rewinds, and generate's output unchan
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel, generate, generate_batch
 from modelfleet.engine.sampling import SamplingParams, filter_logits
 from modelfleet.engine.scheduler import Finish, FinishReason, Rewind, Scheduler, SchedulerConfig, Token
-from modelfleet.engine.speculative.adaptive import Fallback, StepCosts, best_width, joint_widths, monotonic
+from modelfleet.engine.speculative.adaptive import Acceptance, Fallback, StepCosts, best_width, joint_widths, monotonic
 from modelfleet.engine.speculative.config import SpeculativeConfig
 from modelfleet.engine.speculative.proposers import HybridProposer, NgramProposer, PhraseTable
 from modelfleet.engine.speculative.speculator import Speculator
@@ -281,6 +281,70 @@ def test_proposals_never_run_past_the_context() -> None:
     scheduler = speculative_scheduler(7, 8, 9, max_tokens_context=6)
     _, step = decode_step(scheduler, [10, 11, 12, 13], first=5)
     assert step.positions == (4, 5)  # position 5 is the context's last
+
+
+class Ticking:
+    """A clock that advances ``tick`` seconds each time it is read."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+class Costly(Fixed):
+    """A proposer that pays a frame per proposed position, like a draft model; it notes the depth asked."""
+
+    method = "draft_model"
+
+    def __init__(self, *drafts: int):
+        super().__init__(*drafts)
+        self.asked: list[int] = []
+
+    def propose(self, tokens, k):  # type: ignore[no-untyped-def]
+        self.asked.append(k)
+        return self.drafts[:k]
+
+
+def test_prefill_steps_do_not_price_decode_rows_and_the_proposing_time_is_not_verify_time() -> None:
+    config = SchedulerConfig(max_streams=1, context_length=64, vocab_size=100, window_rows=8)
+    speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=3, adaptive=False), Fixed(7, 8, 9),
+                           clock=Ticking(0.25))  # fmt: skip
+    scheduler = Scheduler(config, speculator)
+    stream = scheduler.submit("s", [10, 11, 12], SamplingParams(max_tokens=16, stop_token_ids=()), 0.0)
+    prefill = scheduler.schedule(0.0)[0]
+    scheduler.complete(prefill.id, {stream.slot: 5}, now=9.0)  # a prefill window: not a V(k) measurement
+    assert speculator.costs.seconds == {}
+    step = scheduler.schedule(10.0)[0]
+    assert step.proposing_seconds == 0.25  # the clock read twice around proposing
+    scheduler.complete(step.id, {stream.slot: [7, 4]}, now=11.0)
+    assert dict(speculator.costs.seconds) == {4: deque([0.75])}  # 1 s less the proposing
+    assert speculator.stats.proposing_seconds == 0.25
+
+
+def test_joint_widths_charge_a_draft_frame_per_position_of_the_widest_window() -> None:
+    flat = StepCosts()
+    flat.record(1, 1.0)
+    assert joint_widths([[0.9, 0.9, 0.9]], 0.0, flat, row_budget=4) == [3]
+    # each position costs 0.5 s of drafting: E(k) / (0.5 k + 1) = 1, 1.27, 1.36, 1.38
+    assert joint_widths([[0.9, 0.9, 0.9]], 0.5, flat, row_budget=4) == [3]
+    assert joint_widths([[0.6, 0.6, 0.6]], 0.5, flat, row_budget=4) == [1]  # 1.07 > 1.06 > 1.0
+    assert joint_widths([[0.4, 0.4, 0.4]], 0.5, flat, row_budget=4) == [0]  # 1.4 / 1.5 < 1
+
+
+def test_a_costly_proposer_is_asked_only_for_the_depth_the_width_model_finds_worth_it() -> None:
+    speculator = Speculator(SpeculativeConfig("draft_model", num_speculative_tokens=4, model="draft"), Costly(7, 8, 9, 6),
+                            clock=Ticking(0.5))  # fmt: skip
+    speculator.step_time(1, 1.0)
+    for _ in range(40):
+        speculator.record("a", 4, 4)  # every proposal survived so far
+    assert speculator.drafts([("a", [1, 2, 3])]) == [[7, 8, 9, 6]]  # D unmeasured: the full depth
+    assert speculator.draft_cost(1) == 0.5 / 4
+    speculator.acceptance = Acceptance(prior=0.05, prior_weight=1000.0)  # proposals now rarely survive
+    assert speculator.drafts([("a", [1, 2, 3])]) == [[]]
+    assert speculator.proposer.asked == [4]  # not asked at all: drafting would not pay
 
 
 # ---- through the engine ----------------------------------------------------------------------

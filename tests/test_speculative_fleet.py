@@ -21,11 +21,25 @@ def repetitive_prompts(count: int) -> list[list[int]]:
     ]
 
 
+class OverriddenHead(Fleet):
+    """The head's agent is started with ``--speculative-config``, which replaces the plan's."""
+
+    def __init__(self, *args, head_config: str, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.head_config = head_config
+
+    def command(self, stage: int) -> list[str]:
+        extra = ["--speculative-config", self.head_config] if stage == 0 else []
+        return [*super().command(stage), *extra]
+
+
 def test_a_three_stage_fleet_with_speculation_gives_the_greedy_tokens_of_plain_decoding(
     tiny_checkpoint, tmp_path
 ) -> None:
     path, _ = tiny_checkpoint("qwen3_moe")
-    fleet = Fleet(path, tmp_path, speculative={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    # the plan asks for the phrase table; the head's agent overrides it with the suffix match
+    fleet = OverriddenHead(path, tmp_path, speculative={"method": "phrase"},
+                           head_config='{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}')  # fmt: skip
     fleet.start()
     try:
         prompts = repetitive_prompts(8)

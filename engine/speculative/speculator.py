@@ -2,14 +2,19 @@
 
 For the step's decode streams it asks the proposer for up to gamma tokens each, chooses the
 widths together (engine.speculative.adaptive), and later records what verification accepted and
-how long the step took. It holds no clock and no model: the caller passes times in, and
-verification runs where the logits are (engine.speculative.verify, at the tail).
+how long the step took. It reads no clock of its own: the caller passes step times in, and a
+``clock`` to time the proposer with (D, apart from the step's V); verification runs where the
+logits are (engine.speculative.verify, at the tail).
+
+A proposer that costs a model frame per proposed position (a draft model) is asked only for as
+many positions as the width model, given D per position, finds worth their cost; free proposers
+(suffix match, phrase table) propose gamma and the widths are cut from what they found.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +34,7 @@ class SpeculationStats:
     widths: Counter[int] = field(default_factory=Counter)  # chosen width -> decode rows
     expected_tokens: float = 0.0  # what the width model expected the chosen windows to emit...
     expected_seconds: float = 0.0  # ...and to cost, summed over steps
+    proposing_seconds: float = 0.0  # the proposer's measured time (D), summed over steps
 
     @property
     def predicted_tokens_per_second(self) -> float:
@@ -45,52 +51,86 @@ class SpeculationStats:
             "acceptance_rate": round(self.acceptance_rate, 4), "fallback_trips": self.fallback_trips,
             "widths": {str(k): v for k, v in sorted(self.widths.items())},
             "predicted_tokens_per_second": round(self.predicted_tokens_per_second, 3),
+            "proposing_seconds": round(self.proposing_seconds, 4),
         }  # fmt: skip
 
 
 class Speculator:
     """Proposals and widths for the decode streams of a step; acceptance and step costs recorded.
 
-    ``row_budget``: most rows one step may carry (None: every stream at the widest window)."""
+    ``row_budget``: most rows one step may carry (None: every stream at the widest window).
+    ``clock``: seconds, monotonic (time.perf_counter), to measure the proposer's cost D with;
+    None: D counts as 0 and no time is measured (pure table tests)."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, row_budget: int | None = None):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer | None = None,
+        row_budget: int | None = None,
+        clock: Callable[[], float] | None = None,
+    ):
         self.config = config
         self.proposer = proposer or simple_proposer(config)
         self.row_budget = row_budget
+        self.clock = clock
         self.acceptance = Acceptance()  # per proposer and position, shared by its streams
-        self.costs = StepCosts()
+        self.costs = StepCosts()  # V: step seconds by rows, decode and verify steps only
+        self.draft_costs = StepCosts()  # D per proposed position, by streams drafting together
+        self.last_proposing_seconds = 0.0  # D of the latest drafts(): the caller takes it out of the step's time
         self.fallbacks: dict[Hashable, Fallback] = {}
         self.stats = SpeculationStats(config.method)
 
     def drafts(self, streams: Sequence[tuple[Hashable, Sequence[int]]]) -> list[list[int]]:
         """Proposals for each (stream key, tokens so far) of one step, at the chosen widths."""
         gamma = self.config.num_speculative_tokens
+        budget = self.row_budget or len(streams) * (1 + gamma)
         drafting = [(key, tokens) for key, tokens in streams if self._fallback(key).drafting]
+        started = self.clock() if self.clock is not None else 0.0
+        depth = gamma
+        if self.config.adaptive and drafting and self.costly:  # decide the depth before paying for it
+            confidences = [self.acceptance.confidences(gamma)] * len(drafting)
+            planned = joint_widths(confidences, self.draft_cost(len(drafting)), self.costs, budget)
+            drafting = [d for d, w in zip(drafting, planned, strict=True) if w > 0]
+            depth = max(planned)
         if isinstance(self.proposer, BatchProposer):
-            proposed = dict(zip([key for key, _ in drafting], self.proposer.propose_many(drafting, gamma), strict=True))
+            many = self.proposer.propose_many(drafting, depth) if drafting else []
+            proposed = dict(zip([key for key, _ in drafting], many, strict=True))
         else:
-            proposed = {key: self.proposer.propose(tokens, gamma) for key, tokens in drafting}
+            proposed = {key: self.proposer.propose(tokens, depth) for key, tokens in drafting}
+        spent = (self.clock() - started) if self.clock is not None else 0.0
+        if self.costly and drafting and depth:
+            self.draft_costs.record(len(drafting), spent / depth)
+        self.last_proposing_seconds = spent
         proposals = [proposed.get(key, []) for key, _ in streams]
-        if self.config.adaptive:
-            budget = self.row_budget or len(streams) * (1 + gamma)
+        if self.config.adaptive:  # what was proposed is paid for: only V decides now
             confidences = [self.acceptance.confidences(len(p)) for p in proposals]
             widths = joint_widths(confidences, 0.0, self.costs, budget)
         else:
             widths = [len(p) for p in proposals]
         chosen = [p[:w] for p, w in zip(proposals, widths, strict=True)]
-        self._forecast([self.acceptance.confidences(len(d)) for d in chosen])
+        self._forecast([self.acceptance.confidences(len(d)) for d in chosen], spent)
         for (key, _), drafts in zip(streams, chosen, strict=True):
             self.stats.widths[len(drafts)] += 1
             if not drafts:
                 self._fallback(key).plain_step()
         return chosen
 
-    def _forecast(self, confidences: list[list[float]]) -> None:
+    @property
+    def costly(self) -> bool:
+        """The proposer runs a model frame per proposed position (a draft model)."""
+        return self.proposer.method in ("draft_model", "mtp")
+
+    def draft_cost(self, streams: int) -> float:
+        """D per proposed position for ``streams`` drafting together, as measured (0 before any)."""
+        return self.draft_costs.cost(streams) if self.draft_costs.seconds else 0.0
+
+    def _forecast(self, confidences: list[list[float]], proposing_seconds: float) -> None:
+        self.stats.proposing_seconds += proposing_seconds
         if not self.costs.seconds:  # nothing measured yet: no forecast
             return
         rows = sum(1 + len(c) for c in confidences)
         self.stats.expected_tokens += sum(1 + sum(survival(c)) for c in confidences)
-        self.stats.expected_seconds += self.costs.cost(rows)
+        self.stats.expected_seconds += proposing_seconds + self.costs.cost(rows)
 
     def record(self, key: Hashable, proposed: int, accepted: int) -> None:
         """Verification of ``proposed`` tokens of stream ``key`` accepted ``accepted`` of them."""
