@@ -430,13 +430,58 @@ def test_the_demo_draft_proposes_for_the_demo_model_and_greedy_output_is_unchang
     assert stats.drafted > 0 and stats.accepted > 0.2 * stats.drafted, stats  # a trained draft agrees often
 
 
-def test_a_draft_whose_vocabulary_differs_from_the_targets_is_refused(tiny_checkpoint) -> None:
+def test_a_draft_whose_vocabulary_differs_and_cannot_be_bridged_is_refused(tiny_checkpoint) -> None:
     from modelfleet.engine.speculative.build import build_proposer
 
-    path, _ = tiny_checkpoint("qwen3_moe")
+    path, _ = tiny_checkpoint("qwen3_moe")  # no tokenizer.json: nothing to bridge through
     config = SpeculativeConfig("draft_model", model=str(DEMO / "draft"))
-    with pytest.raises(InputError, match="must share the target's tokenizer"):
+    with pytest.raises(InputError, match="bridged through text, which needs both tokenizer.json"):
         build_proposer(config, path)
+
+
+def renumbered_draft(folder: Path) -> Path:
+    """The demo draft with another tokenizer: every ordinary token's id reversed (the special
+    tokens keep theirs), its embedding rows (the tied head too) moved with them, so it predicts
+    the same text through different ids."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(DEMO / "draft", folder)
+    document = json.loads((folder / "tokenizer.json").read_text())
+    vocab: dict[str, int] = document["model"]["vocab"]
+    special = len(document["added_tokens"])
+    size = len(vocab)
+    moved = {old: (old if old < special else size - 1 - (old - special)) for old in vocab.values()}
+    document["model"]["vocab"] = {token: moved[old] for token, old in vocab.items()}
+    (folder / "tokenizer.json").write_text(json.dumps(document))
+    tensors = load_file(folder / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    order = torch.empty(size, dtype=torch.int64)
+    for old, new in moved.items():
+        order[new] = old
+    tensors["model.embed_tokens.weight"] = embed[order].contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_draft_with_another_tokenizer_is_bridged_through_text_and_greedy_output_is_unchanged(tmp_path) -> None:
+    from modelfleet.engine.speculative.build import build_proposer
+    from modelfleet.engine.speculative.draft import BridgedDraftProposer
+    from modelfleet.engine.tokenizer import TextTokenizer
+
+    draft = renumbered_draft(tmp_path / "draft")
+    prompts = [TextTokenizer(DEMO).encode(text) for text in ("def fibonacci(n):\n    ", "import os\nimport sys\n\n\n")]
+    lm = LocalModel.load(DEMO, max_slots=2)
+    params = SamplingParams(max_tokens=24, stop_token_ids=())
+    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
+    config = SpeculativeConfig("draft_model", model=str(draft), num_speculative_tokens=3, adaptive=False)
+    proposer = build_proposer(config, DEMO, max_streams=2)
+    assert isinstance(proposer, BridgedDraftProposer)
+    speculator = Speculator(config, proposer)
+    assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
+    stats = speculator.stats
+    assert stats.drafted > 0 and stats.accepted > 0.2 * stats.drafted, stats  # the same draft, through text
 
 
 def test_the_draft_model_proposer_needs_a_model() -> None:

@@ -18,8 +18,8 @@ def build_proposer(
     config: SpeculativeConfig, target: str | Path | None = None, max_streams: int = 1, device: str = "cpu"
 ) -> Proposer:
     """The proposer ``config.method`` names, ready to propose. A draft model is loaded on
-    ``device`` with a slot for each of ``max_streams`` streams, and checked against the
-    ``target`` checkpoint's vocabulary."""
+    ``device`` with a slot for each of ``max_streams`` streams, and bridged through text when its
+    tokenizer is not the ``target`` checkpoint's."""
     if not config.model:
         return simple_proposer(config)
     draft = DraftModelProposer.load(config.model, target, max_streams, device)
