@@ -336,7 +336,7 @@ class Head:
         self.sampler.observe(slots, ids)
         tokens, errors, logprobs, prompt = tail_step(
             self.sampler, [slots[r] for r in rows], [positions[r] for r in rows], [ids[r] for r in rows], logits,
-            lambda: list(zip(slots, positions, ids, strict=True)),
+            lambda: list(zip(slots, positions, ids, strict=True)), step.draft_probs,
         )  # fmt: skip
         self._send_prompt_logprobs(step, prompt)
         self.deliver([self._fail_slot(step, slot, exc.code, str(exc)) for slot, exc in errors.items()])

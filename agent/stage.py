@@ -386,7 +386,8 @@ class StageAgent:
         if config is None:
             return None
         proposer = build_proposer(config, self.plan.model.path, self.plan.streams_per_group, self.stage.device)
-        return Speculator(config, proposer, clock=time.monotonic)
+        # a draft samples from its own q only where the verifier gets q: a head that is the tail too
+        return Speculator(config, proposer, clock=time.monotonic, sampled_drafts=self.is_tail)
 
     def on_message(self, msg: wire.Message, arrived: float) -> None:
         """A message arriving at a stage after the head."""

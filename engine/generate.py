@@ -278,6 +278,7 @@ def generate_batch(
                     sampler, [step.slots[r] for r in rows], [step.positions[r] for r in rows],
                     [step.token_ids[r] for r in rows], logits,
                     lambda: list(zip(step.slots, step.positions, step.token_ids, strict=True)),  # noqa: B023  (called at once)
+                    step.draft_probs,
                 )  # fmt: skip
                 if errors:
                     raise next(iter(errors.values()))

@@ -184,6 +184,8 @@ class Step:
     new_streams: tuple[StreamState, ...]  # streams whose first rows are here: the tail starts their samplers
     sent_at: float
     proposing_seconds: float = 0.0  # what proposing this step's tokens took (the speculator's D)
+    draft_probs: Mapping[int, torch.Tensor] = field(default_factory=dict)  # by slot: q [window's proposals, V]
+    # of proposals a draft sampled (the verifier needs them; absent: one-hot q)
 
     @property
     def rows(self) -> int:
@@ -299,6 +301,8 @@ class Scheduler:
         new: list[StreamState] = []
         drafts = self._drafts([s for s in streams if not s.prefilling])
         proposing = self.speculator.last_proposing_seconds if drafts and self.speculator is not None else 0.0
+        probs = self.speculator.proposal_probs if drafts and self.speculator is not None else {}
+        draft_probs = {s.slot: probs[s][: len(d)] for s, d in drafts.items() if d and s in probs}
         for stream in streams:
             if stream.scheduled == 0:
                 new.append(stream)
@@ -324,7 +328,7 @@ class Scheduler:
                 sampled += [stream] * due
         step = Step(
             next(self._ids), index, tuple(slots), tuple(positions), tuple(tokens), tuple(output_rows),
-            tuple(sampled), tuple(streams), tuple(new), now, proposing,
+            tuple(sampled), tuple(streams), tuple(new), now, proposing, draft_probs,
         )  # fmt: skip
         self.in_flight[step.id] = step
         return step
@@ -335,7 +339,9 @@ class Scheduler:
         if self.speculator is None or not decoding:
             return {}
         room = [self.config.context_length - s.confirmed for s in decoding]  # proposals must fit the context
-        chosen = self.speculator.drafts([(s, [*s.prompt, *s.generated]) for s in decoding])
+        chosen = self.speculator.drafts(
+            [(s, [*s.prompt, *s.generated]) for s in decoding], [s.params for s in decoding]
+        )
         return {s: d[: max(0, r)] for s, d, r in zip(decoding, chosen, room, strict=True)}
 
     def complete(

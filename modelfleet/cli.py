@@ -196,7 +196,8 @@ def generate(
 
         speculator = None
         if config is not None:
-            speculator = Speculator(config, build_proposer(config, model, len(batch), device), clock=time.perf_counter)
+            proposer = build_proposer(config, model, len(batch), device)
+            speculator = Speculator(config, proposer, clock=time.perf_counter, sampled_drafts=True)
         results = generate_batch(lm, batch, params, on_token if len(batch) == 1 else None, speculator)
         if decoder:
             stream.write(decoder.flush())

@@ -118,15 +118,29 @@ def biased_verify(logits, drafts, params, generator, draft_probs=None):  # type:
     return type("V", (), {"tokens": [*drafts[:accepted], token]})
 
 
+def no_residual_verify(logits, drafts, params, generator, draft_probs):  # type: ignore[no-untyped-def]
+    """Accepts with min(1, p / q) but draws a rejected position's token from p, not from the
+    residual max(p - q, 0): the draft's likely tokens come out too often."""
+    for i, draft in enumerate(drafts):
+        p, q = filter_logits(logits[i], params), draft_probs[i]
+        if float(torch.rand((), generator=generator)) < min(1.0, float(p[draft] / q[draft])):
+            continue
+        return type("V", (), {"tokens": [*drafts[:i], int(torch.multinomial(p, 1, generator=generator))]})
+    bonus = filter_logits(logits[len(drafts)], params)
+    return type("V", (), {"tokens": [*drafts, int(torch.multinomial(bonus, 1, generator=generator))]})
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)])
 def test_rejection_sampling_emits_the_targets_distribution_and_a_biased_verifier_is_caught(params) -> None:
     samples = 6000
     exact = distance_to_target(first_two_tokens(verify, samples, params), params)
-    q = torch.softmax(torch.randn(2, 6, generator=torch.Generator().manual_seed(3)), dim=-1)
+    # a draft's own q, proposals drawn from it: sharper than p (a skipped residual shows most then)
+    q = torch.softmax(3 * TARGET[:2], dim=-1)
     with_draft = distance_to_target(first_two_tokens(verify, samples, params, q), params)
     biased = distance_to_target(first_two_tokens(biased_verify, samples, params), params)
+    biased_q = distance_to_target(first_two_tokens(no_residual_verify, samples, params, q), params)
     assert exact < 0.04 and with_draft < 0.04, (exact, with_draft)  # sampling noise at 6000 draws is ~0.01-0.02
-    assert biased > 0.1, biased
+    assert biased > 0.1 and biased_q > 0.1, (biased, biased_q)
 
 
 def test_a_seed_reproduces_a_speculative_sample() -> None:
@@ -428,6 +442,37 @@ def test_the_demo_draft_proposes_for_the_demo_model_and_greedy_output_is_unchang
     assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
     stats = speculator.stats
     assert stats.drafted > 0 and stats.accepted > 0.2 * stats.drafted, stats  # a trained draft agrees often
+
+
+def test_a_sampled_stream_s_draft_proposes_from_its_own_q_which_reaches_the_verifier(monkeypatch) -> None:
+    from modelfleet.engine.speculative import verify as verify_module
+    from modelfleet.engine.speculative.build import build_proposer
+    from modelfleet.engine.tokenizer import TextTokenizer
+
+    seen: list[torch.Tensor | None] = []
+
+    def spy(logits, drafts, params, generator=None, draft_probs=None):  # type: ignore[no-untyped-def]
+        seen.append(draft_probs)
+        if draft_probs is not None:  # q is a distribution over the vocabulary, and each proposal was possible
+            assert draft_probs.shape == (len(drafts), logits.shape[-1])
+            assert torch.allclose(draft_probs.sum(-1), torch.ones(len(drafts)), atol=1e-4)
+            assert all(float(draft_probs[i, d]) > 0 for i, d in enumerate(drafts))
+        return verify(logits, drafts, params, generator, draft_probs)
+
+    monkeypatch.setattr(verify_module, "verify", spy)
+    prompt = TextTokenizer(DEMO).encode("def fibonacci(n):\n    ")
+    lm = LocalModel.load(DEMO, max_slots=2)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, stop_token_ids=()) for s in (1, 2)]
+    config = SpeculativeConfig("draft_model", model=str(DEMO / "draft"), num_speculative_tokens=3, adaptive=False)
+
+    def run() -> tuple[list[list[int]], Speculator]:
+        speculator = Speculator(config, build_proposer(config, DEMO, max_streams=2), sampled_drafts=True)
+        return [r.token_ids for r in generate_batch(lm, [prompt, prompt], params, speculator=speculator)], speculator
+
+    first, speculator = run()
+    assert any(q is not None for q in seen), "no window was verified with the draft's q"
+    assert speculator.stats.drafted > 0 and speculator.stats.accepted > 0, speculator.stats
+    assert run()[0] == first and first[0] != first[1]  # a seed reproduces the stream, drafts and all
 
 
 def test_a_draft_whose_vocabulary_differs_and_cannot_be_bridged_is_refused(tiny_checkpoint) -> None:

@@ -2,9 +2,13 @@
 
 Each stream gets a slot in the draft's own KV cache. To propose, the draft first catches up on
 what the target committed (the stream's tokens beyond the longest prefix the draft holds: its
-own proposals that were rejected are rewound, never kept), then decodes k tokens greedily, all
-streams of the step in one frame per token. Its proposals are deterministic (argmax), so the
-target verifies them with a one-hot q (engine.speculative.verify): exact at any temperature.
+own proposals that were rejected are rewound, never kept), then decodes k tokens, all streams of
+the step in one frame per token. For a greedy stream (or where the verifier cannot be given q)
+the proposals are the draft's argmax, verified with a one-hot q (engine.speculative.verify),
+exact at any temperature; for a sampled stream whose verifier receives them
+(:meth:`DraftModelProposer.propose_sampled`), they are draws from the draft's own distribution q
+(after the request's temperature, top-k, top-p and min-p, from a generator of the stream's own),
+and q goes with them: the verifier accepts with min(1, p / q) and corrects from the residual.
 
 A draft with another tokenizer is bridged through text (seed 000): :class:`BridgedDraftProposer`
 decodes the stream with the target's tokenizer and encodes the text with the draft's (the draft's
@@ -25,14 +29,17 @@ import torch
 from ..errors import InputError
 from ..frame import Frame
 from ..generate import LocalModel
+from ..sampling import SamplingParams, filter_logits
 from ..tokenizer import TextTokenizer
 
 
 class DraftModelProposer:
     method = "draft_model"
 
-    def __init__(self, model: LocalModel):
+    def __init__(self, model: LocalModel, target_vocab_size: int | None = None):
         self.model = model
+        # q is the target's vocabulary's only when the draft's is the same size
+        self.samples = target_vocab_size in (None, model.spec.vocab_size)
         self.slots: dict[Hashable, int] = {}
         self.held: dict[Hashable, list[int]] = {}  # the tokens each stream's draft slot holds, in order
 
@@ -42,29 +49,49 @@ class DraftModelProposer:
     ) -> DraftModelProposer | BridgedDraftProposer:
         """The draft at ``path`` with a slot for each of ``max_streams`` streams; a draft whose
         tokenizer is not ``target``'s is bridged through text (:class:`BridgedDraftProposer`)."""
+        from ..spec import load_spec
+
         bridge = target is not None and needs_bridge(Path(path), Path(target))
-        draft = cls(LocalModel.load(path, device=device, dtype=dtype, max_slots=max_streams))
+        vocab = None if target is None else load_spec(target).vocab_size
+        draft = cls(LocalModel.load(path, device=device, dtype=dtype, max_slots=max_streams), vocab)
         return BridgedDraftProposer(draft, TextTokenizer(target), TextTokenizer(path)) if target and bridge else draft
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """One stream alone (the speculator asks :meth:`propose_many` for a step's streams)."""
         return self.propose_many([(None, tokens)], k)[0]
 
-    @torch.inference_mode()
     def propose_many(self, streams: Sequence[tuple[Hashable, Sequence[int]]], k: int) -> list[list[int]]:
         """Up to ``k`` greedy draft tokens for each (stream key, tokens so far)."""
+        return self.propose_sampled(streams, k, [None] * len(streams))[0]
+
+    @torch.inference_mode()
+    def propose_sampled(
+        self,
+        streams: Sequence[tuple[Hashable, Sequence[int]]],
+        k: int,
+        sampling: Sequence[tuple[SamplingParams, torch.Generator] | None],
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Up to ``k`` draft tokens for each (stream key, tokens so far): drawn from q with the
+        stream's (parameters, generator) in ``sampling``, or the argmax where it is None (or the
+        draft's vocabulary is not the target's); and each stream's q [k, V] (None: one-hot)."""
         if k < 1 or not streams:
-            return [[] for _ in streams]
+            return [[] for _ in streams], [None for _ in streams]
         rows = [self._catch_up(key, list(tokens)) for key, tokens in streams]
         logits = self._run(rows)
         out: list[list[int]] = [[] for _ in streams]
+        drawn = [s if self.samples and s is not None and not s[0].greedy else None for s in sampling]
+        probs: list[list[torch.Tensor]] = [[] for _ in streams]
         for step in range(k):
             picked = logits.argmax(dim=-1).tolist()
-            for i, token in enumerate(picked):
-                out[i].append(token)
+            for i, how in enumerate(drawn):
+                if how is not None:
+                    q = filter_logits(logits[i].to("cpu", torch.float32), how[0])
+                    picked[i] = int(torch.multinomial(q, 1, generator=how[1]))
+                    probs[i].append(q)
+                out[i].append(picked[i])
             if step + 1 < k:
                 logits = self._run([(key, [token]) for (key, _), token in zip(streams, picked, strict=True)])
-        return out
+        return out, [torch.stack(p) if p else None for p in probs]
 
     def forget(self, key: Hashable) -> None:
         """The stream ended: its draft slot is free."""

@@ -22,10 +22,15 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import InputError
 from .config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..sampling import SamplingParams
 
 
 class Proposer(Protocol):
@@ -155,6 +160,20 @@ class BatchProposer(Protocol):
     def propose_many(self, streams: Sequence[tuple[Hashable, Sequence[int]]], k: int) -> list[list[int]]: ...
 
     def forget(self, key: Hashable) -> None: ...
+
+
+@runtime_checkable
+class SampledProposer(Protocol):
+    """A proposer that can draw its proposals from its own distribution q and return q with them
+    (a draft model, engine.speculative.draft): ``sampling[i]`` is stream i's (parameters,
+    generator), None for its argmax; q [k, V] per stream, None where the proposals are argmaxes."""
+
+    def propose_sampled(
+        self,
+        streams: Sequence[tuple[Hashable, Sequence[int]]],
+        k: int,
+        sampling: Sequence[tuple[SamplingParams, torch.Generator] | None],
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]: ...
 
 
 class HybridProposer:

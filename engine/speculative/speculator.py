@@ -18,9 +18,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from ..sampling import SamplingParams
 from .adaptive import Acceptance, Fallback, StepCosts, joint_widths, survival
 from .config import SpeculativeConfig
-from .proposers import BatchProposer, HybridProposer, PhraseTable, Proposer, simple_proposer
+from .proposers import BatchProposer, HybridProposer, PhraseTable, Proposer, SampledProposer, simple_proposer
+
+DRAFT_SEED_OFFSET = 0x5EED  # a seeded stream's draft generator: seed + this (its own, apart from the target's)
 
 
 @dataclass
@@ -60,7 +65,10 @@ class Speculator:
 
     ``row_budget``: most rows one step may carry (None: every stream at the widest window).
     ``clock``: seconds, monotonic (time.perf_counter), to measure the proposer's cost D with;
-    None: D counts as 0 and no time is measured (pure table tests)."""
+    None: D counts as 0 and no time is measured (pure table tests).
+    ``sampled_drafts``: the verifier receives :attr:`proposal_probs` (the tail runs in this
+    process), so a draft model samples its proposals for sampled streams from its own q; False:
+    its proposals are its argmax (a one-hot q, which needs nothing sent)."""
 
     def __init__(
         self,
@@ -68,11 +76,15 @@ class Speculator:
         proposer: Proposer | None = None,
         row_budget: int | None = None,
         clock: Callable[[], float] | None = None,
+        sampled_drafts: bool = False,
     ):
         self.config = config
         self.proposer = proposer or simple_proposer(config)
         self.row_budget = row_budget
         self.clock = clock
+        self.sampled_drafts = sampled_drafts
+        self.generators: dict[Hashable, torch.Generator] = {}  # a sampled stream's draft generator
+        self.proposal_probs: dict[Hashable, torch.Tensor] = {}  # q [width, V] of the latest drafts(), by stream
         self.acceptance = Acceptance()  # per proposer and position, shared by its streams
         self.costs = StepCosts()  # V: step seconds by rows, decode and verify steps only
         self.draft_costs = StepCosts()  # D per proposed position, by streams drafting together
@@ -80,8 +92,11 @@ class Speculator:
         self.fallbacks: dict[Hashable, Fallback] = {}
         self.stats = SpeculationStats(config.method)
 
-    def drafts(self, streams: Sequence[tuple[Hashable, Sequence[int]]]) -> list[list[int]]:
-        """Proposals for each (stream key, tokens so far) of one step, at the chosen widths."""
+    def drafts(
+        self, streams: Sequence[tuple[Hashable, Sequence[int]]], params: Sequence[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Proposals for each (stream key, tokens so far) of one step, at the chosen widths;
+        ``params``: each stream's sampling (a sampled stream's draft samples, see the class)."""
         gamma = self.config.num_speculative_tokens
         budget = self.row_budget or len(streams) * (1 + gamma)
         drafting = [(key, tokens) for key, tokens in streams if self._fallback(key).drafting]
@@ -92,7 +107,15 @@ class Speculator:
             planned = joint_widths(confidences, self.draft_cost(len(drafting)), self.costs, budget)
             drafting = [d for d, w in zip(drafting, planned, strict=True) if w > 0]
             depth = max(planned)
-        if isinstance(self.proposer, BatchProposer):
+        probs: dict[Hashable, torch.Tensor] = {}
+        by_key = dict(zip([key for key, _ in streams], params or [SamplingParams()] * len(streams), strict=True))
+        if self.sampled_drafts and isinstance(self.proposer, SampledProposer) and drafting:
+            sampling = [None if by_key[key].greedy else (by_key[key], self._generator(key, by_key[key]))
+                        for key, _ in drafting]  # fmt: skip
+            many, qs = self.proposer.propose_sampled(drafting, depth, sampling)
+            proposed = dict(zip([key for key, _ in drafting], many, strict=True))
+            probs = {key: q for (key, _), q in zip(drafting, qs, strict=True) if q is not None}
+        elif isinstance(self.proposer, BatchProposer):
             many = self.proposer.propose_many(drafting, depth) if drafting else []
             proposed = dict(zip([key for key, _ in drafting], many, strict=True))
         else:
@@ -108,6 +131,9 @@ class Speculator:
         else:
             widths = [len(p) for p in proposals]
         chosen = [p[:w] for p, w in zip(proposals, widths, strict=True)]
+        self.proposal_probs = {
+            key: probs[key][: len(d)] for (key, _), d in zip(streams, chosen, strict=True) if d and key in probs
+        }
         self._forecast([self.acceptance.confidences(len(d)) for d in chosen], spent)
         for (key, _), drafts in zip(streams, chosen, strict=True):
             self.stats.widths[len(drafts)] += 1
@@ -156,6 +182,7 @@ class Speculator:
     def forget(self, key: Hashable) -> None:
         """A stream ended: its controller goes (a new request starts fresh), and its draft state."""
         self.fallbacks.pop(key, None)
+        self.generators.pop(key, None)
         if isinstance(self.proposer, BatchProposer):
             self.proposer.forget(key)
 
@@ -163,6 +190,12 @@ class Speculator:
         table = self._phrase_table()
         if table is not None:
             table.save(path)
+
+    def _generator(self, key: Hashable, params: SamplingParams) -> torch.Generator:
+        if key not in self.generators:
+            seed = params.seed + DRAFT_SEED_OFFSET if params.seed is not None else torch.seed()
+            self.generators[key] = torch.Generator().manual_seed(seed % 2**63)
+        return self.generators[key]
 
     def _fallback(self, key: Hashable) -> Fallback:
         if key not in self.fallbacks:
