@@ -214,7 +214,6 @@ def test_a_new_request_starts_with_a_fresh_controller() -> None:
     "text, why",
     [
         ('{"method": "medusa"}', "unknown"),
-        ('{"method": "mtp"}', "not built"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
         ('{"method": "ngram", "k": 3}', "unknown field"),
         ('{"method": "ngram", "adaptive": 1}', "must be a bool"),
@@ -473,6 +472,81 @@ def test_a_sampled_stream_s_draft_proposes_from_its_own_q_which_reaches_the_veri
     assert any(q is not None for q in seen), "no window was verified with the draft's q"
     assert speculator.stats.drafted > 0 and speculator.stats.accepted > 0, speculator.stats
     assert run()[0] == first and first[0] != first[1]  # a seed reproduces the stream, drafts and all
+
+
+# ---- mtp: the checkpoint's own next-token-prediction layers ----------------------------------
+
+
+def test_mtp_proposals_from_an_inkling_checkpoint_s_mtp_layers_leave_greedy_output_unchanged(tmp_path) -> None:
+    from inkling_tiny import save_text_model_with_mtp
+
+    from modelfleet.engine.models.inkling_mtp import InklingMtp
+    from modelfleet.engine.speculative.build import build_proposer
+    from modelfleet.engine.speculative.mtp import MtpProposer
+
+    save_text_model_with_mtp(tmp_path)
+    lm = LocalModel.load(tmp_path, max_slots=3, max_context=128)
+    params = SamplingParams(max_tokens=20, stop_token_ids=())
+    prompts = [REPETITIVE, [3, 1, 4, 1, 5, 9, 2, 6], REPETITIVE[3:]]
+    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
+    config = SpeculativeConfig("mtp", num_speculative_tokens=2, adaptive=False)
+    proposer = build_proposer(config, tmp_path, max_streams=3, max_context=128)
+    assert isinstance(proposer, MtpProposer) and proposer.depths == 2
+    # each proposal is what a fresh chain drafts over all the stream's rows: the kept chain state
+    # never holds a row of an abandoned proposal
+    fresh, seen, checked = InklingMtp.load(tmp_path), {}, []
+    fresh.allocate_cache(3, 128)
+    observe, propose = proposer.observe, proposer._propose
+
+    def observing(slots, positions, hidden):  # type: ignore[no-untyped-def]
+        for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
+            seen.setdefault(slot, {})[position] = hidden[row].clone()
+        observe(slots, positions, hidden)
+
+    def proposing(slot, tokens, k):  # type: ignore[no-untyped-def]
+        drafts = propose(slot, tokens, k)
+        n = len(tokens) - 1
+        rows = torch.stack([seen[slot][p] for p in range(n)])
+        assert drafts == fresh.draft(slot, 0, rows, tokens[1:])[0][:k]
+        checked.append(n)
+        return drafts
+
+    proposer.observe, proposer._propose = observing, proposing  # type: ignore[method-assign]
+    speculator = Speculator(config, proposer)
+    lm.keep_hidden()
+    spec = [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)]
+    assert spec == plain
+    stats = speculator.stats
+    assert stats.drafted > 0 and stats.widths[2] > 0, stats  # both depths proposed, every proposal verified
+    assert len(checked) >= 10
+    # every stream's chain state went with it; a second run gives the same again (nothing stale)
+    assert proposer.hidden == {} and proposer.clean == {}
+    again = [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)]
+    assert again == plain
+    # through the CLI
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    base = ["generate", "--model", str(tmp_path), "--prompt-ids", ",".join(map(str, REPETITIVE)), "--max-tokens",
+            "20", "--json"]  # fmt: skip
+    spec_cli = CliRunner().invoke(
+        app, [*base, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    )
+    assert spec_cli.exit_code == 0, spec_cli.output
+    out = json.loads(spec_cli.stdout.strip().splitlines()[-1])
+    assert out["token_ids"] == plain[0] and out["speculative"]["method"] == "mtp" and out["speculative"]["drafted"] > 0
+
+
+def test_mtp_is_refused_without_mtp_layers_and_in_a_fleet(tiny_checkpoint) -> None:
+    from modelfleet.engine.errors import ConfigError
+    from modelfleet.engine.speculative.build import build_proposer
+
+    path, _ = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ConfigError, match='"mtp" reads Inkling MTP layers'):
+        build_proposer(SpeculativeConfig("mtp"), path)
+    with pytest.raises(InputError, match="runs in `modelfleet generate` only"):
+        SpeculativeConfig("mtp").check_fleet()
 
 
 def test_a_draft_whose_vocabulary_differs_and_cannot_be_bridged_is_refused(tiny_checkpoint) -> None:

@@ -13,7 +13,9 @@ from typing import Any
 from ..errors import InputError
 
 METHODS = ("ngram", "phrase", "hybrid", "draft_model", "mtp")
-BUILT = ("ngram", "phrase", "hybrid", "draft_model")  # the proposers this release has
+BUILT = ("ngram", "phrase", "hybrid", "draft_model")  # the proposers a fleet's head runs (the CRD's enum)
+# mtp reads the target's final hidden rows, which only the process running the last layers has:
+# ``modelfleet generate`` runs it; a fleet's head does not see the tail's hidden states yet
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -34,10 +36,6 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InputError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
-        if self.method not in BUILT:
-            raise InputError(
-                f"speculative method {self.method!r} is not built in this release; use one of {', '.join(BUILT)}"
-            )
         if self.method == "draft_model" and not self.model:
             raise InputError('speculative method "draft_model" needs "model": the draft checkpoint\'s directory')
         checks = [
@@ -53,6 +51,14 @@ class SpeculativeConfig:
         for name, ok, limit in checks:
             if not ok:
                 raise InputError(f"speculative config {name}={getattr(self, name)!r} is invalid; it must be {limit}")
+
+    def check_fleet(self) -> None:
+        """Refuse a method a fleet's head cannot run."""
+        if self.method not in BUILT:
+            raise InputError(
+                f"speculative method {self.method!r} runs in `modelfleet generate` only (it reads the target's final "
+                f"hidden states, which a fleet's head does not have); a fleet uses one of {', '.join(BUILT)}"
+            )
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

@@ -176,6 +176,17 @@ class Speculator:
         if table is not None:
             table.learn_step(tokens, new)
 
+    @property
+    def reads_hidden(self) -> bool:
+        """The proposer reads the target's final hidden rows (mtp): the caller hands them to :meth:`observe`."""
+        return callable(getattr(self.proposer, "observe", None))
+
+    def observe(self, slots: Sequence[int], positions: Sequence[int], hidden: torch.Tensor) -> None:
+        """A target step's final hidden rows [R, H] at (slot, position) of each row."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is not None:
+            observe(slots, positions, hidden)
+
     def step_time(self, rows: int, seconds: float) -> None:
         self.costs.record(rows, seconds)
 

@@ -147,7 +147,7 @@ DTYPE_HELP = "Compute dtype: float32, bfloat16 or float16 (what activations and 
 DEVICE_HELP = "Where the stages run: cpu, cuda or cuda:N (CPU or GPU with --backend openvino)."
 SERVED_NAME_HELP = "The model name the gateway serves (the `model` field of requests; default: the folder's name)."
 SPECULATIVE_HELP = (
-    'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid", '
+    'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid"|"draft_model", '
     '"num_speculative_tokens": K, ...} (serving.speculative in the plan); the output is unchanged.'
 )
 
@@ -166,7 +166,7 @@ def speculative_option(text: str | None) -> dict[str, Any] | None:
     from modelfleet.engine.speculative.config import SpeculativeConfig
 
     try:
-        SpeculativeConfig.from_json(text)
+        SpeculativeConfig.from_json(text).check_fleet()
     except ModelfleetError as exc:
         fail(f"--speculative-config: {exc}")
     document: dict[str, Any] = json.loads(text)
