@@ -41,6 +41,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.sampling import LOGPROB_FLOOR, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from ..engine.scheduler import FinishReason
+from ..engine.speculative.config import MAX_SPECULATIVE_TOKENS
 
 # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
 # 4: log-probabilities (tokens, output), penalties, logit bias and min_tokens (stream_start, submit)
@@ -345,6 +346,17 @@ class LogprobsRecord(Checked):
         return TokenLogprobs(self.logprob, self.top_ids, self.top_logprobs)
 
 
+@dataclass(frozen=True)
+class ProposalRecord(Checked):
+    """Tokens the tail's MTP layers propose for the stream in ``slot`` after its token at
+    ``position`` (its newest): the head's next verify window of that stream carries them."""
+
+    TYPE: ClassVar[str] = "proposal"
+    slot: int = wire(SLOT)
+    position: int = wire(POSITION)
+    token_ids: tuple[int, ...] = wire(IntList(MAX_SPECULATIVE_TOKENS, Int(0, MAX_TOKEN_ID)), ())
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class SamplingFields(Checked):
     """The sampling parameters a stream travels with, one definition for stream_start (head ->
@@ -456,6 +468,7 @@ class TokensMsg(Message):
     # prompt tokens' log-probabilities (record.row: the prompt position), of the streams in prompt_slots
     prompt_slots: tuple[int, ...] = wire(IntList(MAX_ROWS, SLOT), ())
     prompt_logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())
+    proposals: tuple[ProposalRecord, ...] = wire(Records(ProposalRecord, MAX_SLOTS), ())  # the tail's mtp
 
     def check(self) -> None:
         _records_name_rows(self.TYPE, self.logprobs, int(self.slots.shape[0]))

@@ -229,7 +229,7 @@ class ServingLimits(_Frozen):
     def _speculative_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
             try:
-                SpeculativeConfig.from_mapping(value).check_fleet()
+                SpeculativeConfig.from_mapping(value)
             except InputError as exc:
                 raise ValueError(str(exc)) from exc
         return value

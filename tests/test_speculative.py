@@ -538,15 +538,13 @@ def test_mtp_proposals_from_an_inkling_checkpoint_s_mtp_layers_leave_greedy_outp
     assert out["token_ids"] == plain[0] and out["speculative"]["method"] == "mtp" and out["speculative"]["drafted"] > 0
 
 
-def test_mtp_is_refused_without_mtp_layers_and_in_a_fleet(tiny_checkpoint) -> None:
+def test_mtp_is_refused_without_mtp_layers(tiny_checkpoint) -> None:
     from modelfleet.engine.errors import ConfigError
     from modelfleet.engine.speculative.build import build_proposer
 
     path, _ = tiny_checkpoint("qwen3_moe")
     with pytest.raises(ConfigError, match='"mtp" reads Inkling MTP layers'):
         build_proposer(SpeculativeConfig("mtp"), path)
-    with pytest.raises(InputError, match="runs in `modelfleet generate` only"):
-        SpeculativeConfig("mtp").check_fleet()
 
 
 def test_a_draft_whose_vocabulary_differs_and_cannot_be_bridged_is_refused(tiny_checkpoint) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 from test_pipeline import Fleet, reference, run_concurrently, wait_until
 
 from modelfleet.engine.sampling import SamplingParams
@@ -78,3 +79,24 @@ def test_a_modelfleets_serving_speculative_reaches_the_plan_the_head_reads() -> 
     placement = place(spec, summary(4), [node("a")], "qwen", "ai")
     config = placement.plan.serving.speculative_config()
     assert config is not None and (config.method, config.num_speculative_tokens) == ("ngram", 3)
+
+
+@pytest.mark.parametrize("stages", [1, 2])  # one stage: the head is the tail and proposes itself
+def test_a_fleet_speculates_with_the_checkpoint_s_mtp_layers_at_the_tail(tmp_path, stages: int) -> None:
+    from inkling_tiny import save_text_model_with_mtp
+
+    model = tmp_path / "inkling"
+    save_text_model_with_mtp(model)
+    fleet = Fleet(
+        model, tmp_path, stages=stages, speculative={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    )
+    fleet.start()
+    try:
+        prompts = repetitive_prompts(4)
+        params = [SamplingParams(max_tokens=8 + 3 * i, stop_token_ids=()) for i in range(len(prompts))]
+        assert run_concurrently(fleet, prompts, params) == reference(model, prompts, params)
+        head = fleet.status(0)["head"]["speculative"]
+        assert head["method"] == "mtp" and head["drafted"] > 0, head  # the tail's proposals were verified
+        wait_until(lambda: [fleet.status(s)["slots_in_use"] for s in range(stages)] == [0] * stages, 5, "slots freed")
+    finally:
+        fleet.stop()

@@ -13,9 +13,7 @@ from typing import Any
 from ..errors import InputError
 
 METHODS = ("ngram", "phrase", "hybrid", "draft_model", "mtp")
-BUILT = ("ngram", "phrase", "hybrid", "draft_model")  # the proposers a fleet's head runs (the CRD's enum)
-# mtp reads the target's final hidden rows, which only the process running the last layers has:
-# ``modelfleet generate`` runs it; a fleet's head does not see the tail's hidden states yet
+BUILT = METHODS  # every method runs in generate and in a fleet (mtp at the tail; the CRD's enum)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -51,14 +49,6 @@ class SpeculativeConfig:
         for name, ok, limit in checks:
             if not ok:
                 raise InputError(f"speculative config {name}={getattr(self, name)!r} is invalid; it must be {limit}")
-
-    def check_fleet(self) -> None:
-        """Refuse a method a fleet's head cannot run."""
-        if self.method not in BUILT:
-            raise InputError(
-                f"speculative method {self.method!r} runs in `modelfleet generate` only (it reads the target's final "
-                f"hidden states, which a fleet's head does not have); a fleet uses one of {', '.join(BUILT)}"
-            )
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

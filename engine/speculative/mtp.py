@@ -15,14 +15,19 @@ an abandoned proposal, and the only hidden rows kept are the last ``depths`` one
 The drafts are argmaxes (a one-hot q: exact at any temperature). Rows of a target step beyond the
 committed tokens (rejected proposals) are never read: only positions below n are.
 
-Where it runs: in the process that computes the target's last layers and has the hidden rows
-(``modelfleet generate``); the fleet's head does not see the tail's hidden states (see
-engine.speculative.config).
+Where it runs: in the process that computes the target's last layers and has the hidden rows.
+In ``modelfleet generate`` that is the scheduler's own process. In a fleet it is the tail
+(:class:`TailMtp`): it proposes right after it samples, from the hidden rows it just computed,
+and returns the proposals with the sampled tokens; the head's :class:`TailProposals` hands them
+to the scheduler for the stream's next verify window. Sending the proposals (a few token ids)
+rather than the hidden rows (a row of the hidden size each) back to the head is the simpler
+design: the MTP layers, their state and their inputs all live where the hidden rows are made, and
+the head needs nothing but ids, whose verification is exact whatever they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -90,22 +95,115 @@ class MtpProposer:
         return [self._propose(getattr(key, "slot"), list(tokens), k) for key, tokens in streams]  # noqa: B009
 
     def _propose(self, slot: int, tokens: list[int], k: int) -> list[int]:
-        n = len(tokens) - 1  # rows 0..n-1 have hidden states the chain can read; x_n was just sampled
+        return self.propose_at(slot, len(tokens) - 1, tokens.__getitem__, k)
+
+    def propose_at(self, slot: int, n: int, token_at: Callable[[int], int], k: int) -> list[int]:
+        """Drafts after the token at position ``n`` of the stream in ``slot`` (x_n, just sampled);
+        ``token_at(p)``: the stream's committed token at position p <= n."""
         rows = self.hidden.get(slot, {})
         start = max(0, min(self.clean.get(slot, 0), n) - self.depths)
         if k < 1 or n < 1 or any(p not in rows for p in range(start, n)):
             return []  # the target has not computed those rows (nothing to read yet)
+        ids = [token_at(p) for p in range(start + 1, n + 1)]  # before any state changes (KeyError: unknown)
         self.chain.rewind(slot, start)
         hidden = torch.stack([rows[p] for p in range(start, n)])
-        drafts, _ = self.chain.draft(slot, start, hidden, tokens[start + 1 : n + 1])
+        drafts, _ = self.chain.draft(slot, start, hidden, ids)
         self.clean[slot] = n
         for position in [p for p in rows if p < n - self.depths]:
             del rows[position]  # never read again: the next proposal starts at n - depths or later
         return drafts[:k]
 
+    def release(self, slot: int) -> None:
+        self.hidden.pop(slot, None)
+        self.clean.pop(slot, None)
+        self.chain.release(slot)
+
     def forget(self, key: Hashable) -> None:
         slot = getattr(key, "slot", None)
         if isinstance(slot, int) and slot >= 0:
-            self.hidden.pop(slot, None)
-            self.clean.pop(slot, None)
-            self.chain.release(slot)
+            self.release(slot)
+
+
+class TailMtp:
+    """The mtp proposer at a fleet's tail: it sees every frame's rows (their input tokens and
+    final hidden rows), learns each window's emitted tokens, and proposes after a stream's newest."""
+
+    def __init__(self, proposer: MtpProposer, k: int):
+        self.proposer, self.k = proposer, k
+        self.tokens: dict[int, dict[int, int]] = {}  # slot -> position -> token (inputs, then emitted)
+
+    def observe(
+        self, slots: Sequence[int], positions: Sequence[int], token_ids: Sequence[int], hidden: torch.Tensor
+    ) -> None:
+        """A frame's rows at the tail: each row's input token and final hidden row."""
+        for slot, position, token in zip(slots, positions, token_ids, strict=True):
+            self.tokens.setdefault(slot, {})[position] = token
+        self.proposer.observe(slots, positions, hidden)
+
+    def propose(self, slot: int, first: int, emitted: Sequence[int]) -> tuple[int, list[int]]:
+        """A window of ``slot`` whose first sampled row sits at position ``first`` emitted
+        ``emitted`` (the tokens at first + 1, first + 2, ...): -> (n, drafts after position n)."""
+        known = self.tokens.setdefault(slot, {})
+        for i, token in enumerate(emitted):
+            known[first + 1 + i] = token  # what was committed there, over any rejected proposal
+        n = first + len(emitted)
+        try:
+            drafts = self.proposer.propose_at(slot, n, known.__getitem__, self.k)
+        except KeyError:  # a token the tail never saw (a stream it joined late): nothing to propose
+            return n, []
+        for position in [p for p in known if p < n - self.proposer.depths or p > n]:
+            del known[position]  # before the next proposal's start, or a rejected proposal's
+        return n, drafts
+
+    def release(self, slot: int) -> None:
+        self.tokens.pop(slot, None)
+        self.proposer.release(slot)
+
+
+class TailProposals:
+    """The head's side of the fleet's mtp: the proposals the tail returned with each stream's
+    newest token, used when the stream's next window is built (none for a stream whose newest
+    token is not the one they follow)."""
+
+    method = "mtp"
+
+    def __init__(self) -> None:
+        self.latest: dict[int, tuple[int, list[int]]] = {}  # slot -> (position they follow, drafts)
+
+    def receive(self, slot: int, position: int, drafts: Sequence[int]) -> None:
+        self.latest[slot] = (position, list(drafts))
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        raise TypeError("the tail's proposals are for scheduler streams (propose_many): they are keyed by slot")
+
+    def propose_many(self, streams: Sequence[tuple[Hashable, Sequence[int]]], k: int) -> list[list[int]]:
+        out = []
+        for key, tokens in streams:
+            position, drafts = self.latest.get(getattr(key, "slot", -1), (-1, []))
+            out.append(drafts[:k] if position == len(tokens) - 1 else [])
+        return out
+
+    def forget(self, key: Hashable) -> None:
+        self.latest.pop(getattr(key, "slot", -1), None)
+
+
+def propose_at_tail(
+    mtp: TailMtp,
+    frame: tuple[Sequence[int], Sequence[int], Sequence[int]],
+    hidden: torch.Tensor,
+    emitted: Sequence[tuple[int, int, int]],
+) -> list[tuple[int, int, list[int]]]:
+    """The tail's proposals for a frame it just computed and sampled: ``frame`` its rows' (slots,
+    positions, input tokens), ``hidden`` their final hidden rows, ``emitted`` (slot, position of
+    the row that gave it, token) of every emitted token, in order -> (slot, position of the
+    stream's newest token, drafts) for each stream that has some."""
+    mtp.observe(*frame, hidden)
+    windows: dict[int, tuple[int, list[int]]] = {}
+    for slot, position, token in emitted:
+        windows.setdefault(slot, (position, []))[1].append(token)
+    out = []
+    for slot, (first, tokens) in windows.items():
+        n, drafts = mtp.propose(slot, first, tokens)
+        if drafts:
+            out.append((slot, n, drafts))
+    return out

@@ -147,7 +147,7 @@ DTYPE_HELP = "Compute dtype: float32, bfloat16 or float16 (what activations and 
 DEVICE_HELP = "Where the stages run: cpu, cuda or cuda:N (CPU or GPU with --backend openvino)."
 SERVED_NAME_HELP = "The model name the gateway serves (the `model` field of requests; default: the folder's name)."
 SPECULATIVE_HELP = (
-    'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid"|"draft_model", '
+    'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid"|"draft_model"|"mtp", '
     '"num_speculative_tokens": K, ...} (serving.speculative in the plan); the output is unchanged.'
 )
 
@@ -166,7 +166,7 @@ def speculative_option(text: str | None) -> dict[str, Any] | None:
     from modelfleet.engine.speculative.config import SpeculativeConfig
 
     try:
-        SpeculativeConfig.from_json(text).check_fleet()
+        SpeculativeConfig.from_json(text)
     except ModelfleetError as exc:
         fail(f"--speculative-config: {exc}")
     document: dict[str, Any] = json.loads(text)
@@ -278,6 +278,14 @@ def agent(
             )
         keys = transport.load_keypair(keys_dir, "fleet") if keys_dir else None
         speculative = speculative_option(speculative_config)
+        planned = fleet_plan.serving.speculative_config()
+        if (
+            speculative is not None
+            and "mtp" in (speculative["method"], planned and planned.method)
+            and (planned is None or planned.method != speculative["method"])
+        ):
+            fail("--speculative-config cannot switch to or from mtp: its MTP layers run at the tail, which reads the "
+                 "plan's serving.speculative; put mtp in the plan instead")  # fmt: skip
         config = AgentConfig(fleet_plan, stage, group, http_host=http_host, keys=keys, tp_rank=tp_rank,
                              http_port=http_port,
                              speculative=None if speculative is None else SpeculativeConfig.from_mapping(speculative))  # fmt: skip
