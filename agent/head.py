@@ -478,6 +478,8 @@ class Head:
         self.backend.release(slot)
         if self.sampler is not None:
             self.sampler.release(slot)
+        if self.tail_mtp is not None:
+            self.tail_mtp.release(slot)
         if self.send_next is not None:
             self.send_next(wire.ReleaseMsg(slots=(slot,)))
 

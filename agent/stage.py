@@ -552,6 +552,8 @@ class StageAgent:
                 self.backend.release(slot)
             if self.sampler is not None:
                 self.sampler.release(slot)
+            if self.tail_mtp is not None and slot < self.backend.slots.max_slots:
+                self.tail_mtp.release(slot)
 
     def rewind(self, slot: int, position: int) -> None:
         assert self.backend is not None
