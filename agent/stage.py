@@ -408,10 +408,10 @@ class StageAgent:
                 f"speculative method \"mtp\" reads the tail's final hidden rows; stage {self.stage.stage_index}'s "
                 f"backend ({type(backend).__name__}) does not keep them: use a torch stage without tensor parallelism"
             )
-        backend.keep_hidden = True
         plan = self.plan
         proposer = MtpProposer.load(plan.model.path, plan.streams_per_group, plan.serving.context_length,
                                     self.stage.device)  # fmt: skip
+        backend.keep_hidden = proposer.reads
         return TailMtp(proposer, config.num_speculative_tokens)
 
     def _proposals(self, frame: Frame, tokens: wire.TokensMsg) -> tuple[wire.ProposalRecord, ...]:

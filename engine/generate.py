@@ -163,10 +163,11 @@ class LocalModel:
             x = shard(Frame(frame.slots, frame.positions, frame.token_ids, hidden=x, output_rows=frame.output_rows))
         return x
 
-    def keep_hidden(self) -> None:
-        """From now on every frame's final hidden rows are kept (:attr:`final_hidden`), for an MTP
-        proposer; fixed-shape decode steps (which would not keep them) are off."""
-        self.shards[-1].keep_hidden, self.static_decode = True, False
+    def keep_hidden(self, kind: str = "normed") -> None:
+        """From now on every frame's final hidden rows are kept (:attr:`final_hidden`; ``kind``:
+        see Shard.keep_hidden), for an MTP proposer; fixed-shape decode steps (which would not
+        keep them) are off."""
+        self.shards[-1].keep_hidden, self.static_decode = kind, False
 
     @property
     def final_hidden(self) -> torch.Tensor | None:

@@ -200,7 +200,7 @@ def generate(
             proposer = build_proposer(config, model, len(batch), device, lm.max_context)
             speculator = Speculator(config, proposer, clock=time.perf_counter, sampled_drafts=True)
             if speculator.reads_hidden:  # mtp: the target's final hidden rows are its input
-                lm.keep_hidden()
+                lm.keep_hidden(getattr(proposer, "reads", "normed"))
         results = generate_batch(lm, batch, params, on_token if len(batch) == 1 else None, speculator)
         if decoder:
             stream.write(decoder.flush())

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_family_deepseek_v4 import tiny, with_mtp  # noqa: F401  (fixtures: a tiny DeepSeek-V4 with its MTP layer)
 
 from modelfleet.engine.errors import InputError
 from modelfleet.engine.frame import Frame
@@ -538,12 +539,32 @@ def test_mtp_proposals_from_an_inkling_checkpoint_s_mtp_layers_leave_greedy_outp
     assert out["token_ids"] == plain[0] and out["speculative"]["method"] == "mtp" and out["speculative"]["drafted"] > 0
 
 
+def test_mtp_proposals_from_a_deepseek_v4_checkpoint_s_mtp_layer_leave_greedy_output_unchanged(
+    with_mtp,  # noqa: F811  (the fixture imported above)
+) -> None:
+    from modelfleet.engine.speculative.build import build_proposer
+    from modelfleet.engine.speculative.mtp import MtpProposer
+
+    directory, _ = with_mtp
+    lm = LocalModel.load(directory, max_slots=2, max_context=128)
+    params = SamplingParams(max_tokens=16, stop_token_ids=())
+    prompts = [REPETITIVE, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
+    config = SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False)
+    proposer = build_proposer(config, directory, max_streams=2, max_context=128)
+    assert isinstance(proposer, MtpProposer) and proposer.depths == 1 and proposer.reads == "residual"
+    speculator = Speculator(config, proposer)
+    lm.keep_hidden(proposer.reads)
+    assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
+    assert speculator.stats.drafted > 0 and set(speculator.stats.widths) <= {0, 1}, speculator.stats
+
+
 def test_mtp_is_refused_without_mtp_layers(tiny_checkpoint) -> None:
     from modelfleet.engine.errors import ConfigError
     from modelfleet.engine.speculative.build import build_proposer
 
     path, _ = tiny_checkpoint("qwen3_moe")
-    with pytest.raises(ConfigError, match='"mtp" reads Inkling MTP layers'):
+    with pytest.raises(ConfigError, match="has none the engine serves"):
         build_proposer(SpeculativeConfig("mtp"), path)
 
 

@@ -1,6 +1,7 @@
 """The ``mtp`` proposer: a checkpoint's own multi-token-prediction layers propose the next tokens.
 
-An MTP chain (Inkling's, engine.models.inkling_mtp) reads the target's final hidden state g_r of
+An MTP chain (Inkling's, engine.models.inkling_mtp; DeepSeek-V4's one layer, :class:`SingleMtp`)
+reads the target's final hidden state g_r of
 each row r with the token one place after it, and its depth k predicts the token k + 2 places
 after r. So it proposes from what the target computed: the caller hands it every step's final
 hidden rows (:meth:`MtpProposer.observe`, all rows of a step, prefill windows included), and to
@@ -29,16 +30,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..errors import ConfigError
 from ..spec import load_spec
 
+if TYPE_CHECKING:
+    from ..models.deepseek_v4_mtp import MTPHead
+
 
 class MtpChain(Protocol):
-    """What the proposer needs of an MTP module (engine.models.inkling_mtp.InklingMtp)."""
+    """What the proposer needs of an MTP module (engine.models.inkling_mtp.InklingMtp, or
+    :class:`SingleMtp` over DeepSeek-V4's layer)."""
 
     depths: torch.nn.ModuleList
 
@@ -65,19 +70,31 @@ class MtpProposer:
         self.hidden: dict[int, dict[int, torch.Tensor]] = {}  # slot -> position -> g (final hidden row)
         self.clean: dict[int, int] = {}  # slot -> rows every depth holds with clean inputs
 
+    @property
+    def reads(self) -> str:
+        """The hidden rows the chain takes (Shard.keep_hidden): Inkling's after the final norm."""
+        return str(getattr(self.chain, "reads", "normed"))
+
     @classmethod
     def load(cls, target: str | Path, max_streams: int, max_context: int, device: str = "cpu") -> MtpProposer:
+        """The MTP layers of an Inkling (``num_mtp_layers``) or DeepSeek-V4 (``num_nextn_predict_layers``)
+        checkpoint, with state for ``max_streams`` streams of ``max_context`` positions."""
         spec = load_spec(target)
-        if spec.family != "inkling":
-            raise ConfigError(
-                f'speculative method "mtp" reads Inkling MTP layers (num_mtp_layers); {target} is {spec.family}. '
-                "DeepSeek-V3/V4 MTP layers are not wired to the proposer yet: use ngram, phrase or draft_model"
-            )
-        if not spec.get("num_mtp_layers"):
-            raise ConfigError(f'{target} has no MTP layers (config.json num_mtp_layers is 0): "mtp" cannot propose')
-        from ..models.inkling_mtp import InklingMtp
+        chain: MtpChain
+        if spec.family == "inkling" and spec.get("num_mtp_layers"):
+            from ..models.inkling_mtp import InklingMtp
 
-        chain = InklingMtp.load(target, device=device)
+            chain = InklingMtp.load(target, device=device)
+        elif spec.family == "deepseek_v4" and spec.get("num_nextn_predict_layers"):
+            from ..models.deepseek_v4_mtp import load_mtp
+
+            chain = SingleMtp(load_mtp(target, device=device))
+        else:
+            raise ConfigError(
+                f"speculative method \"mtp\" reads a checkpoint's MTP layers (Inkling's num_mtp_layers, DeepSeek-V4's "
+                f"num_nextn_predict_layers); {target} ({spec.family}) has none the engine serves: use ngram, phrase, "
+                "hybrid or draft_model"
+            )
         chain.allocate_cache(max_streams, max_context)
         return cls(chain)
 
@@ -122,6 +139,40 @@ class MtpProposer:
         slot = getattr(key, "slot", None)
         if isinstance(slot, int) and slot >= 0:
             self.release(slot)
+
+
+class SingleMtp(torch.nn.Module):
+    """DeepSeek-V4's MTP layer (engine.models.deepseek_v4_mtp.MTPHead, one depth) as a chain: it
+    reads the last layer's hyper-connection streams as they are, and its state is rewound by
+    moving each slot's length back (its caches keep a rewind slack, as a shard's do)."""
+
+    reads = "residual"
+
+    def __init__(self, head: MTPHead):
+        super().__init__()
+        self.head = head
+        self.depths = torch.nn.ModuleList([head])
+        self.lengths: dict[int, int] = {}
+
+    def allocate_cache(self, max_slots: int, max_context: int) -> None:
+        self.head.allocate(max_slots, max_context)
+
+    def release(self, slot: int) -> None:
+        self.lengths.pop(slot, None)
+
+    def rewind(self, slot: int, position: int) -> None:
+        self.lengths[slot] = min(position, self.lengths.get(slot, 0))
+
+    def draft(
+        self, slot: int, pos_start: int, hidden: torch.Tensor, tokens: list[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        from ..frame import Frame
+
+        if pos_start != self.lengths.get(slot, 0) and pos_start != 0:
+            raise ValueError(f"MTP slot {slot} holds {self.lengths.get(slot, 0)} rows; a draft must start there")
+        logits = self.head(Frame.of_streams([(slot, pos_start, tokens)], hidden=hidden))
+        self.lengths[slot] = pos_start + len(tokens)
+        return [int(logits[-1].argmax())], logits[-1:]
 
 
 class TailMtp:
