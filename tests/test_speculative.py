@@ -361,6 +361,19 @@ def test_a_costly_proposer_is_asked_only_for_the_depth_the_width_model_finds_wor
     assert speculator.proposer.asked == [4]  # not asked at all: drafting would not pay
 
 
+def test_a_draft_model_s_own_probabilities_are_the_survival_confidences_of_its_proposals() -> None:
+    class Confident(Costly):
+        def propose(self, tokens, k):  # type: ignore[no-untyped-def]
+            self.confidences = {"a": [0.95, 0.9, 0.05, 0.9][:k]}  # the third proposal is a guess
+            return super().propose(tokens, k)
+
+    speculator = Speculator(SpeculativeConfig("draft_model", num_speculative_tokens=4, model="draft"),
+                            Confident(7, 8, 9, 6))  # fmt: skip
+    speculator.step_time(1, 1.0)
+    speculator.step_time(5, 1.2)  # a wider window costs a little more
+    assert speculator.drafts([("a", [1, 2, 3])]) == [[7, 8]]  # the acceptance prior (0.5 a position) would take 3
+
+
 # ---- through the engine ----------------------------------------------------------------------
 
 REPETITIVE = [5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17, 33, 5, 9]

@@ -42,6 +42,9 @@ class DraftModelProposer:
         self.samples = target_vocab_size in (None, model.spec.vocab_size)
         self.slots: dict[Hashable, int] = {}
         self.held: dict[Hashable, list[int]] = {}  # the tokens each stream's draft slot holds, in order
+        # the draft's own probability of each token it proposed in the latest call, by stream: the
+        # width model's survival confidences for them (engine.speculative.adaptive)
+        self.confidences: dict[Hashable, list[float]] = {}
 
     @classmethod
     def load(
@@ -81,14 +84,18 @@ class DraftModelProposer:
         out: list[list[int]] = [[] for _ in streams]
         drawn = [s if self.samples and s is not None and not s[0].greedy else None for s in sampling]
         probs: list[list[torch.Tensor]] = [[] for _ in streams]
+        self.confidences = {key: [] for key, _ in streams}
         for step in range(k):
-            picked = logits.argmax(dim=-1).tolist()
+            top = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            picked, sure = top.indices.tolist(), top.values.tolist()
             for i, how in enumerate(drawn):
                 if how is not None:
                     q = filter_logits(logits[i].to("cpu", torch.float32), how[0])
                     picked[i] = int(torch.multinomial(q, 1, generator=how[1]))
                     probs[i].append(q)
+                    sure[i] = float(q[picked[i]])
                 out[i].append(picked[i])
+                self.confidences[streams[i][0]].append(sure[i])
             if step + 1 < k:
                 logits = self._run([(key, [token]) for (key, _), token in zip(streams, picked, strict=True)])
         return out, [torch.stack(p) if p else None for p in probs]

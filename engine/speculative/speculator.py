@@ -125,8 +125,12 @@ class Speculator:
             self.draft_costs.record(len(drafting), spent / depth)
         self.last_proposing_seconds = spent
         proposals = [proposed.get(key, []) for key, _ in streams]
+        # survival confidences: a draft model's own probabilities of its proposals, else the
+        # acceptance measured so far at each position
+        own: dict[Hashable, list[float]] = getattr(self.proposer, "confidences", {}) if drafting else {}
+        confidences = [own[key][: len(p)] if key in own else self.acceptance.confidences(len(p))
+                       for (key, _), p in zip(streams, proposals, strict=True)]  # fmt: skip
         if self.config.adaptive:  # what was proposed is paid for: only V decides now
-            confidences = [self.acceptance.confidences(len(p)) for p in proposals]
             widths = joint_widths(confidences, 0.0, self.costs, budget)
         else:
             widths = [len(p) for p in proposals]
@@ -134,7 +138,7 @@ class Speculator:
         self.proposal_probs = {
             key: probs[key][: len(d)] for (key, _), d in zip(streams, chosen, strict=True) if d and key in probs
         }
-        self._forecast([self.acceptance.confidences(len(d)) for d in chosen], spent)
+        self._forecast([c[: len(d)] for c, d in zip(confidences, chosen, strict=True)], spent)
         for (key, _), drafts in zip(streams, chosen, strict=True):
             self.stats.widths[len(drafts)] += 1
             if not drafts:
