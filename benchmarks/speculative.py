@@ -177,7 +177,7 @@ def main() -> None:
     code = code_prompts(tokenizer, max(batches), args.prompt_len)
     table = phrase_table(tokenizer, args.phrase_files)
     lm = LocalModel.load(args.model, device=args.device, dtype=args.dtype, max_slots=max(batches))
-    rows = []
+    rows: list[dict[str, object]] = []
     for batch in batches:
         for kind, prompts in (("code", code[:batch]), ("shuffled", shuffled(code[:batch]))):
             for method in args.methods.split(","):
@@ -187,12 +187,18 @@ def main() -> None:
                 row["met"] = "" if target is None else str(float(str(row["speedup"])) >= target)
                 rows.append(row)
                 print(row, file=sys.stderr, flush=True)
+                text = write(rows, args, table, started)  # after every row: a run cut short keeps its rows
+    print(text)
+    print(f"wrote {args.out}/speculative.csv and speculative.md", file=sys.stderr)
+
+
+def write(rows: list[dict[str, object]], args: argparse.Namespace, table, started: float) -> str:  # type: ignore[no-untyped-def]
     title = f"speculative decoding, {args.model.name}, {args.device} {args.dtype}, k={args.k}"
     settings = (
         f"`{' '.join(sys.argv)}`; torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.processor() or platform.machine()}, affinity {sorted(os.sched_getaffinity(0))}, "
         f"{len(table.counts)} phrases from {args.phrase_files} training files; "
-        f"{args.tokens} tokens per stream, {args.rounds} rounds, {time.perf_counter() - started:.0f} s in all"
+        f"{args.tokens} tokens per stream, {args.rounds} rounds, {time.perf_counter() - started:.0f} s so far"
     )
     if args.device.startswith("cuda"):
         settings += f"; {torch.cuda.get_device_name()}"
@@ -203,8 +209,7 @@ def main() -> None:
         writer.writerows(rows)
     text = markdown(rows, title, settings)
     (args.out / "speculative.md").write_text(text)
-    print(text)
-    print(f"wrote {args.out}/speculative.csv and speculative.md", file=sys.stderr)
+    return text
 
 
 if __name__ == "__main__":
