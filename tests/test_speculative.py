@@ -552,6 +552,38 @@ def test_mtp_proposals_from_an_inkling_checkpoint_s_mtp_layers_leave_greedy_outp
     assert out["token_ids"] == plain[0] and out["speculative"]["method"] == "mtp" and out["speculative"]["drafted"] > 0
 
 
+def test_the_tail_s_mtp_proposes_after_each_window_and_a_released_slot_starts_afresh(tmp_path) -> None:
+    from inkling_tiny import save_text_model_with_mtp
+
+    from modelfleet.engine.speculative.mtp import MtpProposer, TailMtp, propose_at_tail
+
+    save_text_model_with_mtp(tmp_path)
+    lm = LocalModel.load(tmp_path, max_slots=1, max_context=64)
+    lm.keep_hidden()
+
+    def prefill(mtp: TailMtp, prompt: list[int]) -> tuple[int, list[int]]:
+        """The prompt through the target in slot 0, its next token sampled (greedy): the tail's proposals."""
+        lm.release(0)
+        positions = list(range(len(prompt)))
+        logits = lm.forward(Frame.of_streams([(0, 0, prompt)]))
+        token = int(logits[-1].argmax())
+        assert lm.final_hidden is not None
+        [(slot, n, drafts)] = propose_at_tail(mtp, ([0] * len(prompt), positions, prompt), lm.final_hidden,
+                                              [(0, positions[-1], token)])  # fmt: skip
+        assert slot == 0 and n == len(prompt)
+        return token, drafts
+
+    def tail() -> TailMtp:
+        return TailMtp(MtpProposer.load(tmp_path, max_streams=1, max_context=64), k=2)
+
+    kept = tail()
+    first = prefill(kept, REPETITIVE)
+    assert len(first[1]) == 2  # both depths proposed
+    kept.release(0)  # the stream ended: the slot's state goes with it
+    again = prefill(kept, [3, 1, 4, 1, 5, 9, 2, 6])
+    assert again == prefill(tail(), [3, 1, 4, 1, 5, 9, 2, 6])  # as from a fresh tail
+
+
 def test_mtp_proposals_from_a_deepseek_v4_checkpoint_s_mtp_layer_leave_greedy_output_unchanged(
     with_mtp,  # noqa: F811  (the fixture imported above)
 ) -> None:
