@@ -42,6 +42,7 @@ from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.frame import Frame
 from ..engine.sampling import TailSampler, TokenLogprobs
 from ..engine.scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, StreamState, Token
+from ..engine.speculative.mtp import TailMtp, TailProposals, propose_at_tail
 from ..engine.speculative.speculator import SpeculationStats
 from ..engine.speculative.verify import tail_step
 from ..engine.structured import Grammars
@@ -98,6 +99,7 @@ class Head:
         self.compute, self.send_next = compute, send
         self.plan_hash, self.metrics, self.status = plan_hash, metrics, status
         self.sampler = TailSampler(backend.spec.eos_token_ids, grammars) if send is None else None
+        self.tail_mtp: TailMtp | None = None  # a one-stage fleet's MTP layers (the stage sets them)
         self.streams: dict[tuple[bytes, int], StreamState] = {}
         self.nonce = 0
         self.last_probe = 0.0
@@ -344,16 +346,31 @@ class Head:
         self.sampler.observe(slots, positions, ids)
         tokens, errors, logprobs, prompt = tail_step(
             self.sampler, [slots[r] for r in rows], [positions[r] for r in rows], [ids[r] for r in rows], logits,
-            lambda: list(zip(slots, positions, ids, strict=True)),
+            lambda: list(zip(slots, positions, ids, strict=True)), step.draft_probs,
         )  # fmt: skip
         self._send_prompt_logprobs(step, prompt)
         self.deliver([self._fail_slot(step, slot, exc.code, str(exc)) for slot, exc in errors.items()])
+        hidden = getattr(self.backend, "last_hidden", None)
+        if self.tail_mtp is not None and hidden is not None:
+            first: dict[int, int] = {}  # each slot's first output row's position: its tokens follow it
+            for r in rows:
+                first.setdefault(slots[r], positions[r])
+            emitted = [(s, first[s] + i, t) for s, got in tokens.items() for i, t in enumerate(_tokens_of(got))]
+            self._receive_proposals(propose_at_tail(self.tail_mtp, (slots, positions, ids), hidden, emitted))
         self.deliver(self.scheduler.complete(step.id, tokens, time.monotonic(), logprobs))
 
     @staticmethod
     def _start(stream: StreamState) -> tuple[int, int, int]:
         """A starting stream's prompt rows to score, draws made before, and where its output begins."""
         return 0 if stream.replays else len(stream.prompt), len(stream.generated), len(stream.prompt)
+
+    def _receive_proposals(self, proposals: list[tuple[int, int, list[int]]]) -> None:
+        """The tail's mtp proposals (slot, position of the stream's newest token, drafts), for the
+        streams' next windows."""
+        speculator = self.scheduler.speculator
+        if proposals and speculator is not None and isinstance(speculator.proposer, TailProposals):
+            for slot, position, drafts in proposals:
+                speculator.proposer.receive(slot, position, drafts)
 
     def _send_prompt_logprobs(self, step: Step | None, scored: Mapping[int, list[tuple[int, TokenLogprobs]]]) -> None:
         """Prompt tokens' log-probabilities to their clients, before the stream's first token."""
@@ -385,6 +402,7 @@ class Head:
             for slot, record in zip(msg.prompt_slots, msg.prompt_logprobs, strict=True):
                 prompt.setdefault(slot, []).append((record.row, record.value()))
             self._send_prompt_logprobs(self.scheduler.in_flight.get(msg.step), prompt)
+            self._receive_proposals([(r.slot, r.position, list(r.token_ids)) for r in msg.proposals])
             self.deliver(self.scheduler.complete(msg.step, tokens, time.monotonic(), logprobs))
             self.pump()
         elif isinstance(msg, wire.HeartbeatMsg):
@@ -473,5 +491,11 @@ class Head:
         self.backend.release(slot)
         if self.sampler is not None:
             self.sampler.release(slot)
+        if self.tail_mtp is not None:
+            self.tail_mtp.release(slot)
         if self.send_next is not None:
             self.send_next(wire.ReleaseMsg(slots=(slot,)))
+
+
+def _tokens_of(got: int | list[int]) -> list[int]:
+    return [got] if isinstance(got, int) else list(got)

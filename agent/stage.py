@@ -21,6 +21,7 @@ which sends every engine call to the stage's other ranks (:mod:`.follower`) befo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ import torch
 import zmq
 
 from ..engine.backend import StageBackend, backend_info, load_backend
-from ..engine.errors import ErrorCode, ModelfleetError
+from ..engine.errors import ConfigError, ErrorCode, ModelfleetError
 from ..engine.expert_offload import StoreOptions, expert_counters, offload_experts, placement_report, stores_of
 from ..engine.formats.plain import PLAIN_DTYPES
 from ..engine.formats.plan import FormatPlan
@@ -46,6 +47,8 @@ from ..engine.sampling import TailSampler
 from ..engine.scheduler import Scheduler
 from ..engine.shard import Shard
 from ..engine.speculative.build import build_proposer
+from ..engine.speculative.config import SpeculativeConfig
+from ..engine.speculative.mtp import MtpProposer, TailMtp, TailProposals, propose_at_tail
 from ..engine.speculative.speculator import Speculator
 from ..engine.speculative.verify import tail_step
 from ..engine.structured import Grammars
@@ -136,6 +139,7 @@ class AgentConfig:
     http_port: int | None = None  # default: the stage's port + 1 (ranks r > 0: on their own host)
     tensor_timeout_seconds: float = 300.0  # the rendezvous, or a collective, waiting longer fails
     tensor_lost_exit_seconds: float = 10.0  # a leader whose group is lost reports Failed, then exits
+    speculative: SpeculativeConfig | None = None  # the head's speculative decoding instead of the plan's
 
 
 class StageAgent:
@@ -166,6 +170,7 @@ class StageAgent:
         self.backend: StageBackend | None = None
         self.sampler: TailSampler | None = None  # the tail's
         self.grammars: Grammars | None = None  # the tail's structured-output compiler
+        self.tail_mtp: TailMtp | None = None  # the tail's MTP layers (speculative method mtp)
         self.context = zmq.Context()
         self.inbox: zmq.Socket[Any] | None = None
         self.outbox: zmq.Socket[Any] | None = None
@@ -213,11 +218,13 @@ class StageAgent:
             replay_timeout_seconds=self.plan.serving.replay_timeout_seconds,
         )  # fmt: skip
         scheduler = Scheduler(scheduler_config(self.plan, self.backend, len(self.stages)), self._speculator())
-        return Head(
+        head = Head(
             scheduler, self.backend, head_config, compute=self.compute, send=None if self.is_tail else self.send,
             context=self.context, plan_hash=self.plan.plan_hash(), metrics=self.metrics, status=self.status,
             grammars=self.grammars,
         )  # fmt: skip
+        head.tail_mtp = self.tail_mtp  # a one-stage fleet's head is its tail: it proposes there
+        return head
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -254,6 +261,7 @@ class StageAgent:
             self.grammars = Grammars(self.plan.model.path, backend.spec.vocab_size)
             self.grammars.prepare()
             self.sampler = TailSampler(backend.spec.eos_token_ids, self.grammars)
+            self.tail_mtp = self._tail_mtp(backend)
 
     def _loaded(self, done: int, total: int) -> None:
         self.status.layers_loaded = done
@@ -384,12 +392,43 @@ class StageAgent:
                 ))  # fmt: skip
 
     def _speculator(self) -> Speculator | None:
-        """The head's speculative decoding, as the plan asks (a draft model runs on this stage's device)."""
-        config = self.plan.serving.speculative_config()
+        """The head's speculative decoding, as the agent's override or else the plan asks (a draft
+        model runs on this stage's device; mtp runs at the tail, which returns its proposals)."""
+        config = self.config.speculative or self.plan.serving.speculative_config()
         if config is None:
             return None
+        if config.method == "mtp":
+            return Speculator(config, TailProposals(), clock=time.monotonic)
         proposer = build_proposer(config, self.plan.model.path, self.plan.streams_per_group, self.stage.device)
-        return Speculator(config, proposer)
+        # a draft samples from its own q only where the verifier gets q: a head that is the tail too
+        return Speculator(config, proposer, clock=time.monotonic, sampled_drafts=self.is_tail)
+
+    def _tail_mtp(self, backend: StageBackend) -> TailMtp | None:
+        """The tail's MTP layers, when the plan speculates with them: they read the final hidden
+        rows of every frame, which the tail's shard keeps from now on."""
+        config = self.plan.serving.speculative_config()
+        if config is None or config.method != "mtp":
+            return None
+        if not isinstance(backend, Shard):
+            raise ConfigError(
+                f"speculative method \"mtp\" reads the tail's final hidden rows; stage {self.stage.stage_index}'s "
+                f"backend ({type(backend).__name__}) does not keep them: use a torch stage without tensor parallelism"
+            )
+        plan = self.plan
+        proposer = MtpProposer.load(plan.model.path, plan.streams_per_group, plan.serving.context_length,
+                                    self.stage.device)  # fmt: skip
+        backend.keep_hidden = proposer.reads
+        return TailMtp(proposer, config.num_speculative_tokens)
+
+    def _proposals(self, frame: Frame, tokens: wire.TokensMsg) -> tuple[wire.ProposalRecord, ...]:
+        """The tail's mtp proposals after the tokens it just sampled for ``frame``."""
+        hidden = getattr(self.backend, "last_hidden", None)
+        if self.tail_mtp is None or hidden is None or frame.token_ids is None:
+            return ()
+        rows = (frame.slots.tolist(), frame.positions.tolist(), frame.token_ids.tolist())
+        emitted = list(zip(tokens.slots.tolist(), tokens.positions.tolist(), tokens.token_ids.tolist(), strict=True))
+        return tuple(wire.ProposalRecord(slot=slot, position=n, token_ids=tuple(drafts))
+                     for slot, n, drafts in propose_at_tail(self.tail_mtp, rows, hidden, emitted))  # fmt: skip
 
     def on_message(self, msg: wire.Message, arrived: float) -> None:
         """A message arriving at a stage after the head."""
@@ -454,9 +493,12 @@ class StageAgent:
             positions = frame.positions.tolist()
             ids = [] if frame.token_ids is None else frame.token_ids.tolist()
             output_tokens = [ids[r] for r in rows] if ids else None  # a verify window's proposals
-            self.send(
-                self.sample(msg, starts, [slots[r] for r in rows], [positions[r] for r in rows], output_tokens, out)
+            sampled = self.sample(
+                msg, starts, [slots[r] for r in rows], [positions[r] for r in rows], output_tokens, out
             )
+            if self.tail_mtp is not None:
+                sampled = dataclasses.replace(sampled, proposals=self._proposals(frame, sampled))
+            self.send(sampled)
         else:
             self.send(wire.FrameMsg(
                 microbatch=msg.microbatch, step=msg.step, slots=frame.slots, positions=frame.positions, hidden=out,
@@ -517,6 +559,8 @@ class StageAgent:
                 self.backend.release(slot)
             if self.sampler is not None:
                 self.sampler.release(slot)
+            if self.tail_mtp is not None and slot < self.backend.slots.max_slots:
+                self.tail_mtp.release(slot)
 
     def rewind(self, slot: int, position: int) -> None:
         assert self.backend is not None

@@ -42,6 +42,7 @@ from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.kvcache import SlotState
 from ..engine.sampling import LOGPROB_FLOOR, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from ..engine.scheduler import FinishReason
+from ..engine.speculative.config import MAX_SPECULATIVE_TOKENS
 from ..engine.structured import MAX_SPEC_CHARS
 
 # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
@@ -49,7 +50,8 @@ from ..engine.structured import MAX_SPEC_CHARS
 # 5: continuations (submit.continued), a replayed stream's output history (stream_start.output_position),
 #    a slot's state from a drained stage to its replacement (slot_state)
 # 6: a structured-output grammar spec, JSON text (stream_start, submit)
-PROTOCOL_VERSION = 6
+# 7: the tail's mtp proposals beside its tokens (tokens.proposals)
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20
@@ -350,6 +352,17 @@ class LogprobsRecord(Checked):
         return TokenLogprobs(self.logprob, self.top_ids, self.top_logprobs)
 
 
+@dataclass(frozen=True)
+class ProposalRecord(Checked):
+    """Tokens the tail's MTP layers propose for the stream in ``slot`` after its token at
+    ``position`` (its newest): the head's next verify window of that stream carries them."""
+
+    TYPE: ClassVar[str] = "proposal"
+    slot: int = wire(SLOT)
+    position: int = wire(POSITION)
+    token_ids: tuple[int, ...] = wire(IntList(MAX_SPECULATIVE_TOKENS, Int(0, MAX_TOKEN_ID)), ())
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class SamplingFields(Checked):
     """The sampling parameters a stream travels with, one definition for stream_start (head ->
@@ -467,6 +480,7 @@ class TokensMsg(Message):
     # prompt tokens' log-probabilities (record.row: the prompt position), of the streams in prompt_slots
     prompt_slots: tuple[int, ...] = wire(IntList(MAX_ROWS, SLOT), ())
     prompt_logprobs: tuple[LogprobsRecord, ...] = wire(Records(LogprobsRecord, MAX_ROWS), ())
+    proposals: tuple[ProposalRecord, ...] = wire(Records(ProposalRecord, MAX_SLOTS), ())  # the tail's mtp
 
     def check(self) -> None:
         _records_name_rows(self.TYPE, self.logprobs, int(self.slots.shape[0]))

@@ -170,6 +170,17 @@ class LocalModel:
             x = shard(Frame(frame.slots, frame.positions, frame.token_ids, hidden=x, output_rows=frame.output_rows))
         return x
 
+    def keep_hidden(self, kind: str = "normed") -> None:
+        """From now on every frame's final hidden rows are kept (:attr:`final_hidden`; ``kind``:
+        see Shard.keep_hidden), for an MTP proposer; fixed-shape decode steps (which would not
+        keep them) are off."""
+        self.shards[-1].keep_hidden, self.static_decode = kind, False
+
+    @property
+    def final_hidden(self) -> torch.Tensor | None:
+        """The last frame's final hidden rows [R, H], after the final norm, when kept."""
+        return self.shards[-1].last_hidden
+
     def run_step(self, step: Step) -> torch.Tensor:
         """Logits [N, vocab] of a scheduler step's output rows."""
         if step.decode_only:
@@ -286,12 +297,15 @@ def generate_batch(
                     sampler.start(stream.slot, stream.params, len(stream.prompt))
                     seated.add(stream.slot)
                 logits = model.run_step(step)
+                if speculator is not None and speculator.reads_hidden and model.final_hidden is not None:
+                    speculator.observe(step.slots, step.positions, model.final_hidden)
                 rows = step.output_rows
                 sampler.observe(list(step.slots), list(step.positions), list(step.token_ids))
                 tokens, errors, logprobs, scored = tail_step(
                     sampler, [step.slots[r] for r in rows], [step.positions[r] for r in rows],
                     [step.token_ids[r] for r in rows], logits,
                     lambda: list(zip(step.slots, step.positions, step.token_ids, strict=True)),  # noqa: B023  (called at once)
+                    step.draft_probs,
                 )  # fmt: skip
                 if errors:
                     raise next(iter(errors.values()))

@@ -183,6 +183,9 @@ class Step:
     streams: tuple[StreamState, ...]  # every stream with rows here, in row order
     new_streams: tuple[StreamState, ...]  # streams whose first rows are here: the tail starts their samplers
     sent_at: float
+    proposing_seconds: float = 0.0  # what proposing this step's tokens took (the speculator's D)
+    draft_probs: Mapping[int, torch.Tensor] = field(default_factory=dict)  # by slot: q [window's proposals, V]
+    # of proposals a draft sampled (the verifier needs them; absent: one-hot q)
 
     @property
     def rows(self) -> int:
@@ -310,6 +313,9 @@ class Scheduler:
         sampled: list[StreamState] = []
         new: list[StreamState] = []
         drafts = self._drafts([s for s in streams if not s.prefilling])
+        proposing = self.speculator.last_proposing_seconds if drafts and self.speculator is not None else 0.0
+        probs = self.speculator.proposal_probs if drafts and self.speculator is not None else {}
+        draft_probs = {s.slot: probs[s][: len(d)] for s, d in drafts.items() if d and s in probs}
         for stream in streams:
             if stream.scheduled == 0:
                 new.append(stream)
@@ -335,7 +341,7 @@ class Scheduler:
                 sampled += [stream] * due
         step = Step(
             next(self._ids), index, tuple(slots), tuple(positions), tuple(tokens), tuple(output_rows),
-            tuple(sampled), tuple(streams), tuple(new), now,
+            tuple(sampled), tuple(streams), tuple(new), now, proposing, draft_probs,
         )  # fmt: skip
         self.in_flight[step.id] = step
         return step
@@ -346,7 +352,9 @@ class Scheduler:
         if self.speculator is None or not decoding:
             return {}
         room = [self.config.context_length - s.confirmed for s in decoding]  # proposals must fit the context
-        chosen = self.speculator.drafts([(s, [*s.prompt, *s.generated]) for s in decoding])
+        chosen = self.speculator.drafts(
+            [(s, [*s.prompt, *s.generated]) for s in decoding], [s.params for s in decoding]
+        )
         return {s: d[: max(0, r)] for s, d, r in zip(decoding, chosen, room, strict=True)}
 
     def complete(
@@ -364,8 +372,9 @@ class Scheduler:
         step = self.in_flight.pop(step_id, None)
         if step is None:
             return []
-        if now is not None and self.speculator is not None:
-            self.speculator.step_time(step.rows, now - step.sent_at)
+        if now is not None and self.speculator is not None and len(step.sampled) == step.rows:
+            # V(k) from steps of decode rows and verify windows only, the proposing (D) taken out
+            self.speculator.step_time(step.rows, now - step.sent_at - step.proposing_seconds)
         events: list[Event] = []
         for stream in dict.fromkeys(step.sampled):  # each stream once, in row order
             if stream.done:

@@ -73,6 +73,11 @@ class Shard(nn.Module):
         self.entry: nn.Module | None = None
         self.exit: nn.Module | None = None
         self.residual_shape: tuple[int, ...] = residual_shape(spec)
+        # the last shard keeps its frame's final hidden rows for a proposer that reads them
+        # (engine.speculative.mtp): "normed" after the final norm (Inkling's MTP), "residual" the
+        # last layer's output as it is (DeepSeek-V4's hyper-connection streams); "" keeps none
+        self.keep_hidden = ""
+        self.last_hidden: torch.Tensor | None = None
 
     @property
     def is_first(self) -> bool:
@@ -349,6 +354,10 @@ class Shard(nn.Module):
         ids = None if frame.token_ids is None else frame.token_ids.to(self.device)
         x = self.run_layers(x, FrameContext(segments, frame.positions.to(self.device), token_ids=ids))
         self.commit_segments(segments)
+        if self.keep_hidden == "residual":
+            self.last_hidden = x
+        elif self.keep_hidden and self.norm is not None:
+            self.last_hidden = self.norm(x if self.exit is None else self.exit(x))
         if frame.output_rows is not None and self.head is not None:
             x = x[frame.output_rows.to(self.device)]
         return self.output(x)

@@ -36,8 +36,8 @@ class TextTokenizer:
         # encode_batch, unlike encode, lets go of the GIL while it runs (a 3 MiB prompt takes seconds)
         return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

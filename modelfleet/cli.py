@@ -34,8 +34,9 @@ app = typer.Typer(
 err = Console(stderr=True, soft_wrap=True)
 ROLE_HELP = f"{', '.join(WEIGHT_FORMATS)}, or none to keep it as stored."
 SPECULATIVE_HELP = (
-    'Speculative decoding, as JSON: {"method": "ngram"|"phrase"|"hybrid", "num_speculative_tokens": K, '
-    '"prompt_lookup_max": N, "phrase_table": FILE, "adaptive": true}. The output is the same as without it '
+    'Speculative decoding, as JSON: {"method": "ngram"|"phrase"|"hybrid"|"draft_model"|"mtp", '
+    '"num_speculative_tokens": K, "prompt_lookup_max": N, "phrase_table": FILE, "model": DRAFT, "adaptive": true}'
+    " (mtp: the checkpoint's own MTP layers). The output is the same as without it "
     "(greedy: token for token; sampling: the same distribution)."
 )
 
@@ -196,7 +197,10 @@ def generate(
 
         speculator = None
         if config is not None:
-            speculator = Speculator(config, build_proposer(config, model, len(batch), device))
+            proposer = build_proposer(config, model, len(batch), device, lm.max_context)
+            speculator = Speculator(config, proposer, clock=time.perf_counter, sampled_drafts=True)
+            if speculator.reads_hidden:  # mtp: the target's final hidden rows are its input
+                lm.keep_hidden(getattr(proposer, "reads", "normed"))
         results = generate_batch(lm, batch, params, on_token if len(batch) == 1 else None, speculator)
         if decoder:
             stream.write(decoder.flush())

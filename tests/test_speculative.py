@@ -5,18 +5,19 @@ tables, the scheduler's verify windows and rewinds, and generate's output unchan
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import pytest
 import torch
+from test_family_deepseek_v4 import tiny, with_mtp  # noqa: F401  (fixtures: a tiny DeepSeek-V4 with its MTP layer)
 
 from modelfleet.engine.errors import InputError
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel, generate, generate_batch
 from modelfleet.engine.sampling import SamplingParams, filter_logits
 from modelfleet.engine.scheduler import Finish, FinishReason, Rewind, Scheduler, SchedulerConfig, Token
-from modelfleet.engine.speculative.adaptive import Fallback, StepCosts, best_width, joint_widths, monotonic
+from modelfleet.engine.speculative.adaptive import Acceptance, Fallback, StepCosts, best_width, joint_widths, monotonic
 from modelfleet.engine.speculative.config import SpeculativeConfig
 from modelfleet.engine.speculative.proposers import HybridProposer, NgramProposer, PhraseTable
 from modelfleet.engine.speculative.speculator import Speculator
@@ -118,15 +119,29 @@ def biased_verify(logits, drafts, params, generator, draft_probs=None):  # type:
     return type("V", (), {"tokens": [*drafts[:accepted], token]})
 
 
+def no_residual_verify(logits, drafts, params, generator, draft_probs):  # type: ignore[no-untyped-def]
+    """Accepts with min(1, p / q) but draws a rejected position's token from p, not from the
+    residual max(p - q, 0): the draft's likely tokens come out too often."""
+    for i, draft in enumerate(drafts):
+        p, q = filter_logits(logits[i], params), draft_probs[i]
+        if float(torch.rand((), generator=generator)) < min(1.0, float(p[draft] / q[draft])):
+            continue
+        return type("V", (), {"tokens": [*drafts[:i], int(torch.multinomial(p, 1, generator=generator))]})
+    bonus = filter_logits(logits[len(drafts)], params)
+    return type("V", (), {"tokens": [*drafts, int(torch.multinomial(bonus, 1, generator=generator))]})
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)])
 def test_rejection_sampling_emits_the_targets_distribution_and_a_biased_verifier_is_caught(params) -> None:
     samples = 6000
     exact = distance_to_target(first_two_tokens(verify, samples, params), params)
-    q = torch.softmax(torch.randn(2, 6, generator=torch.Generator().manual_seed(3)), dim=-1)
+    # a draft's own q, proposals drawn from it: sharper than p (a skipped residual shows most then)
+    q = torch.softmax(3 * TARGET[:2], dim=-1)
     with_draft = distance_to_target(first_two_tokens(verify, samples, params, q), params)
     biased = distance_to_target(first_two_tokens(biased_verify, samples, params), params)
+    biased_q = distance_to_target(first_two_tokens(no_residual_verify, samples, params, q), params)
     assert exact < 0.04 and with_draft < 0.04, (exact, with_draft)  # sampling noise at 6000 draws is ~0.01-0.02
-    assert biased > 0.1, biased
+    assert biased > 0.1 and biased_q > 0.1, (biased, biased_q)
 
 
 def test_a_seed_reproduces_a_speculative_sample() -> None:
@@ -200,7 +215,6 @@ def test_a_new_request_starts_with_a_fresh_controller() -> None:
     "text, why",
     [
         ('{"method": "medusa"}', "unknown"),
-        ('{"method": "mtp"}', "not built"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
         ('{"method": "ngram", "k": 3}', "unknown field"),
         ('{"method": "ngram", "adaptive": 1}', "must be a bool"),
@@ -281,6 +295,83 @@ def test_proposals_never_run_past_the_context() -> None:
     scheduler = speculative_scheduler(7, 8, 9, max_tokens_context=6)
     _, step = decode_step(scheduler, [10, 11, 12, 13], first=5)
     assert step.positions == (4, 5)  # position 5 is the context's last
+
+
+class Ticking:
+    """A clock that advances ``tick`` seconds each time it is read."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+class Costly(Fixed):
+    """A proposer that pays a frame per proposed position, like a draft model; it notes the depth asked."""
+
+    method = "draft_model"
+
+    def __init__(self, *drafts: int):
+        super().__init__(*drafts)
+        self.asked: list[int] = []
+
+    def propose(self, tokens, k):  # type: ignore[no-untyped-def]
+        self.asked.append(k)
+        return self.drafts[:k]
+
+
+def test_prefill_steps_do_not_price_decode_rows_and_the_proposing_time_is_not_verify_time() -> None:
+    config = SchedulerConfig(max_streams=1, context_length=64, vocab_size=100, window_rows=8)
+    speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=3, adaptive=False), Fixed(7, 8, 9),
+                           clock=Ticking(0.25))  # fmt: skip
+    scheduler = Scheduler(config, speculator)
+    stream = scheduler.submit("s", [10, 11, 12], SamplingParams(max_tokens=16, stop_token_ids=()), 0.0)
+    prefill = scheduler.schedule(0.0)[0]
+    scheduler.complete(prefill.id, {stream.slot: 5}, now=9.0)  # a prefill window: not a V(k) measurement
+    assert speculator.costs.seconds == {}
+    step = scheduler.schedule(10.0)[0]
+    assert step.proposing_seconds == 0.25  # the clock read twice around proposing
+    scheduler.complete(step.id, {stream.slot: [7, 4]}, now=11.0)
+    assert dict(speculator.costs.seconds) == {4: deque([0.75])}  # 1 s less the proposing
+    assert speculator.stats.proposing_seconds == 0.25
+
+
+def test_joint_widths_charge_a_draft_frame_per_position_of_the_widest_window() -> None:
+    flat = StepCosts()
+    flat.record(1, 1.0)
+    assert joint_widths([[0.9, 0.9, 0.9]], 0.0, flat, row_budget=4) == [3]
+    # each position costs 0.5 s of drafting: E(k) / (0.5 k + 1) = 1, 1.27, 1.36, 1.38
+    assert joint_widths([[0.9, 0.9, 0.9]], 0.5, flat, row_budget=4) == [3]
+    assert joint_widths([[0.6, 0.6, 0.6]], 0.5, flat, row_budget=4) == [1]  # 1.07 > 1.06 > 1.0
+    assert joint_widths([[0.4, 0.4, 0.4]], 0.5, flat, row_budget=4) == [0]  # 1.4 / 1.5 < 1
+
+
+def test_a_costly_proposer_is_asked_only_for_the_depth_the_width_model_finds_worth_it() -> None:
+    speculator = Speculator(SpeculativeConfig("draft_model", num_speculative_tokens=4, model="draft"), Costly(7, 8, 9, 6),
+                            clock=Ticking(0.5))  # fmt: skip
+    speculator.step_time(1, 1.0)
+    for _ in range(40):
+        speculator.record("a", 4, 4)  # every proposal survived so far
+    assert speculator.drafts([("a", [1, 2, 3])]) == [[7, 8, 9, 6]]  # D unmeasured: the full depth
+    assert speculator.draft_cost(1) == 0.5 / 4
+    speculator.acceptance = Acceptance(prior=0.05, prior_weight=1000.0)  # proposals now rarely survive
+    assert speculator.drafts([("a", [1, 2, 3])]) == [[]]
+    assert speculator.proposer.asked == [4]  # not asked at all: drafting would not pay
+
+
+def test_a_draft_model_s_own_probabilities_are_the_survival_confidences_of_its_proposals() -> None:
+    class Confident(Costly):
+        def propose(self, tokens, k):  # type: ignore[no-untyped-def]
+            self.confidences = {"a": [0.95, 0.9, 0.05, 0.9][:k]}  # the third proposal is a guess
+            return super().propose(tokens, k)
+
+    speculator = Speculator(SpeculativeConfig("draft_model", num_speculative_tokens=4, model="draft"),
+                            Confident(7, 8, 9, 6))  # fmt: skip
+    speculator.step_time(1, 1.0)
+    speculator.step_time(5, 1.2)  # a wider window costs a little more
+    assert speculator.drafts([("a", [1, 2, 3])]) == [[7, 8]]  # the acceptance prior (0.5 a position) would take 3
 
 
 # ---- through the engine ----------------------------------------------------------------------
@@ -366,13 +457,214 @@ def test_the_demo_draft_proposes_for_the_demo_model_and_greedy_output_is_unchang
     assert stats.drafted > 0 and stats.accepted > 0.2 * stats.drafted, stats  # a trained draft agrees often
 
 
-def test_a_draft_whose_vocabulary_differs_from_the_targets_is_refused(tiny_checkpoint) -> None:
+def test_a_sampled_stream_s_draft_proposes_from_its_own_q_which_reaches_the_verifier(monkeypatch) -> None:
+    from modelfleet.engine.speculative import verify as verify_module
+    from modelfleet.engine.speculative.build import build_proposer
+    from modelfleet.engine.tokenizer import TextTokenizer
+
+    seen: list[torch.Tensor | None] = []
+
+    def spy(logits, drafts, params, generator=None, draft_probs=None):  # type: ignore[no-untyped-def]
+        seen.append(draft_probs)
+        if draft_probs is not None:  # q is a distribution over the vocabulary, and each proposal was possible
+            assert draft_probs.shape == (len(drafts), logits.shape[-1])
+            assert torch.allclose(draft_probs.sum(-1), torch.ones(len(drafts)), atol=1e-4)
+            assert all(float(draft_probs[i, d]) > 0 for i, d in enumerate(drafts))
+        return verify(logits, drafts, params, generator, draft_probs)
+
+    monkeypatch.setattr(verify_module, "verify", spy)
+    prompt = TextTokenizer(DEMO).encode("def fibonacci(n):\n    ")
+    lm = LocalModel.load(DEMO, max_slots=2)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, stop_token_ids=()) for s in (1, 2)]
+    config = SpeculativeConfig("draft_model", model=str(DEMO / "draft"), num_speculative_tokens=3, adaptive=False)
+
+    def run() -> tuple[list[list[int]], Speculator]:
+        speculator = Speculator(config, build_proposer(config, DEMO, max_streams=2), sampled_drafts=True)
+        return [r.token_ids for r in generate_batch(lm, [prompt, prompt], params, speculator=speculator)], speculator
+
+    first, speculator = run()
+    assert any(q is not None for q in seen), "no window was verified with the draft's q"
+    assert speculator.stats.drafted > 0 and speculator.stats.accepted > 0, speculator.stats
+    assert run()[0] == first and first[0] != first[1]  # a seed reproduces the stream, drafts and all
+
+
+# ---- mtp: the checkpoint's own next-token-prediction layers ----------------------------------
+
+
+def test_mtp_proposals_from_an_inkling_checkpoint_s_mtp_layers_leave_greedy_output_unchanged(tmp_path) -> None:
+    from inkling_tiny import save_text_model_with_mtp
+
+    from modelfleet.engine.models.inkling_mtp import InklingMtp
+    from modelfleet.engine.speculative.build import build_proposer
+    from modelfleet.engine.speculative.mtp import MtpProposer
+
+    save_text_model_with_mtp(tmp_path)
+    lm = LocalModel.load(tmp_path, max_slots=3, max_context=128)
+    params = SamplingParams(max_tokens=20, stop_token_ids=())
+    prompts = [REPETITIVE, [3, 1, 4, 1, 5, 9, 2, 6], REPETITIVE[3:]]
+    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
+    config = SpeculativeConfig("mtp", num_speculative_tokens=2, adaptive=False)
+    proposer = build_proposer(config, tmp_path, max_streams=3, max_context=128)
+    assert isinstance(proposer, MtpProposer) and proposer.depths == 2
+    # each proposal is what a fresh chain drafts over all the stream's rows: the kept chain state
+    # never holds a row of an abandoned proposal
+    fresh, seen, checked = InklingMtp.load(tmp_path), {}, []
+    fresh.allocate_cache(3, 128)
+    observe, propose = proposer.observe, proposer._propose
+
+    def observing(slots, positions, hidden):  # type: ignore[no-untyped-def]
+        for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
+            seen.setdefault(slot, {})[position] = hidden[row].clone()
+        observe(slots, positions, hidden)
+
+    def proposing(slot, tokens, k):  # type: ignore[no-untyped-def]
+        drafts = propose(slot, tokens, k)
+        n = len(tokens) - 1
+        rows = torch.stack([seen[slot][p] for p in range(n)])
+        assert drafts == fresh.draft(slot, 0, rows, tokens[1:])[0][:k]
+        checked.append(n)
+        return drafts
+
+    proposer.observe, proposer._propose = observing, proposing  # type: ignore[method-assign]
+    speculator = Speculator(config, proposer)
+    lm.keep_hidden()
+    spec = [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)]
+    assert spec == plain
+    stats = speculator.stats
+    assert stats.drafted > 0 and stats.widths[2] > 0, stats  # both depths proposed, every proposal verified
+    assert len(checked) >= 10
+    # every stream's chain state went with it; a second run gives the same again (nothing stale)
+    assert proposer.hidden == {} and proposer.clean == {}
+    again = [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)]
+    assert again == plain
+    # through the CLI
+    from typer.testing import CliRunner
+
+    from modelfleet.cli import app
+
+    base = ["generate", "--model", str(tmp_path), "--prompt-ids", ",".join(map(str, REPETITIVE)), "--max-tokens",
+            "20", "--json"]  # fmt: skip
+    spec_cli = CliRunner().invoke(
+        app, [*base, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    )
+    assert spec_cli.exit_code == 0, spec_cli.output
+    out = json.loads(spec_cli.stdout.strip().splitlines()[-1])
+    assert out["token_ids"] == plain[0] and out["speculative"]["method"] == "mtp" and out["speculative"]["drafted"] > 0
+
+
+def test_the_tail_s_mtp_proposes_after_each_window_and_a_released_slot_starts_afresh(tmp_path) -> None:
+    from inkling_tiny import save_text_model_with_mtp
+
+    from modelfleet.engine.speculative.mtp import MtpProposer, TailMtp, propose_at_tail
+
+    save_text_model_with_mtp(tmp_path)
+    lm = LocalModel.load(tmp_path, max_slots=1, max_context=64)
+    lm.keep_hidden()
+
+    def prefill(mtp: TailMtp, prompt: list[int]) -> tuple[int, list[int]]:
+        """The prompt through the target in slot 0, its next token sampled (greedy): the tail's proposals."""
+        lm.release(0)
+        positions = list(range(len(prompt)))
+        logits = lm.forward(Frame.of_streams([(0, 0, prompt)]))
+        token = int(logits[-1].argmax())
+        assert lm.final_hidden is not None
+        [(slot, n, drafts)] = propose_at_tail(mtp, ([0] * len(prompt), positions, prompt), lm.final_hidden,
+                                              [(0, positions[-1], token)])  # fmt: skip
+        assert slot == 0 and n == len(prompt)
+        return token, drafts
+
+    def tail() -> TailMtp:
+        return TailMtp(MtpProposer.load(tmp_path, max_streams=1, max_context=64), k=2)
+
+    kept = tail()
+    first = prefill(kept, REPETITIVE)
+    assert len(first[1]) == 2  # both depths proposed
+    kept.release(0)  # the stream ended: the slot's state goes with it
+    again = prefill(kept, [3, 1, 4, 1, 5, 9, 2, 6])
+    assert again == prefill(tail(), [3, 1, 4, 1, 5, 9, 2, 6])  # as from a fresh tail
+
+
+def test_mtp_proposals_from_a_deepseek_v4_checkpoint_s_mtp_layer_leave_greedy_output_unchanged(
+    with_mtp,  # noqa: F811  (the fixture imported above)
+) -> None:
+    from modelfleet.engine.speculative.build import build_proposer
+    from modelfleet.engine.speculative.mtp import MtpProposer
+
+    directory, _ = with_mtp
+    lm = LocalModel.load(directory, max_slots=2, max_context=128)
+    params = SamplingParams(max_tokens=16, stop_token_ids=())
+    prompts = [REPETITIVE, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
+    config = SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False)
+    proposer = build_proposer(config, directory, max_streams=2, max_context=128)
+    assert isinstance(proposer, MtpProposer) and proposer.depths == 1 and proposer.reads == "residual"
+    speculator = Speculator(config, proposer)
+    lm.keep_hidden(proposer.reads)
+    assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
+    assert speculator.stats.drafted > 0 and set(speculator.stats.widths) <= {0, 1}, speculator.stats
+
+
+def test_mtp_is_refused_without_mtp_layers(tiny_checkpoint) -> None:
+    from modelfleet.engine.errors import ConfigError
     from modelfleet.engine.speculative.build import build_proposer
 
     path, _ = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ConfigError, match="has none the engine serves"):
+        build_proposer(SpeculativeConfig("mtp"), path)
+
+
+def test_a_draft_whose_vocabulary_differs_and_cannot_be_bridged_is_refused(tiny_checkpoint) -> None:
+    from modelfleet.engine.speculative.build import build_proposer
+
+    path, _ = tiny_checkpoint("qwen3_moe")  # no tokenizer.json: nothing to bridge through
     config = SpeculativeConfig("draft_model", model=str(DEMO / "draft"))
-    with pytest.raises(InputError, match="must share the target's tokenizer"):
+    with pytest.raises(InputError, match="bridged through text, which needs both tokenizer.json"):
         build_proposer(config, path)
+
+
+def renumbered_draft(folder: Path) -> Path:
+    """The demo draft with another tokenizer: every ordinary token's id reversed (the special
+    tokens keep theirs), its embedding rows (the tied head too) moved with them, so it predicts
+    the same text through different ids."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(DEMO / "draft", folder)
+    document = json.loads((folder / "tokenizer.json").read_text())
+    vocab: dict[str, int] = document["model"]["vocab"]
+    special = len(document["added_tokens"])
+    size = len(vocab)
+    moved = {old: (old if old < special else size - 1 - (old - special)) for old in vocab.values()}
+    document["model"]["vocab"] = {token: moved[old] for token, old in vocab.items()}
+    (folder / "tokenizer.json").write_text(json.dumps(document))
+    tensors = load_file(folder / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    order = torch.empty(size, dtype=torch.int64)
+    for old, new in moved.items():
+        order[new] = old
+    tensors["model.embed_tokens.weight"] = embed[order].contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_draft_with_another_tokenizer_is_bridged_through_text_and_greedy_output_is_unchanged(tmp_path) -> None:
+    from modelfleet.engine.speculative.build import build_proposer
+    from modelfleet.engine.speculative.draft import BridgedDraftProposer
+    from modelfleet.engine.tokenizer import TextTokenizer
+
+    draft = renumbered_draft(tmp_path / "draft")
+    prompts = [TextTokenizer(DEMO).encode(text) for text in ("def fibonacci(n):\n    ", "import os\nimport sys\n\n\n")]
+    lm = LocalModel.load(DEMO, max_slots=2)
+    params = SamplingParams(max_tokens=24, stop_token_ids=())
+    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
+    config = SpeculativeConfig("draft_model", model=str(draft), num_speculative_tokens=3, adaptive=False)
+    proposer = build_proposer(config, DEMO, max_streams=2)
+    assert isinstance(proposer, BridgedDraftProposer)
+    speculator = Speculator(config, proposer)
+    assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
+    stats = speculator.stats
+    assert stats.drafted > 0 and stats.accepted > 0.2 * stats.drafted, stats  # the same draft, through text
 
 
 def test_the_draft_model_proposer_needs_a_model() -> None:

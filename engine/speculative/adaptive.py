@@ -13,7 +13,9 @@ every total), and the total is the one that maximises expected tokens per second
 
 V is measured online from the caller's own step times (:class:`StepCosts`: the head's times
 include the pipeline's latency; the fastest recent step of each size), forced monotonic in the
-row count. S_i comes from each stream's
+row count; only steps of decode rows and verify windows are timed (a prefill window's rows would
+price a decode row at a prefill's cost), and a draft model's own time is D, measured apart from
+the step's (:class:`~engine.speculative.draft.DraftModelProposer` times its frames). S_i comes from each stream's
 measured acceptance per proposal position (:class:`Acceptance`). The :class:`Fallback` controller
 stops proposing for a stream whose acceptance falls under tau, and probes again later.
 """
@@ -55,16 +57,21 @@ def joint_widths(
 ) -> list[int]:
     """Widths for several streams sharing one step: ``streams[j]`` are stream j's per-position
     confidences (its length is the stream's largest width); the step already has one row per
-    stream and at most ``row_budget`` rows in all."""
+    stream and at most ``row_budget`` rows in all. ``draft_cost`` is D per proposal depth: a
+    draft model proposes every stream's i-th token in one frame, so a step whose widest window
+    is w pays w * ``draft_cost`` before it is sent (0 for proposers that cost nothing)."""
     widths = [0] * len(streams)
     base = len(streams)
     gains = sorted(
         ((-s, j) for j, confidences in enumerate(streams) for s in survival(confidences)), key=lambda g: g[0]
     )  # each stream's gains fall with the position, so a stream's rows stay in order
     best, best_rate, expected = 0, len(streams) / step_cost.cost(base), float(len(streams))
-    for extra, (neg_gain, _) in enumerate(gains[: max(0, row_budget - base)], start=1):
+    trial, depth = [0] * len(streams), 0
+    for extra, (neg_gain, j) in enumerate(gains[: max(0, row_budget - base)], start=1):
         expected -= neg_gain
-        rate = expected / ((draft_cost if extra else 0.0) + step_cost.cost(base + extra))
+        trial[j] += 1
+        depth = max(depth, trial[j])
+        rate = expected / (draft_cost * depth + step_cost.cost(base + extra))
         if rate > best_rate:
             best, best_rate = extra, rate
     for _, j in gains[:best]:

@@ -22,10 +22,15 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import InputError
 from .config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..sampling import SamplingParams
 
 
 class Proposer(Protocol):
@@ -50,22 +55,18 @@ class NgramProposer:
         self.max_n, self.min_n = prompt_lookup_max, prompt_lookup_min
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        if k < 1:
+        if k < 1 or len(tokens) < 2:
             return []
+        # where the last token occurred before, latest first: every match of a longer suffix ends
+        # at one of them (one pass over the stream, then only those places are compared)
+        last = tokens[-1]
+        ends = [i for i in range(len(tokens) - 2, -1, -1) if tokens[i] == last]
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = _last_earlier_match(tokens, n)
-            if start is not None:
-                return list(tokens[start + n : start + n + k])
+            suffix = list(tokens[-n:])
+            for end in ends:
+                if end >= n - 1 and list(tokens[end - n + 1 : end + 1]) == suffix:
+                    return list(tokens[end + 1 : end + 1 + k])
         return []
-
-
-def _last_earlier_match(tokens: Sequence[int], n: int) -> int | None:
-    """Start of the latest occurrence of the last ``n`` tokens that ends before the sequence does."""
-    suffix = list(tokens[-n:])
-    for start in range(len(tokens) - n - 1, -1, -1):
-        if list(tokens[start : start + n]) == suffix:
-            return start
-    return None
 
 
 class PhraseTable:
@@ -155,6 +156,20 @@ class BatchProposer(Protocol):
     def propose_many(self, streams: Sequence[tuple[Hashable, Sequence[int]]], k: int) -> list[list[int]]: ...
 
     def forget(self, key: Hashable) -> None: ...
+
+
+@runtime_checkable
+class SampledProposer(Protocol):
+    """A proposer that can draw its proposals from its own distribution q and return q with them
+    (a draft model, engine.speculative.draft): ``sampling[i]`` is stream i's (parameters,
+    generator), None for its argmax; q [k, V] per stream, None where the proposals are argmaxes."""
+
+    def propose_sampled(
+        self,
+        streams: Sequence[tuple[Hashable, Sequence[int]]],
+        k: int,
+        sampling: Sequence[tuple[SamplingParams, torch.Generator] | None],
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]: ...
 
 
 class HybridProposer:

@@ -20,7 +20,7 @@ emitted token has the distribution plain sampling would give it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,29 +114,35 @@ def tail_step(
     token_ids: Sequence[int] | None,
     logits: torch.Tensor,
     frame_rows: Callable[[], list[tuple[int, int, int]]],
+    draft_probs: Mapping[int, torch.Tensor] | None = None,
 ) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError], dict[int, TokenLogprobs], PromptLogprobs]:
     """The tail's work on a step's output rows (``slots``, ``positions``, input ``token_ids``,
     ``logits`` [R, V]): prompt rows of streams that asked for prompt log-probabilities are scored
     (``frame_rows``: (slot, position, input token) of every row of the frame, asked for only
-    then), the others sampled (:func:`sample_step`)."""
+    then), the others sampled (:func:`sample_step`; ``draft_probs``: q of sampled proposals, by slot)."""
     prompt = sampler.prompt_rows(list(slots), list(positions))
     if not any(prompt) and not sampler.scorers:
-        return (*sample_step(sampler, slots, token_ids, logits), {})
+        return (*sample_step(sampler, slots, token_ids, logits, draft_probs), {})
     score = [i for i, is_prompt in enumerate(prompt) if is_prompt]
     keep = [i for i, is_prompt in enumerate(prompt) if not is_prompt]
     scored = sampler.score_prompts([(slots[i], positions[i]) for i in score], logits[score], frame_rows())
     kept_ids = None if token_ids is None else [token_ids[i] for i in keep]
-    return (*sample_step(sampler, [slots[i] for i in keep], kept_ids, logits[keep]), scored)
+    return (*sample_step(sampler, [slots[i] for i in keep], kept_ids, logits[keep], draft_probs), scored)
 
 
 def sample_step(
-    sampler: TailSampler, slots: Sequence[int], token_ids: Sequence[int] | None, logits: torch.Tensor
+    sampler: TailSampler,
+    slots: Sequence[int],
+    token_ids: Sequence[int] | None,
+    logits: torch.Tensor,
+    draft_probs: Mapping[int, torch.Tensor] | None = None,
 ) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError], dict[int, TokenLogprobs]]:
     """The tail's tokens for a step's output rows: ``slots[r]`` and ``token_ids[r]`` are output
         row r's stream slot and input token, ``logits`` [R, V]. A slot's lone row is sampled; a run of
         rows of one slot is a verify window (its input tokens after the first are the proposals) and
         emits its accepted proposals and one token (``token_ids`` None: a frame without them, whose
-    windows cannot be verified). A row that cannot be sampled fails its slot alone."""
+    windows cannot be verified; ``draft_probs``: by slot, q [proposals, V] of a window whose
+    proposals a draft sampled, else q is one-hot). A row that cannot be sampled fails its slot alone."""
     windows: dict[int, list[int]] = {}
     for row, slot in enumerate(slots):
         windows.setdefault(slot, []).append(row)
@@ -157,8 +163,15 @@ def sample_step(
         drafts = [token_ids[r] for r in rows[1:]]
         if stream.skip:  # a stream prefilled again after a lost stage: its generator catches up first
             stream.catch_up(logits.shape[-1])
+        q = None if draft_probs is None else draft_probs.get(slot)
+        if q is not None and tuple(q.shape) != (len(drafts), logits.shape[-1]):
+            errors[slot] = InputError(
+                f"slot {slot}'s proposal distributions have shape {list(q.shape)}; its window needs "
+                f"[{len(drafts)}, {logits.shape[-1]}] (a draft of the target's vocabulary)"
+            )
+            continue
         try:
-            tokens[slot] = verify(logits[rows], drafts, stream.params, stream.generator).tokens
+            tokens[slot] = verify(logits[rows], drafts, stream.params, stream.generator, q).tokens
         except RuntimeError as exc:  # a distribution that is not one (torch.multinomial)
             errors[slot] = InputError(f"sampling failed for these sampling parameters: {exc}")
     return tokens, errors, logprobs

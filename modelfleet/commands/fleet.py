@@ -147,8 +147,14 @@ DTYPE_HELP = "Compute dtype: float32, bfloat16 or float16 (what activations and 
 DEVICE_HELP = "Where the stages run: cpu, cuda or cuda:N (CPU or GPU with --backend openvino)."
 SERVED_NAME_HELP = "The model name the gateway serves (the `model` field of requests; default: the folder's name)."
 SPECULATIVE_HELP = (
-    'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid", '
+    'Speculative decoding at every head, as JSON: {"method": "ngram"|"phrase"|"hybrid"|"draft_model"|"mtp", '
     '"num_speculative_tokens": K, ...} (serving.speculative in the plan); the output is unchanged.'
+)
+
+
+AGENT_SPECULATIVE_HELP = (
+    "Speculative decoding at this head (stage 0) instead of the plan's serving.speculative, as JSON "
+    "(same keys); other stages ignore it. The plan and its hash are unchanged."
 )
 
 
@@ -238,6 +244,9 @@ def agent(
     tp_rank: int = typer.Option(
         0, "--tp-rank", envvar="MF_TP_RANK", min=0, help="Tensor rank in the stage; rank 0 serves it, others follow."
     ),
+    speculative_config: str | None = typer.Option(
+        None, "--speculative-config", envvar="MF_SPECULATIVE_CONFIG", metavar="JSON", help=AGENT_SPECULATIVE_HELP
+    ),
     log_level: str = typer.Option("INFO", "--log-level", envvar="MF_LOG_LEVEL"),
 ) -> None:
     """Run one stage of a fleet: load its layers, serve frames (stage 0 also schedules streams)."""
@@ -249,6 +258,7 @@ def agent(
     from modelfleet.agent.stage import AgentConfig, StageAgent
     from modelfleet.engine.backend import backend_refusal
     from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.engine.speculative.config import SpeculativeConfig
     from modelfleet.plan import load
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -267,8 +277,18 @@ def agent(
                 f"--tp-rank {tp_rank} is outside stage {stage}'s tensor group (tp_size={tp_size}, ranks 0..{tp_size - 1})"
             )
         keys = transport.load_keypair(keys_dir, "fleet") if keys_dir else None
+        speculative = speculative_option(speculative_config)
+        planned = fleet_plan.serving.speculative_config()
+        if (
+            speculative is not None
+            and "mtp" in (speculative["method"], planned and planned.method)
+            and (planned is None or planned.method != speculative["method"])
+        ):
+            fail("--speculative-config cannot switch to or from mtp: its MTP layers run at the tail, which reads the "
+                 "plan's serving.speculative; put mtp in the plan instead")  # fmt: skip
         config = AgentConfig(fleet_plan, stage, group, http_host=http_host, keys=keys, tp_rank=tp_rank,
-                             http_port=http_port)  # fmt: skip
+                             http_port=http_port,
+                             speculative=None if speculative is None else SpeculativeConfig.from_mapping(speculative))  # fmt: skip
         runner: StageAgent | FollowerAgent = StageAgent(config) if tp_rank == 0 else FollowerAgent(config)
     except ModelfleetError as exc:
         fail(str(exc))
