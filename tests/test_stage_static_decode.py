@@ -23,8 +23,12 @@ from modelfleet.commands.fleet import make_plan
 from modelfleet.engine.backend import load_backend
 from modelfleet.engine.errors import InputError
 from modelfleet.engine.frame import Frame
+from modelfleet.engine.generate import LocalModel, generate_batch
 from modelfleet.engine.sampling import SamplingParams
+from modelfleet.engine.scheduler import Step
 from modelfleet.engine.shard import Shard
+from modelfleet.engine.speculative.config import SpeculativeConfig
+from modelfleet.engine.speculative.speculator import Speculator
 from modelfleet.engine.static_decode import StaticDecoder, StaticSteps
 
 SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 2), (2, 3), (3, 4)]}  # the tiny models have 4 layers
@@ -216,6 +220,53 @@ def test_a_stage_agent_runs_frames_from_the_wire_as_static_steps_when_every_row_
             assert len(steps) - before == int(static)
     finally:
         agent.close()
+
+
+class StagedModel(LocalModel):
+    """generate_batch's model run as a fleet runs it: each step's frame (Step.frame, flagged
+    decode-only by the scheduler) through the stages in turn."""
+
+    decode_steps = 0
+
+    def run_step(self, step: Step) -> torch.Tensor:
+        self.decode_steps += step.decode_only
+        return through(self.shards, step.frame())[-1]
+
+
+REPETITIVE = [5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17, 33, 5, 9]
+
+
+def speculative_generation_through_stages(path, monkeypatch, **load) -> list[Shard]:  # type: ignore[no-untyped-def]
+    """Speculative greedy generation (ngram, width 4) through two static stages gives the tokens of
+    plain generation in one process on general frames; verify windows ran as static steps."""
+    prompts = [REPETITIVE, [3, 1, 4, 1, 5, 9, 2, 6], REPETITIVE[3:]]
+    params = SamplingParams(max_tokens=24, stop_token_ids=())
+    plain = LocalModel.load(path, max_slots=3, max_context=64, static_decode=False, **load)
+    expected = [r.token_ids for r in generate_batch(plain, prompts, params)]
+    stages = pipeline(path, True, 2, slots=3, context=64, **load)
+    steps = count_steps(monkeypatch)
+    speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, adaptive=False))
+    model = StagedModel(stages, static_decode=False)
+    results = generate_batch(model, prompts, params, speculator=speculator)
+    assert [r.token_ids for r in results] == expected
+    assert speculator.stats.drafted > 0 and speculator.stats.accepted > 0
+    assert model.decode_steps > 10 and len(steps) == 2 * model.decode_steps  # every decode step, on both stages
+    assert max(steps) > len(prompts)  # verify windows among them
+    return stages
+
+
+def test_speculative_generation_through_static_stages_gives_the_plain_tokens(tiny_checkpoint, monkeypatch):
+    path, _ = tiny_checkpoint("qwen3_moe")
+    speculative_generation_through_stages(path, monkeypatch)
+
+
+@cuda_only
+@pytest.mark.gpu
+def test_speculative_generation_through_cuda_stages_replays_graphs(tiny_checkpoint, monkeypatch):
+    path, _ = tiny_checkpoint("qwen3_moe")
+    stages = speculative_generation_through_stages(path, monkeypatch, device="cuda")
+    for stage in stages:
+        assert sum(d.replays[True] for d in steps_of(stage).decoders.values()) > 0
 
 
 @cuda_only
