@@ -171,7 +171,7 @@ def count_steps(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 def test_a_stage_agent_runs_frames_from_the_wire_as_static_steps_when_every_row_is_sampled(
-    tiny_checkpoint, tmp_path, monkeypatch
+    tiny_checkpoint, monkeypatch
 ):
     """The middle stage of three: a frame whose rows are all output rows and start no stream runs
     as a static step; one that starts a stream (its one-token prompt) or samples only some rows
@@ -191,17 +191,9 @@ def test_a_stage_agent_runs_frames_from_the_wire_as_static_steps_when_every_row_
         steps = count_steps(monkeypatch)
         params = SamplingParams(max_tokens=4)
         start = wire.StreamStart.of(2, params, prompt_tokens=1)
+        opening = (wire.StreamStart.of(0, params), wire.StreamStart.of(1, params))
         frames = [  # (slots, positions, token ids, output rows, new streams), and whether it is static
-            (
-                (
-                    [0, 0, 1],
-                    [0, 1, 0],
-                    [5, 17, 64],
-                    (1, 2),
-                    (wire.StreamStart.of(0, params), wire.StreamStart.of(1, params)),
-                ),
-                False,
-            ),
+            (([0, 0, 1], [0, 1, 0], [5, 17, 64], (1, 2), opening), False),  # two prompts
             (([0, 1], [2, 1], [99, 21], (0, 1), ()), True),
             (([1, 0, 0, 2], [2, 3, 4, 0], [7, 3, 8, 33], (0, 1, 2, 3), (start,)), False),  # slot 2 starts
             (([2, 1, 0], [1, 3, 5], [4, 5, 6], (0, 1, 2), ()), True),
