@@ -472,7 +472,10 @@ class StageAgent:
     def on_frame(self, msg: wire.FrameMsg, arrived: float) -> None:
         assert self.backend is not None
         output_rows = torch.tensor(msg.output_rows, dtype=torch.int64)
-        frame = Frame(msg.slots, msg.positions, token_ids=msg.token_ids, hidden=msg.hidden, output_rows=output_rows)
+        # every row's output wanted, no stream starting: a fixed-shape step may run it
+        decode_only = len(msg.output_rows) == msg.slots.shape[0] and not msg.new_streams
+        frame = Frame(msg.slots, msg.positions, token_ids=msg.token_ids, hidden=msg.hidden, output_rows=output_rows,
+                      decode_only=decode_only)  # fmt: skip
         refused = self.backend.refusals(frame)
         for slot, exc in refused.items():  # only these streams fail; the frame's other rows go on
             self._refuse(msg, exc, slot)

@@ -5,7 +5,9 @@ this protocol only, so a backend (torch today, OpenVINO next) plugs in without t
 request path. A backend owns layers ``[layer_start, layer_end)`` of one model and their per-slot
 state; the head decides which slot holds which stream (:mod:`.scheduler`), a backend only keeps
 the state. ``forward`` returns float32 hidden states [R, *residual_shape] from a stage before the last,
-and float32 logits [N, vocab] of the frame's ``output_rows`` from the last.
+and float32 logits [N, vocab] of the frame's ``output_rows`` from the last. A torch stage runs a
+frame flagged ``Frame.decode_only`` as a fixed-shape step (a CUDA graph replay on GPUs,
+:class:`~.static_decode.StaticSteps`) where it can, and every other frame as a general one.
 
 A tensor-parallel group wraps a backend (:class:`modelfleet.agent.tensor_group.TensorStage`); a
 chain of backends in one process is :class:`modelfleet.engine.generate.LocalModel`.
@@ -26,6 +28,7 @@ from .frame import Frame
 from .kvcache import SlotState, SlotTable
 from .shard import Shard
 from .spec import ModelSpec
+from .static_decode import StaticSteps
 from .tensor_parallel import TensorGroup
 
 BACKENDS = ("torch", "openvino")  # the names a fleet plan's stage may give
@@ -80,9 +83,11 @@ def load_backend(
     tensor: TensorGroup | None = None,
     on_layer: Callable[[int, int], None] | None = None,
     progress: bool = False,
+    static_decode: bool | None = None,
 ) -> StageBackend:
     """The backend ``name`` holding layers [layer_start, layer_end) of the checkpoint (this rank's
-    share of them when ``tensor`` is given)."""
+    share of them when ``tensor`` is given). ``static_decode``: decode-only frames as fixed-shape
+    steps (None: on CUDA, where the shard supports them; the OpenVINO backend runs general frames)."""
     refusal = backend_refusal(name, device)
     if refusal is not None:
         raise InputError(refusal)
@@ -98,10 +103,12 @@ def load_backend(
             model_dir, layer_start, layer_end, device=device, dtype=dtype, formats=formats, cache_dir=default_cache_dir(),
             on_layer=on_layer, progress=progress,
         )  # fmt: skip
-    return Shard.load(
+    shard = Shard.load(
         model_dir, layer_start, layer_end, device=device, dtype=dtype, formats=formats, tensor=tensor,
         on_layer=on_layer, progress=progress,
     )  # fmt: skip
+    shard.static_steps = StaticSteps([shard], static_decode)
+    return shard
 
 
 def backend_info(backend: object) -> dict[str, object]:

@@ -8,6 +8,8 @@ takes ``token_ids`` [R]; every later shard takes ``hidden`` [R, *residual_shape]
 rows' ``token_ids`` (a family routing by token, DeepSeek-V4's hash layers, reads them).
 ``output_rows`` names the rows whose output is wanted at the end of the model (the rows a token is
 sampled from): the last shard computes the head for those rows only. None: every row.
+``decode_only`` says every row's output is wanted (each stream's decode row, or its verify window)
+and no stream starts here: a stage may run such a frame as a fixed-shape step (engine.static_decode).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Frame:
     token_ids: torch.Tensor | None = None  # [R] int64: embedded by the first shard, read by hash routing
     hidden: torch.Tensor | None = None  # [R, *residual_shape] float32, later shards
     output_rows: torch.Tensor | None = None  # [N] int64, increasing row indices; None: all R rows
+    decode_only: bool = False  # every row an output row, no stream starting (a fixed-shape step may run it)
 
     @property
     def rows(self) -> int:
@@ -60,7 +63,7 @@ class Frame:
             self.slots[index], self.positions[index],
             token_ids=None if self.token_ids is None else self.token_ids[index],
             hidden=None if self.hidden is None else self.hidden[index],
-            output_rows=output,
+            output_rows=output, decode_only=self.decode_only,
         )  # fmt: skip
 
     @staticmethod

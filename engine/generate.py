@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from .spec import ModelSpec, load_spec
 from .speculative.speculator import Speculator
 from .speculative.verify import tail_step
 from .split import even_split
-from .static_decode import MAX_GRAPH_BATCH, StaticDecoder, graph_bucket, rows_per_stream_limit, supports_static_decode
+from .static_decode import StaticDecoder, StaticSteps, supports_static_decode
 from .structured import Grammars
 from .tensor_parallel import TensorGroup
 
@@ -46,8 +45,7 @@ class LocalModel:
         # fixed-shape decode steps (CUDA graphs) by default on GPUs, where launch cost dominates
         on_gpu = shards[0].device.type == "cuda"
         self.static_decode = (on_gpu if static_decode is None else static_decode) and supports_static_decode(shards)
-        self._decoders: dict[int, StaticDecoder] = {}
-        self._rows_per_stream: int | None = None  # of a static step (the caches' limit), once asked
+        self._steps = StaticSteps(self.shards)  # every shard in one step: residuals cross in float32
         self.placements: list[StagePlacement] = []  # per shard, when its device memory was capped
         self.grammars: Grammars | None = None  # structured output's compiler (set by load: it needs the tokenizer)
 
@@ -87,6 +85,7 @@ class LocalModel:
                 progress=progress,
                 formats=formats,
                 tensor=tensor,
+                static_decode=False,  # the model's steps run every shard at once (self.decode), not shard by shard
             )  # fmt: skip
             for start, end in even_split(spec.num_layers, shards)
         ]
@@ -99,7 +98,7 @@ class LocalModel:
         if device_memory_bytes is not None:
             options = store_options or StoreOptions()
             model.placements = [offload_experts(p, device_memory_bytes // shards, None, options) for p in loaded]
-            model.static_decode = model.static_decode and not any(stores_of(p) for p in loaded)  # CPU work: eager
+            model.static_decode = model.static_decode and supports_static_decode(loaded)  # stores: eager
         return model
 
     @property
@@ -157,8 +156,6 @@ class LocalModel:
     def allocate_cache(self, max_slots: int, max_context: int, kv_budget_bytes: int | None = None) -> None:
         for shard in self.shards:
             shard.allocate_cache(max_slots, max_context, kv_budget_bytes)
-        self._decoders.clear()
-        self._rows_per_stream = None
 
     def refusals(self, frame: Frame) -> dict[int, ModelfleetError]:
         return self.shards[0].refusals(frame)
@@ -201,20 +198,15 @@ class LocalModel:
     def decode(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Logits [B, vocab] for decode rows: one per stream, or a verify window of rows at
         consecutive positions (a stream's rows adjacent)."""
-        batch = len(tokens)
-        if not self.static_decode or batch > MAX_GRAPH_BATCH or not self._static_windows_fit(slots):
-            ids = (torch.tensor(list(v), dtype=torch.int64) for v in (slots, positions, tokens))
-            return self.forward(Frame(next(ids), next(ids), token_ids=next(ids)))
-        bucket = graph_bucket(batch)
-        if bucket not in self._decoders:
-            self._decoders[bucket] = StaticDecoder(self.shards, bucket)
-        return self._decoders[bucket].step(tokens, slots, positions)
+        if self.static_decode and (logits := self._steps.decode(tokens, slots, positions)) is not None:
+            return logits
+        ids = (torch.tensor(list(v), dtype=torch.int64) for v in (slots, positions, tokens))
+        return self.forward(Frame(next(ids), next(ids), token_ids=next(ids)))
 
-    def _static_windows_fit(self, slots: Sequence[int]) -> bool:
-        """Whether no stream has more rows than a static step takes (longer windows run as frames)."""
-        if self._rows_per_stream is None:
-            self._rows_per_stream = rows_per_stream_limit(self.shards)
-        return max(Counter(slots).values(), default=0) <= self._rows_per_stream
+    @property
+    def _decoders(self) -> dict[int, StaticDecoder]:
+        """The static steps' decoders by bucket (tests look at their graphs and replays)."""
+        return self._steps.decoders
 
     def acquire(self) -> int:
         """A free slot, claimed on every shard (for callers that drive frames by hand)."""

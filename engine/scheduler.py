@@ -203,6 +203,7 @@ class Step:
             torch.tensor(self.positions, dtype=torch.int64),
             token_ids=torch.tensor(self.token_ids, dtype=torch.int64),
             output_rows=torch.tensor(self.output_rows, dtype=torch.int64),
+            decode_only=self.decode_only,
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -40,6 +41,13 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in DTYPES:
         raise InputError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+class FrameSteps(Protocol):
+    """Runs a decode-only frame as a fixed-shape step (:class:`~.static_decode.StaticSteps`), or
+    returns None to leave it to the general path."""
+
+    def run(self, frame: Frame) -> torch.Tensor | None: ...
 
 
 class Shard(nn.Module):
@@ -78,6 +86,9 @@ class Shard(nn.Module):
         # last layer's output as it is (DeepSeek-V4's hyper-connection streams); "" keeps none
         self.keep_hidden = ""
         self.last_hidden: torch.Tensor | None = None
+        # a stage's decode-only frames as fixed-shape steps (CUDA graphs), set by
+        # engine.backend.load_backend; None: every frame runs the general path
+        self.static_steps: FrameSteps | None = None
 
     @property
     def is_first(self) -> bool:
@@ -347,6 +358,8 @@ class Shard(nn.Module):
 
     @torch.inference_mode()
     def forward(self, frame: Frame) -> torch.Tensor:
+        if frame.decode_only and self.static_steps is not None and (out := self.static_steps.run(frame)) is not None:
+            return out
         slots, positions = frame.slots.tolist(), frame.positions.tolist()
         segments = segments_of(slots, positions)
         self.check_segments(segments)
