@@ -331,7 +331,8 @@ class Head:
         # prompt again (its client has those log-probabilities)
         starts = tuple(wire.StreamStart.of(s.slot, s.params, *self._start(s))
                        for s in step.new_streams if s.slot in set(slots))  # fmt: skip
-        draft_q = {slot: SparseQ.of(q) for slot, q in step.draft_probs.items()}  # the tail verifies with them
+        in_frame = set(slots)  # a refused stream's window (and q) is not in the frame
+        draft_q = {slot: SparseQ.of(q) for slot, q in step.draft_probs.items() if slot in in_frame}  # the tail's q
         self.send_next(wire.FrameMsg(
             microbatch=step.microbatch, step=step.id, slots=frame.slots, positions=frame.positions, hidden=out,
             token_ids=frame.token_ids, output_rows=tuple(output_rows), new_streams=starts,

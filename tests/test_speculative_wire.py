@@ -46,6 +46,11 @@ def test_a_capped_q_keeps_the_draft_s_most_likely_tokens_and_crosses_the_wire_bi
     few[0, [5, 900, 17]] = torch.tensor([0.7, 0.2, 0.1])
     got = over_the_wire({7: q, 2: few}, {2: 2, 5: 3, 7: 4}, 1000)  # q's order need not be the frame's
     assert torch.equal(got[7], q) and torch.equal(got[2], few) and set(got) == {2, 7}
+    # a stage that drops a window's rows (a refused stream) forwards the other windows' q alone
+    kept = frame_with_q({7: q, 2: few}, {2: 2, 5: 3, 7: 4}).draft_q([2, 5])
+    forwarded = wire.FrameMsg(microbatch=0, step=1, slots=torch.tensor([2, 2, 5, 5, 5]), positions=torch.arange(5),
+                              token_ids=torch.zeros(5, dtype=torch.int64), **wire.draft_q_fields(kept))  # fmt: skip
+    assert forwarded.draft_slots == (2,) and torch.equal(forwarded.draft_q()[2].dense(1000), few)
 
 
 def test_a_frame_whose_q_does_not_fit_its_windows_is_refused_naming_the_field() -> None:
