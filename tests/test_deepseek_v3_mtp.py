@@ -114,8 +114,9 @@ def test_the_reference_depends_on_every_part_of_the_formula(v3_with_mtp) -> None
 
 
 def test_mtp_proposals_from_a_deepseek_v3_checkpoint_leave_greedy_output_unchanged(v3_with_mtp) -> None:
+    from modelfleet.engine.models.deepseek_v3_mtp import load_mtp
     from modelfleet.engine.speculative.build import build_proposer
-    from modelfleet.engine.speculative.mtp import MtpProposer
+    from modelfleet.engine.speculative.mtp import MtpProposer, SingleMtp
 
     directory = v3_with_mtp[0]
     lm = LocalModel.load(directory, max_slots=2, max_context=128)
@@ -125,10 +126,33 @@ def test_mtp_proposals_from_a_deepseek_v3_checkpoint_leave_greedy_output_unchang
     config = SpeculativeConfig("mtp", num_speculative_tokens=2, adaptive=False)
     proposer = build_proposer(config, directory, max_streams=2, max_context=128)
     assert isinstance(proposer, MtpProposer) and proposer.depths == 1 and proposer.reads == "normed"
+    # each proposal is what a fresh layer drafts over all the stream's rows: the kept state never
+    # holds a row of an abandoned proposal
+    fresh = SingleMtp(load_mtp(directory), reads="normed")
+    fresh.allocate_cache(2, 128)
+    seen: dict[int, dict[int, torch.Tensor]] = {}
+    checked: list[int] = []
+    observe, propose = proposer.observe, proposer._propose
+
+    def observing(slots, positions, hidden):  # type: ignore[no-untyped-def]
+        for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
+            seen.setdefault(slot, {})[position] = hidden[row].clone()
+        observe(slots, positions, hidden)
+
+    def proposing(slot, tokens, k):  # type: ignore[no-untyped-def]
+        drafts = propose(slot, tokens, k)
+        rows = torch.stack([seen[slot][p] for p in range(len(tokens) - 1)])
+        assert drafts == fresh.draft(slot, 0, rows, tokens[1:])[0][:k]
+        checked.append(slot)
+        return drafts
+
+    proposer.observe, proposer._propose = observing, proposing  # type: ignore[method-assign]
     speculator = Speculator(config, proposer)
     lm.keep_hidden(proposer.reads)
     assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
-    assert speculator.stats.drafted > 0 and set(speculator.stats.widths) <= {0, 1}, speculator.stats
+    stats = speculator.stats
+    assert stats.drafted > 0 and stats.drafted > stats.accepted and set(stats.widths) <= {0, 1}, stats
+    assert len(checked) >= 10 and proposer.hidden == {}  # every stream's state went with it
 
 
 def test_the_cli_speculates_with_a_deepseek_v3_checkpoint_s_mtp_layer(v3_with_mtp) -> None:
