@@ -44,7 +44,7 @@ from ..engine.sampling import TailSampler, TokenLogprobs
 from ..engine.scheduler import Event, Finish, Refusal, Rewind, Scheduler, SchedulerConfig, Step, StreamState, Token
 from ..engine.speculative.mtp import TailMtp, TailProposals, propose_at_tail
 from ..engine.speculative.speculator import SpeculationStats
-from ..engine.speculative.verify import tail_step
+from ..engine.speculative.verify import SparseQ, tail_step
 from ..engine.structured import Grammars
 from ..plan import FleetPlan
 from . import transport as wire
@@ -331,9 +331,12 @@ class Head:
         # prompt again (its client has those log-probabilities)
         starts = tuple(wire.StreamStart.of(s.slot, s.params, *self._start(s))
                        for s in step.new_streams if s.slot in set(slots))  # fmt: skip
+        in_frame = set(slots)  # a refused stream's window (and q) is not in the frame
+        draft_q = {slot: SparseQ.of(q) for slot, q in step.draft_probs.items() if slot in in_frame}  # the tail's q
         self.send_next(wire.FrameMsg(
             microbatch=step.microbatch, step=step.id, slots=frame.slots, positions=frame.positions, hidden=out,
             token_ids=frame.token_ids, output_rows=tuple(output_rows), new_streams=starts,
+            **wire.draft_q_fields(draft_q),
         ))  # fmt: skip
 
     def _sample_here(self, step: Step, frame: Frame, logits: torch.Tensor) -> None:

@@ -400,8 +400,8 @@ class StageAgent:
         if config.method == "mtp":
             return Speculator(config, TailProposals(), clock=time.monotonic)
         proposer = build_proposer(config, self.plan.model.path, self.plan.streams_per_group, self.stage.device)
-        # a draft samples from its own q only where the verifier gets q: a head that is the tail too
-        return Speculator(config, proposer, clock=time.monotonic, sampled_drafts=self.is_tail)
+        # a draft samples a sampled stream's proposals from its own q, which goes with the frame to the tail
+        return Speculator(config, proposer, clock=time.monotonic, sampled_drafts=True)
 
     def _tail_mtp(self, backend: StageBackend) -> TailMtp | None:
         """The tail's MTP layers, when the plan speculates with them: they read the final hidden
@@ -506,6 +506,7 @@ class StageAgent:
             self.send(wire.FrameMsg(
                 microbatch=msg.microbatch, step=msg.step, slots=frame.slots, positions=frame.positions, hidden=out,
                 token_ids=frame.token_ids, output_rows=tuple(rows), new_streams=starts,
+                **wire.draft_q_fields(msg.draft_q(slots)),  # the kept windows' q, on to the tail
             ))  # fmt: skip
 
     def _refuse(self, msg: wire.FrameMsg, exc: ModelfleetError, slot: int | None) -> None:
@@ -536,8 +537,9 @@ class StageAgent:
         if every[2]:
             self.sampler.observe(*every)
         is_prompt = self.sampler.prompt_rows(slots, positions)
+        frame_rows = lambda: list(zip(*every, strict=False))  # noqa: E731
         tokens, errors, logprobs, prompt = tail_step(
-            self.sampler, slots, positions, output_tokens, logits, lambda: list(zip(*every, strict=False))
+            self.sampler, slots, positions, output_tokens, logits, frame_rows, msg.draft_q(slots)
         )
         for slot, exc in errors.items():
             self._refuse(msg, exc, slot)

@@ -42,7 +42,8 @@ from ..engine.errors import ErrorCode, ModelfleetError
 from ..engine.kvcache import SlotState
 from ..engine.sampling import LOGPROB_FLOOR, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from ..engine.scheduler import FinishReason
-from ..engine.speculative.config import MAX_SPECULATIVE_TOKENS
+from ..engine.speculative.config import DRAFT_SUPPORT, MAX_SPECULATIVE_TOKENS
+from ..engine.speculative.verify import SparseQ
 from ..engine.structured import MAX_SPEC_CHARS
 
 # 3: frames carry token ids to every stage (hash routing, verify windows), several tokens a slot, heartbeats
@@ -51,7 +52,8 @@ from ..engine.structured import MAX_SPEC_CHARS
 #    a slot's state from a drained stage to its replacement (slot_state)
 # 6: a structured-output grammar spec, JSON text (stream_start, submit)
 # 7: the tail's mtp proposals beside its tokens (tokens.proposals)
-PROTOCOL_VERSION = 7
+# 8: a draft's q of sampled proposals, to the tail (frame.draft_slots, draft_ids, draft_probs)
+PROTOCOL_VERSION = 8
 MAX_MESSAGE_BYTES = 64 << 20  # header + payloads; a prefill frame of 8 rows x 64 streams x 7168 fp32 is 14 MiB
 ZMQ_DROP_FACTOR = 2  # libzmq's own limit (MAXMSGSIZE, per frame) is this many times MAX_MESSAGE_BYTES
 MAX_HEADER_BYTES = 1 << 20
@@ -442,6 +444,9 @@ class FrameMsg(Message):
     hidden: torch.Tensor | None = wire(Tensor(("float32",), 2, optional=True, max_ndim=3), None)  # [R, (S,) H]
     output_rows: tuple[int, ...] = wire(IntList(MAX_ROWS, Int(0, MAX_ROWS - 1)), ())
     new_streams: tuple[StreamStart, ...] = wire(Records(StreamStart, MAX_SLOTS), ())
+    draft_slots: tuple[int, ...] = wire(IntList(MAX_SLOTS, SLOT, unique=True), ())
+    draft_ids: torch.Tensor | None = wire(Tensor(("int64",), 2, optional=True), None)  # [P, N]
+    draft_probs: torch.Tensor | None = wire(Tensor(("float32",), 2, optional=True), None)  # [P, N]
 
     def check(self) -> None:
         rows = _rows(self.TYPE, self.slots, MAX_ROWS)
@@ -461,6 +466,28 @@ class FrameMsg(Message):
         if self.output_rows and self.output_rows[-1] >= rows:
             raise MalformedMessage(f"frame.output_rows names row {self.output_rows[-1]} of a {rows}-row frame")
         _new_streams_in_frame(self.new_streams, self.slots)
+        _draft_q_in_frame(self)
+
+    def draft_q(self, slots: Iterable[int] | None = None) -> dict[int, SparseQ]:
+        """Each draft window's q by slot (only ``slots``' where given)."""
+        counts = _draft_rows(self)
+        wanted = None if slots is None else set(slots)
+        out, start = {}, 0
+        for slot in self.draft_slots:
+            if self.draft_ids is not None and self.draft_probs is not None and (wanted is None or slot in wanted):
+                rows = slice(start, start + counts[slot])
+                out[slot] = SparseQ(self.draft_ids[rows], self.draft_probs[rows])
+            start += counts[slot]
+        return out
+
+
+def draft_q_fields(draft_q: dict[int, SparseQ]) -> dict[str, Any]:
+    """A frame's draft fields for windows' q by slot (each window's rows in ``draft_slots``' order)."""
+    if not draft_q:
+        return {}
+    qs = list(draft_q.values())  # of one vocabulary: rows of one N (SparseQ.of)
+    return {"draft_slots": tuple(draft_q), "draft_ids": torch.cat([q.ids for q in qs]),
+            "draft_probs": torch.cat([q.probs for q in qs])}  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -744,6 +771,41 @@ def _same_rows(where: str, rows: int, **tensors: torch.Tensor | None) -> None:
 def _values_in(where: str, tensor: torch.Tensor, lo: int, hi: int) -> None:
     if tensor.numel() and (int(tensor.min()) < lo or int(tensor.max()) > hi):
         raise MalformedMessage(f"{where} holds values outside [{lo}, {hi}]")
+
+
+def _draft_rows(frame: FrameMsg) -> dict[int, int]:
+    """Proposals (rows after a window's first) of each draft window's slot in ``frame``."""
+    wanted = set(frame.draft_slots)
+    counts: dict[int, int] = {}
+    for slot in frame.slots.tolist():
+        if slot in wanted:
+            counts[slot] = counts.get(slot, -1) + 1
+    return counts
+
+
+def _draft_q_in_frame(frame: FrameMsg) -> None:
+    if not frame.draft_slots:
+        if frame.draft_ids is not None or frame.draft_probs is not None:
+            raise MalformedMessage("frame.draft_ids and frame.draft_probs need frame.draft_slots")
+        return
+    ids, probs = frame.draft_ids, frame.draft_probs
+    if ids is None or probs is None or ids.shape != probs.shape:
+        raise MalformedMessage("frame.draft_slots needs frame.draft_ids and frame.draft_probs of one shape [P, N]")
+    counts = _draft_rows(frame)
+    if missing := [s for s in frame.draft_slots if counts.get(s, 0) < 1]:
+        raise MalformedMessage(f"frame.draft_slots names slot(s) {missing} without a verify window in the frame")
+    if ids.shape[0] != sum(counts.values()) or not 1 <= ids.shape[1] <= DRAFT_SUPPORT:
+        raise MalformedMessage(
+            f"frame.draft_ids has shape {list(ids.shape)}; the draft windows need [{sum(counts.values())}, N] "
+            f"rows (one a proposal), 1 <= N <= {DRAFT_SUPPORT}"
+        )
+    _values_in("frame.draft_ids", ids, 0, MAX_TOKEN_ID)
+    if not bool(torch.isfinite(probs).all()) or float(probs.min()) < 0.0:
+        raise MalformedMessage("frame.draft_probs holds a negative or non-finite probability")
+    sums = probs.double().sum(dim=1)
+    if float((sums - 1.0).abs().max()) > 1e-3:
+        raise MalformedMessage(f"frame.draft_probs has a row summing to {float(sums[(sums - 1).abs().argmax()]):.6f}, "
+                               "not 1 (within 1e-3)")  # fmt: skip
 
 
 def _new_streams_in_frame(starts: tuple[StreamStart, ...], slots: torch.Tensor) -> None:

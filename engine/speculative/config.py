@@ -15,6 +15,10 @@ from ..errors import InputError
 METHODS = ("ngram", "phrase", "hybrid", "draft_model", "mtp")
 BUILT = METHODS  # every method runs in generate and in a fleet (mtp at the tail; the CRD's enum)
 MAX_SPECULATIVE_TOKENS = 16
+# a draft samples from its q kept to this many most likely tokens (renormalised): q then travels
+# to a fleet's tail as (ids, probabilities) pairs, bounded whatever the vocabulary (4 proposals of
+# 64 pairs: 3 KiB a stream, where dense float32 rows of DeepSeek's 129k vocabulary are 2 MiB)
+DRAFT_SUPPORT = 64
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ the step in one frame per token. For a greedy stream (or where the verifier cann
 the proposals are the draft's argmax, verified with a one-hot q (engine.speculative.verify),
 exact at any temperature; for a sampled stream whose verifier receives them
 (:meth:`DraftModelProposer.propose_sampled`), they are draws from the draft's own distribution q
-(after the request's temperature, top-k, top-p and min-p, from a generator of the stream's own),
-and q goes with them: the verifier accepts with min(1, p / q) and corrects from the residual.
+(after the request's temperature, top-k, top-p and min-p, kept to its DRAFT_SUPPORT most likely
+tokens, from a generator of the stream's own), and q goes with them (to a fleet's tail too): the verifier accepts with min(1, p / q) and corrects from the residual.
 
 A draft with another tokenizer is bridged through text (seed 000): :class:`BridgedDraftProposer`
 decodes the stream with the target's tokenizer and encodes the text with the draft's (the draft's
@@ -31,6 +31,7 @@ from ..frame import Frame
 from ..generate import LocalModel
 from ..sampling import SamplingParams, filter_logits
 from ..tokenizer import TextTokenizer
+from .verify import cap_support
 
 
 class DraftModelProposer:
@@ -90,7 +91,7 @@ class DraftModelProposer:
             picked, sure = top.indices.tolist(), top.values.tolist()
             for i, how in enumerate(drawn):
                 if how is not None:
-                    q = filter_logits(logits[i].to("cpu", torch.float32), how[0])
+                    q = cap_support(filter_logits(logits[i].to("cpu", torch.float32), how[0]))
                     picked[i] = int(torch.multinomial(q, 1, generator=how[1]))
                     probs[i].append(q)
                     sure[i] = float(q[picked[i]])

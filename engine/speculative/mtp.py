@@ -1,6 +1,6 @@
 """The ``mtp`` proposer: a checkpoint's own multi-token-prediction layers propose the next tokens.
 
-An MTP chain (Inkling's, engine.models.inkling_mtp; DeepSeek-V4's one layer, :class:`SingleMtp`)
+An MTP chain (Inkling's, engine.models.inkling_mtp; DeepSeek-V3's or DeepSeek-V4's one layer, :class:`SingleMtp`)
 reads the target's final hidden state g_r of
 each row r with the token one place after it, and its depth k predicts the token k + 2 places
 after r. So it proposes from what the target computed: the caller hands it every step's final
@@ -38,12 +38,12 @@ from ..errors import ConfigError
 from ..spec import load_spec
 
 if TYPE_CHECKING:
-    from ..models.deepseek_v4_mtp import MTPHead
+    from ..frame import Frame
 
 
 class MtpChain(Protocol):
     """What the proposer needs of an MTP module (engine.models.inkling_mtp.InklingMtp, or
-    :class:`SingleMtp` over DeepSeek-V4's layer)."""
+    :class:`SingleMtp` over DeepSeek-V3's or DeepSeek-V4's layer)."""
 
     depths: torch.nn.ModuleList
 
@@ -77,7 +77,7 @@ class MtpProposer:
 
     @classmethod
     def load(cls, target: str | Path, max_streams: int, max_context: int, device: str = "cpu") -> MtpProposer:
-        """The MTP layers of an Inkling (``num_mtp_layers``) or DeepSeek-V4 (``num_nextn_predict_layers``)
+        """The MTP layers of an Inkling (``num_mtp_layers``) or DeepSeek-V3/V4 (``num_nextn_predict_layers``)
         checkpoint, with state for ``max_streams`` streams of ``max_context`` positions."""
         spec = load_spec(target)
         chain: MtpChain
@@ -88,11 +88,15 @@ class MtpProposer:
         elif spec.family == "deepseek_v4" and spec.get("num_nextn_predict_layers"):
             from ..models.deepseek_v4_mtp import load_mtp
 
-            chain = SingleMtp(load_mtp(target, device=device))
+            chain = SingleMtp(load_mtp(target, device=device), reads="residual")
+        elif spec.family == "deepseek_v3" and spec.get("num_nextn_predict_layers"):
+            from ..models.deepseek_v3_mtp import load_mtp as load_v3_mtp
+
+            chain = SingleMtp(load_v3_mtp(target, device=device), reads="normed")
         else:
             raise ConfigError(
-                f"speculative method \"mtp\" reads a checkpoint's MTP layers (Inkling's num_mtp_layers, DeepSeek-V4's "
-                f"num_nextn_predict_layers); {target} ({spec.family}) has none the engine serves: use ngram, phrase, "
+                f"speculative method \"mtp\" reads a checkpoint's MTP layers (Inkling's num_mtp_layers, DeepSeek-V3's "
+                f"and DeepSeek-V4's num_nextn_predict_layers); {target} ({spec.family}) has none the engine serves: use ngram, phrase, "
                 "hybrid or draft_model"
             )
         chain.allocate_cache(max_streams, max_context)
@@ -141,17 +145,25 @@ class MtpProposer:
             self.release(slot)
 
 
+class MtpLayer(Protocol):
+    """One MTP layer with its own per-stream state: DeepSeek-V4's (engine.models.deepseek_v4_mtp.MTPHead)
+    or DeepSeek-V3's (engine.models.deepseek_v3_mtp.DeepseekV3Mtp)."""
+
+    def allocate(self, max_slots: int, max_context: int) -> None: ...
+
+    def __call__(self, frame: Frame) -> torch.Tensor: ...
+
+
 class SingleMtp(torch.nn.Module):
-    """DeepSeek-V4's MTP layer (engine.models.deepseek_v4_mtp.MTPHead, one depth) as a chain: it
-    reads the last layer's hyper-connection streams as they are, and its state is rewound by
+    """One MTP layer (one depth) as a chain; ``reads``: the target's hidden rows it takes
+    (Shard.keep_hidden): DeepSeek-V4's the last layer's hyper-connection streams as they are
+    ("residual"), DeepSeek-V3's those after the final norm ("normed"). Its state is rewound by
     moving each slot's length back (its caches keep a rewind slack, as a shard's do)."""
 
-    reads = "residual"
-
-    def __init__(self, head: MTPHead):
+    def __init__(self, head: MtpLayer, reads: str):
         super().__init__()
-        self.head = head
-        self.depths = torch.nn.ModuleList([head])
+        self.head, self.reads = head, reads
+        self.depths = torch.nn.ModuleList([head])  # type: ignore[list-item]  # both layers are modules
         self.lengths: dict[int, int] = {}
 
     def allocate_cache(self, max_slots: int, max_context: int) -> None:

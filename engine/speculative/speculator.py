@@ -66,9 +66,9 @@ class Speculator:
     ``row_budget``: most rows one step may carry (None: every stream at the widest window).
     ``clock``: seconds, monotonic (time.perf_counter), to measure the proposer's cost D with;
     None: D counts as 0 and no time is measured (pure table tests).
-    ``sampled_drafts``: the verifier receives :attr:`proposal_probs` (the tail runs in this
-    process), so a draft model samples its proposals for sampled streams from its own q; False:
-    its proposals are its argmax (a one-hot q, which needs nothing sent)."""
+    ``sampled_drafts``: the verifier receives :attr:`proposal_probs` (in this process, or sent
+    with the frame to a fleet's tail), so a draft model samples its proposals for sampled streams
+    from its own q; False: its proposals are its argmax (a one-hot q, which needs nothing sent)."""
 
     def __init__(
         self,

@@ -16,6 +16,11 @@ target's logits at those k + 1 rows give p_1..p_{k+1} (row i predicts the token 
 
 p is filtered exactly as plain sampling filters it (temperature, top-k, top-p, min-p), so every
 emitted token has the distribution plain sampling would give it.
+
+A draft's q is kept to its ``DRAFT_SUPPORT`` most likely tokens (:func:`cap_support`) before the
+draft samples from it: any q is exact so long as the proposal was drawn from the q the verifier
+gets, and a capped q reaches a fleet's tail as :class:`SparseQ` (ids and probabilities), which
+:meth:`SparseQ.dense` rebuilds bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from ..errors import InputError, ModelfleetError
 from ..sampling import SamplingParams, TailSampler, TokenLogprobs, filter_logits
+from .config import DRAFT_SUPPORT
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,39 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(weights / weights.sum(), 1, generator=generator))
 
 
+def cap_support(q: torch.Tensor, support: int = DRAFT_SUPPORT) -> torch.Tensor:
+    """q [..., V] kept to its ``support`` largest entries, renormalised (ties: torch.topk's pick)."""
+    if q.shape[-1] <= support:
+        return q
+    top = q.topk(support, dim=-1)
+    kept = torch.zeros_like(q).scatter_(-1, top.indices, top.values)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class SparseQ:
+    """A window's q rows over at most ``DRAFT_SUPPORT`` tokens each: ids [k, N] int64 and their
+    probabilities [k, N] float32 (the rest of each row is 0), as they travel to a fleet's tail."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    @classmethod
+    def of(cls, q: torch.Tensor) -> SparseQ:
+        """q [k, V] with at most DRAFT_SUPPORT nonzero entries a row (:func:`cap_support`'s)."""
+        top = q.to(torch.float32).topk(min(DRAFT_SUPPORT, q.shape[-1]), dim=-1)
+        return cls(top.indices.to(torch.int64), top.values)
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        """[k, vocab] float32: the q it was made from (zeros added to zeros where a row had fewer
+        than N tokens); InputError for an id outside the vocabulary."""
+        if self.ids.numel() and int(self.ids.max()) >= vocab:
+            raise InputError(f"a proposal distribution names token {int(self.ids.max())}, outside the target's "
+                             f"vocabulary of {vocab} (a draft of another vocabulary)")  # fmt: skip
+        q = torch.zeros(self.ids.shape[0], vocab, dtype=torch.float32)
+        return q.scatter_add_(1, self.ids, self.probs.to(torch.float32))
+
+
 PromptLogprobs = dict[int, list[tuple[int, TokenLogprobs]]]  # slot -> (prompt position, its log-probabilities)
 
 
@@ -114,7 +153,7 @@ def tail_step(
     token_ids: Sequence[int] | None,
     logits: torch.Tensor,
     frame_rows: Callable[[], list[tuple[int, int, int]]],
-    draft_probs: Mapping[int, torch.Tensor] | None = None,
+    draft_probs: Mapping[int, torch.Tensor | SparseQ] | None = None,
 ) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError], dict[int, TokenLogprobs], PromptLogprobs]:
     """The tail's work on a step's output rows (``slots``, ``positions``, input ``token_ids``,
     ``logits`` [R, V]): prompt rows of streams that asked for prompt log-probabilities are scored
@@ -135,14 +174,15 @@ def sample_step(
     slots: Sequence[int],
     token_ids: Sequence[int] | None,
     logits: torch.Tensor,
-    draft_probs: Mapping[int, torch.Tensor] | None = None,
+    draft_probs: Mapping[int, torch.Tensor | SparseQ] | None = None,
 ) -> tuple[dict[int, int | list[int]], dict[int, ModelfleetError], dict[int, TokenLogprobs]]:
     """The tail's tokens for a step's output rows: ``slots[r]`` and ``token_ids[r]`` are output
         row r's stream slot and input token, ``logits`` [R, V]. A slot's lone row is sampled; a run of
         rows of one slot is a verify window (its input tokens after the first are the proposals) and
         emits its accepted proposals and one token (``token_ids`` None: a frame without them, whose
-    windows cannot be verified; ``draft_probs``: by slot, q [proposals, V] of a window whose
-    proposals a draft sampled, else q is one-hot). A row that cannot be sampled fails its slot alone."""
+    windows cannot be verified; ``draft_probs``: by slot, q [proposals, V] (or as it came over the
+    wire, :class:`SparseQ`) of a window whose proposals a draft sampled, else q is one-hot). A row
+    that cannot be sampled fails its slot alone."""
     windows: dict[int, list[int]] = {}
     for row, slot in enumerate(slots):
         windows.setdefault(slot, []).append(row)
@@ -163,7 +203,12 @@ def sample_step(
         drafts = [token_ids[r] for r in rows[1:]]
         if stream.skip:  # a stream prefilled again after a lost stage: its generator catches up first
             stream.catch_up(logits.shape[-1])
-        q = None if draft_probs is None else draft_probs.get(slot)
+        q_in = None if draft_probs is None else draft_probs.get(slot)
+        try:
+            q = q_in.dense(logits.shape[-1]) if isinstance(q_in, SparseQ) else q_in
+        except InputError as exc:
+            errors[slot] = exc
+            continue
         if q is not None and tuple(q.shape) != (len(drafts), logits.shape[-1]):
             errors[slot] = InputError(
                 f"slot {slot}'s proposal distributions have shape {list(q.shape)}; its window needs "
