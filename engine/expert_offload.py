@@ -75,8 +75,10 @@ def apply_placement(
         if chosen is None or chosen.placement is Placement.DEVICE or not isinstance(moe.experts, Bank):
             continue
         config = StoreConfig(chosen.slots, options.policy, options.q, options.cpu_workers)
-        moe.experts = ExpertStore(moe.experts, device, config, pool)
+        moe.experts = ExpertStore(moe.experts, device, config, pool, _activation_dtype(moe.experts, dtype))
         stores.append(moe.experts)
+    if stores and device.type == "cuda":  # the offloaded banks' device copies are gone: give their memory back
+        torch.cuda.empty_cache()
     with_slots = [store for store in stores if store.config.num_slots > 0]
     if with_slots and options.q is None:  # no slot anywhere: nothing can be fetched, q stays 0
         measured = measure_bandwidths(
