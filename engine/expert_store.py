@@ -410,6 +410,16 @@ class ExpertStore(nn.Module):
     def num_experts(self) -> int:
         return self.host.num_experts
 
+    def reset(self, policy: EvictionPolicy | None = None, q: float | None = None) -> None:
+        """Forget what the slots hold and the counters (a benchmark's next configuration, same banks)."""
+        with self._lock:
+            if policy is not None:
+                self.config.policy = policy
+            if q is not None:
+                self.q = StoreConfig(self.config.num_slots, self.config.policy, q).q or 0.0
+            self.slot_map = SlotMap(self.config.num_slots, self.config.policy)
+            self.counters = StoreCounters()
+
     def prefetch(self, experts: Sequence[int]) -> None:
         """Bring ``experts`` into slots ahead of the step that will need them (a router that can see
         the next layer's likely experts calls this), without evicting what the step pinned."""
