@@ -14,7 +14,7 @@ beta_g and T_c = CPU bytes / beta_c from the measured betas, and measured / boun
 synthetic (stated in the output): per layer a Zipf popularity over experts (exponent --skew),
 top k drawn without replacement per token, fixed seed, the same routes for every configuration.
 
-    python benchmarks/expert_store.py --layers 8 --cap-share 0.28 --cpu-workers 14 --out out/expert_store.json
+    python benchmarks/expert_store.py --layers 8 --cap-share 0.28 --cpu-workers 1 --cpu-threads 14 --out out/expert_store.json
 """
 
 from __future__ import annotations
@@ -130,15 +130,16 @@ def main() -> None:
     ask.add_argument("--format", default="int4")
     ask.add_argument("--cap-share", type=float, default=0.28, help="share of each layer's experts given slots")
     ask.add_argument("--skew", type=float, default=0.8, help="Zipf exponent of the synthetic routing")
-    ask.add_argument("--cpu-workers", type=int, default=14)
+    ask.add_argument("--cpu-workers", type=int, default=1, help="threads computing CPU experts")
+    ask.add_argument("--cpu-threads", type=int, default=14, help="torch intra-op threads inside each CPU expert")
     ask.add_argument("--steps", type=int, default=40)
     ask.add_argument("--warmup", type=int, default=8)
     ask.add_argument("--batches", default="1,8")
     ask.add_argument("--sweep", default="0,0.25,0.5,0.6,0.7,0.8,0.9,1")
-    ask.add_argument("--beta-c-workers", default="1,4,8,14")
+    ask.add_argument("--beta-c", default="1x1,1x4,1x8,1x14,2x7,14x1", help="workers x threads to measure betas at")
     ask.add_argument("--out", type=Path, default=None)
     args = ask.parse_args()
-    torch.set_num_threads(1)  # one thread per CPU expert worker: the workers are the parallelism
+    torch.set_num_threads(args.cpu_threads)
 
     slots = max(1, round(args.cap_share * args.experts))
     pool = ThreadPoolExecutor(args.cpu_workers, thread_name_prefix="cpu-experts")
@@ -153,22 +154,28 @@ def main() -> None:
         resident.append(bank)
     nbytes = stores[0].expert_nbytes
 
-    betas: dict[int, Bandwidths] = {}
-    for workers in sorted({*(int(w) for w in args.beta_c_workers.split(",")), args.cpu_workers}):
-        stores[0].config.cpu_workers = min(workers, args.cpu_workers)  # the pool's threads: at most cpu_workers
-        betas[workers] = measure_bandwidths(stores[0], 1.0, torch.bfloat16)
-    stores[0].config.cpu_workers = args.cpu_workers
-    measured = betas[args.cpu_workers]
+    betas: dict[str, Bandwidths] = {}
+    serving = stores[0]._pool, stores[0].config.cpu_workers
+    for combo in args.beta_c.split(","):  # both paths at once, per CPU workers x threads
+        workers, threads = (int(n) for n in combo.split("x"))
+        torch.set_num_threads(threads)
+        stores[0]._pool, stores[0].config.cpu_workers = ThreadPoolExecutor(workers), workers
+        betas[combo] = measure_bandwidths(stores[0], 1.0, torch.bfloat16)
+        stores[0]._pool.shutdown()
+        print(json.dumps({"workers_x_threads": combo, **betas[combo].as_dict()}), flush=True)
+    stores[0]._pool, stores[0].config.cpu_workers = serving
+    torch.set_num_threads(args.cpu_threads)
+    measured = measure_bandwidths(stores[0], 1.0, torch.bfloat16)
     beta_g, beta_c, q_star = measured.beta_g, measured.beta_c, measured.q_star
 
     report: dict[str, object] = {
         "shape": {"layers": args.layers, "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
                   "moe_inner": args.moe_inner, "format": args.format, "expert_bytes": nbytes},
         "slots_per_layer": slots, "cap_share": slots / args.experts, "cpu_workers": args.cpu_workers,
+        "cpu_threads": args.cpu_threads,
         "routing": f"synthetic: Zipf popularity per layer, exponent {args.skew}, top {args.top_k} without replacement",
         "beta_g": beta_g, "beta_c": beta_c, "q_star": q_star,
-        "beta_c_by_workers": {w: b.beta_c for w, b in betas.items()},
-        "beta_g_by_workers": {w: b.beta_g for w, b in betas.items()},
+        "betas_by_workers_x_threads": {c: [b.beta_g, b.beta_c] for c, b in betas.items()},
         "device": torch.cuda.get_device_name(),
         "rows": [],
     }  # fmt: skip

@@ -462,9 +462,12 @@ class ExpertStore(nn.Module):
         fetch, on_cpu = split_misses(
             [(e, self.expert_nbytes) for e in misses], self.q, self.slot_map.free_capacity(pinned)
         )
-        futures = self._launch_cpu(x, {e: rows_of[e] for e in on_cpu})
         weight_host = weight.to("cpu") if on_cpu else weight
+        x_host = x.to("cpu") if on_cpu else x
+        # the copies are queued before the CPU workers start: once they run, this thread waits
+        # for the interpreter lock between calls, and the copies no longer wait for it
         self._load([(self.slot_map.admit(e, pinned), e) for e in fetch])
+        futures = self._launch_cpu(x_host, {e: rows_of[e] for e in on_cpu})
         out: torch.Tensor | None = None
         if self.device_bank is not None and (hits or fetch):
             slot_of = self.slot_map.slot_of
@@ -567,7 +570,7 @@ class Bandwidths:
         }  # fmt: skip
 
 
-FETCH_BATCH = 4  # expert copies per wait while measuring beta_g (a step's misses are copied together)
+FETCH_BATCH = 8  # expert copies per wait while measuring beta_g (a step's misses are copied together)
 
 
 def _repeat_for(seconds: float, work: Callable[[int], int], stop: threading.Event) -> tuple[int, float]:
