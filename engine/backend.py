@@ -80,9 +80,11 @@ def load_backend(
     tensor: TensorGroup | None = None,
     on_layer: Callable[[int, int], None] | None = None,
     progress: bool = False,
+    experts_on_host: bool = False,
 ) -> StageBackend:
     """The backend ``name`` holding layers [layer_start, layer_end) of the checkpoint (this rank's
-    share of them when ``tensor`` is given)."""
+    share of them when ``tensor`` is given). ``experts_on_host``: the torch backend keeps routed
+    experts in host memory as it loads (a device cap places them afterwards)."""
     refusal = backend_refusal(name, device)
     if refusal is not None:
         raise InputError(refusal)
@@ -100,7 +102,7 @@ def load_backend(
         )  # fmt: skip
     return Shard.load(
         model_dir, layer_start, layer_end, device=device, dtype=dtype, formats=formats, tensor=tensor,
-        on_layer=on_layer, progress=progress,
+        on_layer=on_layer, progress=progress, experts_on_host=experts_on_host,
     )  # fmt: skip
 
 

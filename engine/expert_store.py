@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .errors import InputError
-from .layers import Experts, forward_grouped
+from .layers import Experts, SparseMoE, forward_grouped
 from .quantize import QuantizedExperts
 
 Bank = Experts | QuantizedExperts
@@ -339,6 +339,26 @@ def _cpu_bank(bank: Bank, mirror: dict[str, torch.Tensor] | None, dtype: torch.d
     cpu.gate_up.prepare_for(torch.zeros(1, cpu.gate_up.in_features, dtype=row_dtype))
     cpu.down.prepare_for(torch.zeros(1, cpu.down.in_features, dtype=row_dtype))
     return cpu
+
+
+def bank_to(bank: Bank, device: torch.device) -> None:
+    """Move a routed-expert bank's storage to ``device`` in place (quantized codes stay packed)."""
+    if isinstance(bank, QuantizedExperts):
+        bank.gate_up, bank.down = bank.gate_up.to(device), bank.down.to(device)
+    else:
+        bank.gate_up = nn.Parameter(bank.gate_up.data.to(device), requires_grad=False)
+        bank.down = nn.Parameter(bank.down.data.to(device), requires_grad=False)
+    for name in ("gate_up_bias", "down_bias"):
+        bias = getattr(bank, name)
+        if bias is not None:
+            setattr(bank, name, nn.Parameter(bias.data.to(device), requires_grad=False))
+
+
+def banks_to(root: nn.Module, device: torch.device) -> None:
+    """:func:`bank_to` every routed-expert bank of ``root``'s sparse MoE blocks."""
+    for moe in (m for m in root.modules() if isinstance(m, SparseMoE)):
+        if isinstance(moe.experts, Experts | QuantizedExperts):
+            bank_to(moe.experts, device)
 
 
 # ---- the store ------------------------------------------------------------------------------

@@ -164,3 +164,20 @@ def test_a_model_over_the_capped_gpu_serves_the_uncapped_greedy_tokens(trained, 
     assert fetched["expert_placement"]["fetch_bytes"] > 0
     measured = hybrid["expert_placement"]["bandwidths"]
     assert measured["device_is_stand_in"] is False and 0 < measured["q_star"] < 1
+
+
+def test_a_capped_load_keeps_the_offloaded_experts_off_the_gpu_while_loading(trained):
+    path = trained("qwen3_moe")
+    cap = cap_for(path, "bfloat16", (), 0.4)
+    peaks = []
+    for device_memory_bytes in (None, cap):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        lm = LocalModel.load(
+            path, device="cuda", dtype="bfloat16", max_slots=1, device_memory_bytes=device_memory_bytes
+        )
+        peaks.append(torch.cuda.max_memory_allocated())
+        del lm
+    shard_banks = sum(m.bank_bytes for m in moe_layers(LocalModel.load(path, dtype="bfloat16").shards[0]))
+    # never the whole of the banks at once: one layer's while it is built, then the slots
+    assert peaks[1] < peaks[0] - 0.4 * shard_banks
