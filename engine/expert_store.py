@@ -255,6 +255,10 @@ class DeviceSlotBank:
         torch.cuda.synchronize(device)
         self.expert_nbytes = sum(t[0].numel() * t.element_size() for t in self._mirror.values())
         self._cpu_bank = _cpu_bank(bank, self._mirror, dtype)
+        # each slot's and each expert's tensors as views made once: a step's copies are one call
+        names = list(self._slot_tensors)
+        self._slot_views = [[self._slot_tensors[n][s] for n in names] for s in range(max(num_slots, 1))]
+        self._expert_views = [[self._mirror[n][e] for n in names] for e in range(num_experts)]
 
     def cpu_bank(self) -> Bank:
         return self._cpu_bank
@@ -267,9 +271,9 @@ class DeviceSlotBank:
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)  # a refilled slot may still be read by work queued before
         with torch.cuda.stream(self.stream):
-            for slot, e in pairs:
-                for name, dst in self._slot_tensors.items():
-                    dst[slot].copy_(self._mirror[name][e], non_blocking=True)
+            dst = [t for slot, _ in pairs for t in self._slot_views[slot]]
+            src = [t for _, e in pairs for t in self._expert_views[e]]
+            torch._foreach_copy_(dst, src, non_blocking=True)  # one call (and lock release) for all
             self.event.record(self.stream)
         main.wait_event(self.event)
 
@@ -470,10 +474,11 @@ class ExpertStore(nn.Module):
 
     def _forward_device(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """CUDA: the step's routing comes to the host (one small copy: it decides the copies); the
-        CPU share starts on the worker threads, the fetched share is copied into slots on the side
-        stream meanwhile, and the slot bank runs every device pair through the resident bank's
-        kernels with ids remapped to slots (a CPU pair's weight zeroed there); the CPU partial sum
-        is added last. With no CPU share the result is the resident bank's, bit for bit."""
+        fetched share is copied into slots on the side stream and the slot bank runs every device
+        pair through the resident bank's kernels with ids remapped to slots (a CPU pair's weight
+        zeroed there), queued behind the copies; meanwhile the CPU share runs on the worker
+        threads; its partial sum is added last. With no CPU share the result is the resident
+        bank's, bit for bit."""
         index_host = index.to("cpu")
         rows_of = _rows_by_expert(index_host)
         used = sorted(rows_of, key=lambda e: (-rows_of[e].numel(), e))
@@ -484,19 +489,23 @@ class ExpertStore(nn.Module):
         )
         weight_host = weight.to("cpu") if on_cpu else weight
         x_host = x.to("cpu") if on_cpu else x
-        # the copies are queued before the CPU workers start: once they run, this thread waits
-        # for the interpreter lock between calls, and the copies no longer wait for it
-        self._load([(self.slot_map.admit(e, pinned), e) for e in fetch])
-        futures = self._launch_cpu(x_host, {e: rows_of[e] for e in on_cpu})
-        out: torch.Tensor | None = None
-        if self.device_bank is not None and (hits or fetch):
+        loads = [(self.slot_map.admit(e, pinned), e) for e in fetch]
+        on_device = self.device_bank is not None and bool(hits or fetch)
+        if on_device:  # small host -> device copies, done before the stream waits for the fetches
             slot_of = self.slot_map.slot_of
             lut = torch.tensor([slot_of.get(e, 0) for e in range(self.num_experts)])
             slot_index = lut[index_host].to(self.device)
             if on_cpu:  # those pairs add 0 x (whatever slot 0 holds) on the device
                 keep = torch.tensor([e in slot_of for e in range(self.num_experts)])[index_host]
                 weight = weight * keep.to(self.device, weight.dtype)
+        # the device work is queued before the CPU workers start (once they run, this thread
+        # waits for the interpreter lock between calls): the copies, then the slot kernel
+        self._load(loads)
+        out: torch.Tensor | None = None
+        if on_device:
+            assert self.device_bank is not None
             out = self.device_bank.run(x, slot_index, weight)
+        futures = self._launch_cpu(x_host, {e: rows_of[e] for e in on_cpu})
         if on_cpu:
             cpu_sum = torch.zeros(x.shape, dtype=torch.float32)
             for e, future in futures.items():
