@@ -104,11 +104,12 @@ def stage_backend(
     that do not fit keep their experts in host banks (:mod:`~modelfleet.engine.expert_store`),
     computed on the CPU by this rank's workers (its NUMA binding's, see :func:`bind_numa`)."""
     model = plan.model
+    cap = plan.serving.gpu_memory_bytes
     backend = load_backend(
         stage.backend, model.path, stage.layer_start, stage.layer_end, device=stage.device, dtype=model.dtype,
         formats=format_plan(model.formats), tensor=tensor, on_layer=on_layer,
+        experts_on_host=cap is not None and str(stage.device).startswith("cuda"),
     )  # fmt: skip
-    cap = plan.serving.gpu_memory_bytes
     if cap is not None and isinstance(backend, Shard):
         workers = max(1, int((status.numa if status else {}).get("cpu_workers", 0) or 0))
         options = StoreOptions(q=plan.serving.expert_split_q, cpu_workers=workers)

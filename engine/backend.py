@@ -84,10 +84,13 @@ def load_backend(
     on_layer: Callable[[int, int], None] | None = None,
     progress: bool = False,
     static_decode: bool | None = None,
+    experts_on_host: bool = False,
 ) -> StageBackend:
     """The backend ``name`` holding layers [layer_start, layer_end) of the checkpoint (this rank's
     share of them when ``tensor`` is given). ``static_decode``: decode-only frames as fixed-shape
-    steps (None: on CUDA, where the shard supports them; the OpenVINO backend runs general frames)."""
+    steps (None: on CUDA, where the shard supports them; the OpenVINO backend runs general frames).
+    ``experts_on_host``: the torch backend keeps routed experts in host memory as it loads (a
+    device cap places them afterwards)."""
     refusal = backend_refusal(name, device)
     if refusal is not None:
         raise InputError(refusal)
@@ -105,7 +108,7 @@ def load_backend(
         )  # fmt: skip
     shard = Shard.load(
         model_dir, layer_start, layer_end, device=device, dtype=dtype, formats=formats, tensor=tensor,
-        on_layer=on_layer, progress=progress,
+        on_layer=on_layer, progress=progress, experts_on_host=experts_on_host,
     )  # fmt: skip
     shard.static_steps = StaticSteps([shard], static_decode)
     return shard

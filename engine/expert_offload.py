@@ -20,6 +20,7 @@ from .expert_store import (
     EvictionPolicy,
     ExpertStore,
     StoreConfig,
+    bank_to,
     expert_bytes,
     measure_bandwidths,
 )
@@ -72,11 +73,17 @@ def apply_placement(
     stores = []
     for i, moe in moe_banks(root).items():
         chosen: LayerPlacement | None = by_layer.get(layer_start + i)
-        if chosen is None or chosen.placement is Placement.DEVICE or not isinstance(moe.experts, Bank):
+        if not isinstance(moe.experts, Bank):
+            continue
+        if chosen is None or chosen.placement is Placement.DEVICE:
+            if _bank_device(moe.experts).type != device.type:  # loaded to the host (experts_on_host): it fits after all
+                bank_to(moe.experts, device)
             continue
         config = StoreConfig(chosen.slots, options.policy, options.q, options.cpu_workers)
-        moe.experts = ExpertStore(moe.experts, device, config, pool)
+        moe.experts = ExpertStore(moe.experts, device, config, pool, _activation_dtype(moe.experts, dtype))
         stores.append(moe.experts)
+    if stores and device.type == "cuda":  # the offloaded banks' device copies are gone: give their memory back
+        torch.cuda.empty_cache()
     with_slots = [store for store in stores if store.config.num_slots > 0]
     if with_slots and options.q is None:  # no slot anywhere: nothing can be fetched, q stays 0
         measured = measure_bandwidths(
@@ -96,8 +103,7 @@ def offload_experts(
     layers = moe_layers(shard, shard.layer_start)
     other = shard.weights_bytes - sum(m.bank_bytes for m in layers) + (shard.kv_bytes if kv_bytes is None else kv_bytes)
     placement = plan_expert_placement(layers, other, device_bytes, host_bytes)
-    if placement.offloaded:
-        apply_placement(shard, placement, shard.device, options, shard.layer_start, shard.dtype)
+    apply_placement(shard, placement, shard.device, options, shard.layer_start, shard.dtype)
     return placement
 
 
@@ -106,6 +112,10 @@ def _activation_dtype(bank: Bank, compute: torch.dtype) -> torch.dtype:
     if isinstance(bank, QuantizedExperts):
         return compute
     return torch.bfloat16 if bank.packed is not None else bank.gate_up.dtype
+
+
+def _bank_device(bank: Bank) -> torch.device:
+    return bank.gate_up.device
 
 
 def stores_of(root: nn.Module) -> list[ExpertStore]:

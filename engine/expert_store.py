@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .errors import InputError
-from .layers import Experts, forward_grouped
+from .layers import Experts, SparseMoE, forward_grouped
 from .quantize import QuantizedExperts
 
 Bank = Experts | QuantizedExperts
@@ -220,6 +220,151 @@ class SlotStorage:
         return sum(expert_bytes(b) for b in self.banks if b is not None)
 
 
+class DeviceSlotBank:
+    """The CUDA side of the store: a stacked bank of ``num_slots`` experts on the device, of the
+    host bank's kind and in the device kernels' layout (int4/mxfp4 stay packed, nibble-major),
+    filled from a mirror of the whole bank in pinned host memory by copies on a side stream. The
+    bank's own forward (the one-row gathered/fused kernels, or the grouped kernels) runs a step's
+    pairs with expert ids remapped to slots, so the kernels are those of the resident bank.
+
+    ``bank`` may sit on the device (a shard loaded there) or on the CPU; the device layout is
+    built a chunk of experts at a time on the device, so at most ``chunk`` experts are there at
+    once besides the slots. ``cpu_bank()`` is the bank the CPU workers read (for a plain bank the
+    pinned mirror itself: one copy in host memory)."""
+
+    def __init__(self, bank: Bank, num_slots: int, device: torch.device, dtype: torch.dtype, chunk: int = 8):
+        if isinstance(bank, Experts) and bank.packed is not None:
+            raise InputError("a oneDNN-packed (CPU) expert bank cannot fill device slots; load it unpacked")
+        self.device, self.dtype, self.num_slots = device, dtype, num_slots
+        self.stream = torch.cuda.Stream(device)
+        self.event = torch.cuda.Event()
+        num_experts = bank.num_experts
+        probe = torch.zeros(1, _in_features(bank), dtype=dtype, device=device)
+        self.slot_bank = _device_part(bank, 0, max(num_slots, 1), device, probe)
+        self._slot_tensors = _bank_tensors(self.slot_bank)
+        # the pinned mirror: every expert in the slot bank's layout, filled a chunk at a time
+        self._mirror = {
+            name: torch.empty((num_experts, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+            for name, t in self._slot_tensors.items()
+        }
+        for start in range(0, num_experts, chunk):
+            end = min(start + chunk, num_experts)
+            part = _bank_tensors(_device_part(bank, start, end, device, probe))
+            for name, t in part.items():
+                self._mirror[name][start:end].copy_(t)
+        torch.cuda.synchronize(device)
+        self.expert_nbytes = sum(t[0].numel() * t.element_size() for t in self._mirror.values())
+        self._cpu_bank = _cpu_bank(bank, self._mirror, dtype)
+        # each slot's and each expert's tensors as views made once: a step's copies are one call
+        names = list(self._slot_tensors)
+        self._slot_views = [[self._slot_tensors[n][s] for n in names] for s in range(max(num_slots, 1))]
+        self._expert_views = [[self._mirror[n][e] for n in names] for e in range(num_experts)]
+
+    def cpu_bank(self) -> Bank:
+        return self._cpu_bank
+
+    def fetch(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy expert e into slot s for each (s, e) on the side stream; the current stream waits
+        for them (an event) before whatever it launches next reads the slots."""
+        if not pairs:
+            return
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)  # a refilled slot may still be read by work queued before
+        with torch.cuda.stream(self.stream):
+            dst = [t for slot, _ in pairs for t in self._slot_views[slot]]
+            src = [t for _, e in pairs for t in self._expert_views[e]]
+            torch._foreach_copy_(dst, src, non_blocking=True)  # one call (and lock release) for all
+            self.event.record(self.stream)
+        main.wait_event(self.event)
+
+    def run(self, x: torch.Tensor, slot_index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The resident bank's forward over the slots: slot_index [T, k] (int64 on the device)."""
+        out: torch.Tensor = self.slot_bank(x, slot_index, weight)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._slot_tensors.values())
+
+    @property
+    def host_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._mirror.values())
+
+
+def _in_features(bank: Bank) -> int:
+    return bank.gate_up.in_features if isinstance(bank, QuantizedExperts) else _plain_in_features(bank)
+
+
+def _device_part(bank: Bank, start: int, end: int, device: torch.device, probe: torch.Tensor) -> Bank:
+    """Experts [start, end) of ``bank`` as a bank on ``device`` in its kernels' layout for
+    activations like ``probe`` (storage of its own)."""
+
+    def bias(b: torch.Tensor | None) -> torch.Tensor | None:
+        return None if b is None else b.data[start:end].to(device, copy=True)
+
+    gu_bias, d_bias = bias(bank.gate_up_bias), bias(bank.down_bias)
+    if isinstance(bank, QuantizedExperts):
+        gate_up = bank.gate_up.slice(0, start, end).to(device)
+        down = bank.down.slice(0, start, end).to(device)
+        part = QuantizedExperts(gate_up, down, gu_bias, d_bias, bank.activation)
+        gate_up.prepare_for(probe)
+        down.prepare_for(probe.new_zeros(1, down.in_features))
+        return part
+    gate_up_t = bank.gate_up.data[start:end].to(device, copy=True)
+    return Experts(gate_up_t, bank.down.data[start:end].to(device, copy=True), gu_bias, d_bias, bank.activation)
+
+
+def _bank_tensors(bank: Bank) -> dict[str, torch.Tensor]:
+    """Every tensor of a bank that holds per-expert data (leading dimension: experts), by name."""
+    if isinstance(bank, QuantizedExperts):
+        held = {f"gate_up.{k}": t for k, t in bank.gate_up.tensors().items()}
+        held.update({f"down.{k}": t for k, t in bank.down.tensors().items()})
+    else:
+        held = {"gate_up": bank.gate_up.data, "down": bank.down.data}
+    for name, b in (("gate_up_bias", bank.gate_up_bias), ("down_bias", bank.down_bias)):
+        if b is not None:
+            held[name] = b.data
+    return held
+
+
+def _cpu_bank(bank: Bank, mirror: dict[str, torch.Tensor] | None, dtype: torch.dtype) -> Bank:
+    """The bank the CPU workers compute from: a plain bank reads the pinned mirror in place (or
+    its own copy in host memory without one); a quantized one is held in its CPU kernels' layout
+    (packed: the same bytes in another order)."""
+    if mirror is None:
+        mirror = {
+            name: t.to("cpu") for name, t in _bank_tensors(bank).items() if "bias" in name or isinstance(bank, Experts)
+        }
+    gu_bias, d_bias = mirror.get("gate_up_bias"), mirror.get("down_bias")
+    if isinstance(bank, Experts):
+        return Experts(mirror["gate_up"], mirror["down"], gu_bias, d_bias, bank.activation)
+    cpu = QuantizedExperts(bank.gate_up.to("cpu"), bank.down.to("cpu"), gu_bias, d_bias, bank.activation)
+    row_dtype = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    cpu.gate_up.prepare_for(torch.zeros(1, cpu.gate_up.in_features, dtype=row_dtype))
+    cpu.down.prepare_for(torch.zeros(1, cpu.down.in_features, dtype=row_dtype))
+    return cpu
+
+
+def bank_to(bank: Bank, device: torch.device) -> None:
+    """Move a routed-expert bank's storage to ``device`` in place (quantized codes stay packed)."""
+    if isinstance(bank, QuantizedExperts):
+        bank.gate_up, bank.down = bank.gate_up.to(device), bank.down.to(device)
+    else:
+        bank.gate_up = nn.Parameter(bank.gate_up.data.to(device), requires_grad=False)
+        bank.down = nn.Parameter(bank.down.data.to(device), requires_grad=False)
+    for name in ("gate_up_bias", "down_bias"):
+        bias = getattr(bank, name)
+        if bias is not None:
+            setattr(bank, name, nn.Parameter(bias.data.to(device), requires_grad=False))
+
+
+def banks_to(root: nn.Module, device: torch.device) -> None:
+    """:func:`bank_to` every routed-expert bank of ``root``'s sparse MoE blocks."""
+    for moe in (m for m in root.modules() if isinstance(m, SparseMoE)):
+        if isinstance(moe.experts, Experts | QuantizedExperts):
+            bank_to(moe.experts, device)
+
+
 # ---- the store ------------------------------------------------------------------------------
 
 
@@ -256,15 +401,30 @@ class StoreConfig:
 class ExpertStore(nn.Module):
     """A layer's experts: host bank + device slots + hybrid miss service (see the module docstring)."""
 
-    def __init__(self, host: Bank, device: torch.device, config: StoreConfig, pool: ThreadPoolExecutor | None = None):
+    def __init__(
+        self,
+        host: Bank,
+        device: torch.device,
+        config: StoreConfig,
+        pool: ThreadPoolExecutor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
         super().__init__()
-        self.host = host  # a registered submodule: its bytes are the shard's expert bytes (host memory)
         self.device = torch.device(device)
         self.config = config
         self.q = 0.0 if config.q is None else config.q
         self.slot_map = SlotMap(config.num_slots, config.policy)
+        # CUDA: a stacked slot bank filled from pinned host memory (the bank given may sit on the
+        # device; it is released once the host side holds it); elsewhere: the stand-in slots
+        self.device_bank: DeviceSlotBank | None = None
+        if self.device.type == "cuda" and config.num_slots > 0:
+            self.device_bank = DeviceSlotBank(host, config.num_slots, self.device, dtype)
+            host = self.device_bank.cpu_bank()
+        elif self.device.type == "cuda":
+            host = _cpu_bank(host, None, dtype)
+        self.host = host  # a registered submodule: its bytes are the shard's expert bytes (host memory)
         self.slots = SlotStorage(host, config.num_slots, self.device)
-        self.expert_nbytes = expert_bytes(host)
+        self.expert_nbytes = expert_bytes(host) if self.device_bank is None else self.device_bank.expert_nbytes
         self.counters = StoreCounters()
         self.bandwidths: Bandwidths | None = None  # set when q came from measured bandwidths
         self._pool = pool or ThreadPoolExecutor(config.cpu_workers, thread_name_prefix="cpu-experts")
@@ -274,21 +434,87 @@ class ExpertStore(nn.Module):
     def num_experts(self) -> int:
         return self.host.num_experts
 
+    def reset(self, policy: EvictionPolicy | None = None, q: float | None = None) -> None:
+        """Forget what the slots hold and the counters (a benchmark's next configuration, same banks)."""
+        with self._lock:
+            if policy is not None:
+                self.config.policy = policy
+            if q is not None:
+                self.q = StoreConfig(self.config.num_slots, self.config.policy, q).q or 0.0
+            self.slot_map = SlotMap(self.config.num_slots, self.config.policy)
+            self.counters = StoreCounters()
+
     def prefetch(self, experts: Sequence[int]) -> None:
         """Bring ``experts`` into slots ahead of the step that will need them (a router that can see
         the next layer's likely experts calls this), without evicting what the step pinned."""
         with self._lock:
+            loads = []
             for e in experts:
                 if e not in self.slot_map.slot_of and self.slot_map.free_capacity(set()) > 0:
-                    self.slots.load(self.slot_map.admit(e, set()), e)
+                    loads.append((self.slot_map.admit(e, set()), e))
                     self.counters.fetch_bytes += self.expert_nbytes
+            self._load(loads)
+
+    def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Fill slot s with expert e for each (s, e): side-stream copies on CUDA, else the stand-in."""
+        if self.device_bank is not None:
+            self.device_bank.fetch(pairs)
+            return
+        for slot, e in pairs:
+            self.slots.load(slot, e)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
         with self._lock:
+            if self.device.type == "cuda" and x.is_cuda:
+                return self._forward_device(x, index, weight)
             rows_of = _rows_by_expert(index)
             outputs = self._serve(x, rows_of)
         return forward_grouped(lambda e, _rows: outputs[e], self.num_experts, x, index, weight)
+
+    def _forward_device(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """CUDA: the step's routing comes to the host (one small copy: it decides the copies); the
+        fetched share is copied into slots on the side stream and the slot bank runs every device
+        pair through the resident bank's kernels with ids remapped to slots (a CPU pair's weight
+        zeroed there), queued behind the copies; meanwhile the CPU share runs on the worker
+        threads; its partial sum is added last. With no CPU share the result is the resident
+        bank's, bit for bit."""
+        index_host = index.to("cpu")
+        rows_of = _rows_by_expert(index_host)
+        used = sorted(rows_of, key=lambda e: (-rows_of[e].numel(), e))
+        hits, misses = self.slot_map.lookup(used)
+        pinned = set(used)
+        fetch, on_cpu = split_misses(
+            [(e, self.expert_nbytes) for e in misses], self.q, self.slot_map.free_capacity(pinned)
+        )
+        weight_host = weight.to("cpu") if on_cpu else weight
+        x_host = x.to("cpu") if on_cpu else x
+        loads = [(self.slot_map.admit(e, pinned), e) for e in fetch]
+        on_device = self.device_bank is not None and bool(hits or fetch)
+        if on_device:  # small host -> device copies, done before the stream waits for the fetches
+            slot_of = self.slot_map.slot_of
+            lut = torch.tensor([slot_of.get(e, 0) for e in range(self.num_experts)])
+            slot_index = lut[index_host].to(self.device)
+            if on_cpu:  # those pairs add 0 x (whatever slot 0 holds) on the device
+                keep = torch.tensor([e in slot_of for e in range(self.num_experts)])[index_host]
+                weight = weight * keep.to(self.device, weight.dtype)
+        # the device work is queued before the CPU workers start (once they run, this thread
+        # waits for the interpreter lock between calls): the copies, then the slot kernel
+        self._load(loads)
+        out: torch.Tensor | None = None
+        if on_device:
+            assert self.device_bank is not None
+            out = self.device_bank.run(x, slot_index, weight)
+        futures = self._launch_cpu(x_host, {e: rows_of[e] for e in on_cpu})
+        if on_cpu:
+            cpu_sum = torch.zeros(x.shape, dtype=torch.float32)
+            for e, future in futures.items():
+                w_e = weight_host[index_host == e].float()  # one per row of e (an expert appears once per token)
+                cpu_sum.index_add_(0, rows_of[e], future.result().float() * w_e[:, None])
+            part = cpu_sum.to(x.dtype).to(self.device)
+            out = part if out is None else out + part
+        self._count(fetch, on_cpu)
+        return out if out is not None else torch.zeros_like(x)
 
     def _serve(self, x: torch.Tensor, rows_of: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Every used expert's output over its rows: hits and fetched on the device, the rest on the CPU."""
@@ -301,20 +527,22 @@ class ExpertStore(nn.Module):
         )
         futures = self._launch_cpu(x, {e: rows_of[e] for e in on_cpu})
         outputs: dict[int, torch.Tensor] = {}
-        for e in fetch:
-            self.slots.load(self.slot_map.admit(e, pinned), e)
+        self._load([(self.slot_map.admit(e, pinned), e) for e in fetch])
         for e in (*hits, *fetch):
             rows = x[rows_of[e]].to(self.device)
             outputs[e] = self.slots.run(self.slot_map.slot_of[e], rows).to(x.device)
         for e, future in futures.items():
             outputs[e] = future.result().to(x.device)
+        self._count(fetch, on_cpu)
+        return outputs
+
+    def _count(self, fetch: Sequence[int], on_cpu: Sequence[int]) -> None:
         counters = self.counters
         counters.steps += 1
         counters.fetched += len(fetch)
         counters.cpu_experts += len(on_cpu)
         counters.fetch_bytes += len(fetch) * self.expert_nbytes
         counters.cpu_bytes += len(on_cpu) * self.expert_nbytes
-        return outputs
 
     def _launch_cpu(self, x: torch.Tensor, rows_of: dict[int, torch.Tensor]) -> dict[int, Future[torch.Tensor]]:
         """One task per CPU expert, on the store's worker threads, reading the host bank in place."""
@@ -371,6 +599,9 @@ class Bandwidths:
         }  # fmt: skip
 
 
+FETCH_BATCH = 8  # expert copies per wait while measuring beta_g (a step's misses are copied together)
+
+
 def _repeat_for(seconds: float, work: Callable[[int], int], stop: threading.Event) -> tuple[int, float]:
     """Run ``work(i)`` (returning bytes moved) until ``seconds`` pass or ``stop``; -> (bytes, elapsed)."""
     total, i = 0, 0
@@ -387,10 +618,12 @@ def measure_bandwidths(store: ExpertStore, seconds: float = 0.5, dtype: torch.dt
     if store.config.num_slots < 1:
         raise InputError("measuring beta_g needs an expert store with at least one slot")
     host, storage, nbytes = store.host, SlotStorage(store.host, 1, store.device), store.expert_nbytes
-    in_features = host.gate_up.in_features if isinstance(host, QuantizedExperts) else _plain_in_features(host)
-    row = torch.randn(1, in_features, dtype=dtype)
+    row = torch.randn(1, _in_features(host), dtype=dtype)
     host.expert(0, row)  # kernel layouts are built on first use: not part of either bandwidth
-    storage.load(0, 0)
+    bank = store.device_bank
+    held = store.slot_map.slots[0].expert  # slot 0 is the copies' target; refilled afterwards
+    if bank is None:
+        storage.load(0, 0)
     stop = threading.Event()
     cpu_threads = [
         store._pool.submit(_repeat_for, seconds, lambda i: (host.expert(i % host.num_experts, row), nbytes)[1], stop)
@@ -398,13 +631,19 @@ def measure_bandwidths(store: ExpertStore, seconds: float = 0.5, dtype: torch.dt
     ]
 
     def fetch(i: int) -> int:
-        storage.load(0, i % host.num_experts)
-        if store.device.type == "cuda":
-            torch.cuda.synchronize(store.device)
-        return nbytes
+        if bank is None:
+            storage.load(0, i % host.num_experts)
+            return nbytes
+        # a step's worth of copies (pinned host -> the slot bank, side stream), then wait for them
+        bank.fetch([(0, (i * FETCH_BATCH + j) % host.num_experts) for j in range(FETCH_BATCH)])
+        torch.cuda.synchronize(store.device)
+        return nbytes * FETCH_BATCH
 
     g_bytes, g_seconds = _repeat_for(seconds, fetch, stop)
     cpu = [f.result() for f in cpu_threads]
+    if bank is not None and held is not None:
+        bank.fetch([(0, held)])
+        torch.cuda.synchronize(store.device)
     beta_c = sum(b for b, _ in cpu) / max(max(s for _, s in cpu), 1e-9)
     fmt = host.format if isinstance(host, QuantizedExperts) else str(dtype).removeprefix("torch.")
     return Bandwidths(

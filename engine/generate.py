@@ -74,6 +74,8 @@ class LocalModel:
         ``tensor``: this process is one rank of a tensor-parallel group; every rank loads the same
         model with its own group rank and then runs the same frames (and gets the same outputs)."""
         spec = load_spec(model_dir)
+        # capped on a GPU: experts wait in host memory until the placement says where they go
+        experts_on_host = device_memory_bytes is not None and torch.device(device).type == "cuda"
         parts = [
             load_backend(
                 backend,
@@ -86,6 +88,7 @@ class LocalModel:
                 formats=formats,
                 tensor=tensor,
                 static_decode=False,  # the model's steps run every shard at once (self.decode), not shard by shard
+                experts_on_host=experts_on_host,
             )  # fmt: skip
             for start, end in even_split(spec.num_layers, shards)
         ]

@@ -20,6 +20,7 @@ from torch import nn
 from .cache_layout import REWIND_SLACK_POSITIONS, LayerCache, cache_layout
 from .checkpoint import Checkpoint, TensorSource
 from .errors import CapacityError, InputError, ModelfleetError
+from .expert_store import banks_to
 from .formats.plan import FormatPlan
 from .frame import Frame, Segment, segments_of
 from .kvcache import LayerKV, SlotState, SlotTable
@@ -133,6 +134,7 @@ class Shard(nn.Module):
         formats: FormatPlan | None = None,
         on_layer: Callable[[int, int], None] | None = None,
         tensor: TensorGroup | None = None,
+        experts_on_host: bool = False,
     ) -> Shard:
         spec = load_spec(model_dir)
         ckpt = checkpoint or open_checkpoint(model_dir, spec.raw)
@@ -148,6 +150,7 @@ class Shard(nn.Module):
             formats=formats,
             on_layer=on_layer,
             tensor=tensor,
+            experts_on_host=experts_on_host,
         )
 
     @classmethod
@@ -165,6 +168,7 @@ class Shard(nn.Module):
         formats: FormatPlan | None = None,
         on_layer: Callable[[int, int], None] | None = None,
         tensor: TensorGroup | None = None,
+        experts_on_host: bool = False,
     ) -> Shard:
         """Build a shard from any tensor source (a checkpoint directory or tensors in memory).
 
@@ -173,6 +177,9 @@ class Shard(nn.Module):
         checkpoint stores it packed. A quantized checkpoint loads its stored formats as they are.
         ``tensor`` keeps this rank's share of each layer (split right after it is built, before
         it is quantized or packed; a quantized checkpoint's shard is split once it is filled).
+        ``experts_on_host`` moves each layer's routed-expert bank to host memory as soon as the
+        layer is built (a device cap then places them, :mod:`.expert_offload`): the device never
+        holds more than one layer's bank (a quantized checkpoint's: until it is filled).
         """
         end = spec.num_layers if layer_end is None else layer_end
         if not 0 <= layer_start < end <= spec.num_layers:
@@ -190,6 +197,8 @@ class Shard(nn.Module):
             if tensor is not None:
                 split_for_rank(shard, tensor)
                 shard.tensor = tensor
+            if experts_on_host:
+                banks_to(shard, torch.device("cpu"))
             return shard._prepare(pack)
         family = family_module(spec.family)
         source = getattr(family, "tensor_source", None)  # a family reading more than one naming scheme
@@ -201,6 +210,8 @@ class Shard(nn.Module):
                 split_for_rank(layer, tensor, f"layers.{i - layer_start}.")
             if formats is not None:
                 apply_formats(layer, formats, f"layers.{i - layer_start}.")
+            if experts_on_host:
+                banks_to(layer, torch.device("cpu"))
             layers.append(layer)
             if on_layer is not None:
                 on_layer(len(layers), end - layer_start)

@@ -24,6 +24,12 @@ def profile_bandwidth(
     experts: int = typer.Option(32, "--experts", min=1, help="Experts in the profiled bank."),
     fmt: str = typer.Option("int4", "--format", help=FORMAT_HELP),
     cpu_workers: int = typer.Option(1, "--cpu-workers", min=1, help="Threads computing experts on the CPU."),
+    cpu_threads: int | None = typer.Option(
+        None,
+        "--cpu-threads",
+        min=1,
+        help="Threads inside each CPU expert call (torch's intra-op threads; default: torch's).",
+    ),
     seconds: float = typer.Option(1.0, "--seconds", min=0.01, help="How long both paths run."),
     misses: int = typer.Option(8, "--misses", min=1, help="Expert misses per MoE layer per step, for the prediction."),
     layers: int = typer.Option(48, "--layers", min=1, help="MoE layers per step, for the prediction."),
@@ -50,6 +56,8 @@ def profile_bandwidth(
     from modelfleet.engine.quantize import quantized_module
     from modelfleet.engine.shard import resolve_dtype
 
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -74,7 +82,7 @@ def profile_bandwidth(
     q = measured.q_star
     times = {name: predicted_step_seconds(miss_bytes, value, measured.beta_g, measured.beta_c)
              for name, value in (("q_star", q), ("fetch_all", 1.0), ("cpu_all", 0.0))}  # fmt: skip
-    report = {**measured.as_dict(), "expert_bytes": expert_bytes(bank), "miss_bytes_per_step": miss_bytes,  # type: ignore[arg-type]
+    report = {**measured.as_dict(), "cpu_threads": torch.get_num_threads(), "expert_bytes": expert_bytes(bank), "miss_bytes_per_step": miss_bytes,  # type: ignore[arg-type]
               "predicted_step_seconds": {k: round(v, 6) for k, v in times.items()}}  # fmt: skip
     if as_json:
         typer.echo(json.dumps(report))
@@ -90,7 +98,9 @@ def _print(report: dict[str, object], stand_in: bool) -> None:
     table.add_row("beta_g (host -> device copies)", f"{float(beta_g) / 1e9:.2f} GB/s")  # type: ignore[arg-type]
     table.add_row("beta_c (CPU experts, one row)", f"{float(beta_c) / 1e9:.2f} GB/s")  # type: ignore[arg-type]
     table.add_row("q* = beta_g / (beta_g + beta_c)", f"{report['q_star']}")
-    table.add_row("format / CPU workers", f"{report['format']} / {report['cpu_workers']}")
+    table.add_row(
+        "format / CPU workers x threads", f"{report['format']} / {report['cpu_workers']} x {report['cpu_threads']}"
+    )
     for name, seconds in report["predicted_step_seconds"].items():  # type: ignore[attr-defined]
         table.add_row(f"miss service per step, {name}", f"{seconds * 1e3:.2f} ms")
     console = Console()
