@@ -115,13 +115,13 @@ def load(url: str, model: str, cases: list[Case], end: float, tally: Tally, seed
 
 def chaos(fleet, supervisor, plan, end: float, args: argparse.Namespace, tally: Tally) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(args.seed)
-    stages = [c for c in fleet.children if c.name != "gateway"]
+    stages = [c.name for c in fleet.children if c.name != "gateway"]  # by name: a restart replaces the Child
     while True:
         time.sleep(rng.uniform(*args.every))
         if time.monotonic() > end - 10:
             return
-        child = rng.choice(stages)
-        index = fleet.children.index(child)
+        name = rng.choice(stages)
+        index = next(i for i, c in enumerate(fleet.children) if c.name == name)
         child = fleet.children[index]  # the current process in that place
         started = time.monotonic()
         if rng.random() < 0.5:
