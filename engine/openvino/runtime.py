@@ -71,7 +71,12 @@ class CompiledBlock:
         self.device = options.device
 
     def __call__(self, *inputs: np.ndarray) -> torch.Tensor:
-        self.request.infer(list(inputs), share_inputs=True)
+        # each input bound as a tensor over the array's own memory, then infer() without inputs:
+        # passing them to infer() costs ~30 us a call in its Python input dispatch (more than a
+        # small block's whole compute; docs/results/openvino_stage.md, the per-call profile)
+        for i, x in enumerate(inputs):
+            self.request.set_input_tensor(i, ov.Tensor(np.ascontiguousarray(x), shared_memory=True))
+        self.request.infer()
         return torch.from_numpy(self.request.get_output_tensor(0).data.copy())
 
     @property
