@@ -147,3 +147,36 @@ def dense_graph(gate: Weight, up: Weight, down: Weight, name: str) -> ov.Model:
     u = ops.matmul(x, weight_constant(up), transpose_a=False, transpose_b=True)
     y = ops.matmul(ops.multiply(swish(g), u), weight_constant(down), transpose_a=False, transpose_b=True)
     return ov.Model([y], [x], name)
+
+
+def _rms_norm(x: ov.Node, weight: torch.Tensor, eps: float) -> ov.Node:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis, float32 (as the host's RMSNorm)."""
+    mean = ops.reduce_mean(ops.multiply(x, x), _i64([-1]), True)
+    inverse = ops.divide(ops.constant(np.float32(1.0)), ops.sqrt(ops.add(mean, ops.constant(np.float32(eps)))))
+    return ops.multiply(ops.multiply(x, inverse), ops.constant(weight.detach().to(torch.float32).numpy()))
+
+
+def _projection(x: ov.Node, w: Weight, bias: torch.Tensor | None) -> ov.Node:
+    y = ops.matmul(x, weight_constant(w), transpose_a=False, transpose_b=True)
+    return y if bias is None else ops.add(y, ops.constant(bias.detach().to(torch.float32).numpy()))
+
+
+def norm_matmul_graph(
+    norm_weight: torch.Tensor, eps: float, w: Weight, name: str, bias: torch.Tensor | None = None
+) -> ov.Model:
+    """A layer's entry in one call: y = rms_norm(x) @ w.T (+ bias); x the residual rows [R, H]."""
+    hidden = int(norm_weight.shape[0])
+    x = ops.parameter([-1, hidden], ov.Type.f32, name="x")
+    return ov.Model([_projection(_rms_norm(x, norm_weight, eps), w, bias)], [x], name)
+
+
+def matmul_add_norm_graph(
+    w: Weight, norm_weight: torch.Tensor, eps: float, name: str, bias: torch.Tensor | None = None
+) -> ov.Model:
+    """A layer's middle in one call: h = x + a @ w.T (+ bias) and rms_norm(h); inputs a (the
+    attention heads' outputs [R, I]) and x (the residual rows [R, H]); outputs h, then its norm."""
+    out_features, in_features = _shape(w)
+    a = ops.parameter([-1, in_features], ov.Type.f32, name="a")
+    x = ops.parameter([-1, out_features], ov.Type.f32, name="x")
+    h = ops.add(x, _projection(a, w, bias))
+    return ov.Model([h, _rms_norm(h, norm_weight, eps)], [a, x], name)

@@ -33,18 +33,28 @@ from ..errors import ConfigError
 from ..formats.int4 import Int4Weight
 from ..formats.int8 import Int8Weight
 from ..formats.plan import FormatPlan
-from ..layers import Dense, GatedMLP, SparseMoE
+from ..layers import Attention, DecoderLayer, Dense, GatedMLP, RMSNorm, SparseMoE
 from ..models.inkling import ScaledGatedMLP, SinkMoE
 from ..quantize import QuantizedDense
 from ..shard import Shard
 from ..spec import ModelSpec, load_spec
 from . import export
-from .graphs import ExpertBank, Weight, dense_graph, matmul_graph, moe_graph, weight_bytes
+from .graphs import (
+    ExpertBank,
+    Weight,
+    dense_graph,
+    matmul_add_norm_graph,
+    matmul_graph,
+    moe_graph,
+    norm_matmul_graph,
+    weight_bytes,
+)
 from .ranges import calibration_rows, execution_type, layer_exponent, needs_calibration
 from .runtime import (
     CompiledBlock,
     CompileOptions,
     DenseMatmuls,
+    FusedDecoderLayer,
     FusedMoE,
     OVLinear,
     check_block_fused,
@@ -130,6 +140,7 @@ class OpenVINOShard(Shard):
     openvino_device: str = "CPU"
     dense_form: str = "slices"
     dense_layers: int = 0
+    fused_decoder_layers: int = 0  # layers whose norms, projections and residual add run in two calls
     moe_layers: int = 0
     fused_layers: int = 0
     compile_seconds: float = 0.0
@@ -182,14 +193,19 @@ class OpenVINOShard(Shard):
         """Export and compile every layer (and the head), asserting each MoE block fused."""
         started = time.perf_counter()
         self.openvino_device, self._ov_bytes, self.attenuation_exponents = options.device, {}, {}
-        self.dense_form, self.dense_layers = dense_form(options.device), 0
+        self.dense_form, self.dense_layers, self.fused_decoder_layers = dense_form(options.device), 0, 0
         count = len(self.layers)
         for done, (offset, layer) in enumerate(_track(list(enumerate(self.layers)), progress, "compiling"), 1):
             index = self.layer_start + offset
             name = f"layer {index}"
             layer.mlp = self._compile_mlp(layer.mlp, layer.post_norm.weight, options, name)
             self.attenuation_exponents[index] = layer.mlp.attenuation_exponent
-            _replace_linears(layer.attention, options, name, self._count)
+            fused = _fused_layer(layer, options, name, self._count)
+            if fused is not None:
+                self.layers[offset] = fused
+                self.fused_decoder_layers += 1
+            else:
+                _replace_linears(layer.attention, options, name, self._count)
             if on_layer is not None:
                 on_layer(done, count)
         compiled_head = None if self.head is None else _compiled_linear(self.head, options, "head", self._count)
@@ -265,6 +281,7 @@ class OpenVINOShard(Shard):
             "host_threads": torch.get_num_threads(),
             "dense_form": self.dense_form,
             "dense_layers": self.dense_layers,
+            "fused_decoder_layers": self.fused_decoder_layers,
             "attenuation_exponents": {str(k): v for k, v in self.attenuation_exponents.items() if v},
             "compile_seconds": round(self.compile_seconds, 3),
         }
@@ -300,6 +317,31 @@ def _compiled_linear(
     role = "head" if name == "head" else "attention"
     count(role, fmt, weight_bytes(weight))
     return OVLinear(CompiledBlock(matmul_graph(weight, f"{name}", bias), options), int(weight.shape[0]))
+
+
+def _fused_layer(
+    layer: nn.Module, options: CompileOptions, name: str, count: Callable[[str, str, int], None]
+) -> FusedDecoderLayer | None:
+    """``layer`` as two compiled calls around its attention (:class:`.runtime.FusedDecoderLayer`),
+    or None where it does not apply: a layer other than the plain pre-norm grouped-query one, a
+    projection the backend does not compile, or blocks executing below float32 (the residual
+    stream then stays on the host, in float32, with Eq. 1's restore)."""
+    if execution_type(options.device, options.precision) != "f32":
+        return None
+    if type(layer) is not DecoderLayer or type(layer.attention) is not Attention:
+        return None
+    attention = layer.attention
+    qkv, o_proj = _linear_weight(attention.qkv), _linear_weight(attention.o_proj)
+    norms = (layer.input_norm, layer.post_norm)
+    if qkv is None or o_proj is None or not all(type(n) is RMSNorm for n in norms):
+        return None
+    for weight, _, fmt in (qkv, o_proj):
+        count("attention", fmt, weight_bytes(weight))
+    entry = norm_matmul_graph(layer.input_norm.weight, layer.input_norm.eps, qkv[0], f"{name}.entry", qkv[1])
+    middle = matmul_add_norm_graph(o_proj[0], layer.post_norm.weight, layer.post_norm.eps, f"{name}.middle", o_proj[1])
+    attention.register_module("qkv", None)  # their weights live in the compiled blocks now
+    attention.register_module("o_proj", None)
+    return FusedDecoderLayer(CompiledBlock(entry, options), attention, CompiledBlock(middle, options), layer.mlp)
 
 
 def _replace_linears(
