@@ -105,11 +105,16 @@ def moe_graph(bank: ExpertBank, top_k: int, name: str, rows: int | None = None) 
     """The tiled MoE block over ``bank`` for ``top_k`` (id, weight) pairs per row. ``rows`` fixes
     the row count (refused at compile by :func:`~.fusion.check_fused`; only tests build it)."""
     hidden = int(_shape(bank.gate)[-1])
-    experts = bank.num_experts
     r = -1 if rows is None else rows
     x = ops.parameter([r, hidden], ov.Type.f32, name="x")
     ids = ops.parameter([r, top_k], ov.Type.i32, name="ids")
     weights = ops.parameter([r, top_k], ov.Type.f32, name="weights")
+    return ov.Model([_moe(x, ids, weights, bank)], [x, ids, weights], name)
+
+
+def _moe(x: ov.Node, ids: ov.Node, weights: ov.Node, bank: ExpertBank) -> ov.Node:
+    hidden = int(_shape(bank.gate)[-1])
+    experts = bank.num_experts
     tiled = ops.tile(x, ops.constant(np.array([experts, 1], dtype=np.int64)))
     xe = ops.reshape(tiled, ops.constant(np.array([experts, -1, hidden], dtype=np.int64)), special_zero=False)
     gate = ops.matmul(xe, weight_constant(bank.gate), transpose_a=False, transpose_b=True)
@@ -125,8 +130,7 @@ def moe_graph(bank: ExpertBank, top_k: int, name: str, rows: int | None = None) 
     routing = ops.transpose(scattered, ops.constant(np.array([1, 0], dtype=np.int64)))
     routing = ops.reshape(routing, _i64([experts, 1, -1, 1]), special_zero=False)
     summed = ops.reduce_sum(ops.multiply(per_expert, routing), _i64([0]), False)
-    out = ops.reshape(summed, _i64([-1, hidden]), special_zero=False)
-    return ov.Model([out], [x, ids, weights], name)
+    return ops.reshape(summed, _i64([-1, hidden]), special_zero=False)
 
 
 def matmul_graph(w: Weight, name: str, bias: torch.Tensor | None = None) -> ov.Model:
@@ -141,12 +145,14 @@ def matmul_graph(w: Weight, name: str, bias: torch.Tensor | None = None) -> ov.M
 
 def dense_graph(gate: Weight, up: Weight, down: Weight, name: str) -> ov.Model:
     """A dense SwiGLU block as three compressed matmuls: the peer of all-active slices (Eq. 2)."""
-    hidden = int(_shape(gate)[-1])
-    x = ops.parameter([-1, hidden], ov.Type.f32, name="x")
-    g = ops.matmul(x, weight_constant(gate), transpose_a=False, transpose_b=True)
-    u = ops.matmul(x, weight_constant(up), transpose_a=False, transpose_b=True)
-    y = ops.matmul(ops.multiply(swish(g), u), weight_constant(down), transpose_a=False, transpose_b=True)
-    return ov.Model([y], [x], name)
+    x = ops.parameter([-1, int(_shape(gate)[-1])], ov.Type.f32, name="x")
+    return ov.Model([_dense(x, ExpertBank(gate, up, down))], [x], name)
+
+
+def _dense(x: ov.Node, whole: ExpertBank) -> ov.Node:
+    g = ops.matmul(x, weight_constant(whole.gate), transpose_a=False, transpose_b=True)
+    u = ops.matmul(x, weight_constant(whole.up), transpose_a=False, transpose_b=True)
+    return ops.matmul(ops.multiply(swish(g), u), weight_constant(whole.down), transpose_a=False, transpose_b=True)
 
 
 def _rms_norm(x: ov.Node, weight: torch.Tensor, eps: float) -> ov.Node:
@@ -165,8 +171,7 @@ def norm_matmul_graph(
     norm_weight: torch.Tensor, eps: float, w: Weight, name: str, bias: torch.Tensor | None = None
 ) -> ov.Model:
     """A layer's entry in one call: y = rms_norm(x) @ w.T (+ bias); x the residual rows [R, H]."""
-    hidden = int(norm_weight.shape[0])
-    x = ops.parameter([-1, hidden], ov.Type.f32, name="x")
+    x = ops.parameter([-1, int(norm_weight.shape[0])], ov.Type.f32, name="x")
     return ov.Model([_projection(_rms_norm(x, norm_weight, eps), w, bias)], [x], name)
 
 
@@ -180,3 +185,40 @@ def matmul_add_norm_graph(
     x = ops.parameter([-1, out_features], ov.Type.f32, name="x")
     h = ops.add(x, _projection(a, w, bias))
     return ov.Model([h, _rms_norm(h, norm_weight, eps)], [a, x], name)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A layer's entry: rms_norm(x) (``norm_weight``, ``eps``) @ ``weight``.T (+ ``bias``)."""
+
+    norm_weight: torch.Tensor
+    eps: float
+    weight: Weight
+    bias: torch.Tensor | None = None
+
+
+def exit_graph(bank: ExpertBank, top_k: int | None, scale: float, name: str, entry: Entry | None) -> ov.Model:
+    """A layer's feed-forward block, its residual add and the next layer's entry in one call.
+
+    Inputs: ``normed`` (the block's input [R, H]), with ``top_k``: ``ids`` i32 and ``weights``
+    f32 [R, top_k] (the tiled MoE block over ``bank``), without: ``bank`` is a dense block's whole
+    weights (three matmuls); then ``h`` (the residual [R, H]). Outputs: x = h + scale * block(normed)
+    and, with ``entry``, the next layer's entry of x."""
+    hidden = int(_shape(bank.gate)[-1])
+    normed = ops.parameter([-1, hidden], ov.Type.f32, name="normed")
+    params = [normed]
+    if top_k is None:
+        y = _dense(normed, bank)
+    else:
+        ids = ops.parameter([-1, top_k], ov.Type.i32, name="ids")
+        weights = ops.parameter([-1, top_k], ov.Type.f32, name="weights")
+        params += [ids, weights]
+        y = _moe(normed, ids, weights, bank)
+    h = ops.parameter([-1, hidden], ov.Type.f32, name="h")
+    if scale != 1.0:
+        y = ops.multiply(y, ops.constant(np.float32(scale)))
+    x = ops.add(h, y)
+    outputs = (
+        [x] if entry is None else [x, _projection(_rms_norm(x, entry.norm_weight, entry.eps), entry.weight, entry.bias)]
+    )
+    return ov.Model(outputs, [*params, h], name)

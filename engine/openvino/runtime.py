@@ -25,6 +25,7 @@ from torch import nn
 from ..kvcache import LayerKV
 from ..layers import Attention, FrameContext
 from .fusion import check_fused, fused_count, layer_types
+from .graphs import ExpertBank
 from .ranges import restore, row_factors
 
 PRECISIONS = {
@@ -117,12 +118,13 @@ class FusedMoE(nn.Module):
     per-row weights a router returns as its third value (Inkling's sink routing weighs its shared
     experts per token). Dense (``route`` None): every one of ``shared`` slices is active with
     weight ``slice_weight`` (1, or a dense block's learned scale: Eq. 2). Weights are divided by the
-    row factor F and the output multiplied by A * F in float32 (Eq. 1).
+    row factor F and the output multiplied by A * F in float32 (Eq. 1). ``block`` None: the block
+    is compiled into a :class:`ChainedLayer`'s exit call, and this module only selects.
     """
 
     def __init__(
         self,
-        block: CompiledBlock,
+        block: CompiledBlock | None,
         router_proj: nn.Module | None,
         route: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None,
         num_routed: int,
@@ -156,6 +158,7 @@ class FusedMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.block is not None, "a chained layer's selection runs its block in the layer's exit call"
         ids, weights = self.selections(x)
         factors = row_factors(weights)
         y = self.block(_rows(x), ids.contiguous().numpy(), (weights / factors).contiguous().numpy())
@@ -179,22 +182,75 @@ def check_block_fused(block: CompiledBlock, layer: str) -> None:
     check_fused(block.compiled, block.device, layer)
 
 
-class FusedDecoderLayer(nn.Module):
-    """A pre-norm grouped-query layer (:class:`~modelfleet.engine.layers.DecoderLayer` over an
-    :class:`~modelfleet.engine.layers.Attention`) in two compiled calls around the host's attention:
-    ``entry`` (input norm and the fused q/k/v projection) and ``middle`` (the output projection,
-    the residual add and the post-attention norm), then the feed-forward block as it is. Used where
-    the blocks execute in float32 (the residual stream crosses the graphs), so it computes what
-    the layer computes, with two calls and four host ops fewer per layer."""
+@dataclass(frozen=True)
+class FeedForward:
+    """A layer's feed-forward block exported for OpenVINO, not yet compiled: ``bank`` attenuated
+    by 2^``exponent`` (Eq. 1); ``top_k`` (id, weight) pairs a row, or None for a dense block's
+    whole weights (three matmuls, output times ``scale``); the host's selection (the family's router,
+    ``routed`` experts then ``shared`` always-active ones, weighted ``scale`` unless routed)."""
 
-    def __init__(self, entry: CompiledBlock, attention: Attention, middle: CompiledBlock, mlp: nn.Module):
+    bank: ExpertBank
+    top_k: int | None
+    exponent: int
+    scale: float
+    router_proj: nn.Module | None = None
+    route: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+    routed: int = 0
+    shared: int = 0
+
+
+class ChainedLayer(nn.Module):
+    """A pre-norm grouped-query layer (:class:`~modelfleet.engine.layers.DecoderLayer` over an
+    :class:`~modelfleet.engine.layers.Attention`) as compiled calls around the host's attention,
+    each layer's last call computing the next one's first:
+
+    - ``entry`` (the shard's first layer only): input norm and the fused q/k/v projection;
+    - the host: q/k norms, RoPE, the KV cache and attention (the engine's own code);
+    - ``middle``: the output projection, the residual add and the post-attention norm;
+    - the host: routing (``select``: the family's router over the norm's output, as
+      :class:`FusedMoE` runs it; None for a dense block);
+    - ``exit``: the feed-forward block (fused MoE or three matmuls), the residual add and the
+      next layer's entry (its input norm and q/k/v projection).
+
+    Two calls a layer instead of three plus four host ops (two norms, two adds): on the demo model a
+    step is per-call overhead (docs/results/openvino_stage.md). Only where blocks execute in float32
+    (:func:`~.stage.chainable`): the residual stream crosses the graphs."""
+
+    def __init__(
+        self,
+        entry: CompiledBlock | None,
+        attention: Attention,
+        middle: CompiledBlock,
+        select: FusedMoE | None,
+        exit_block: CompiledBlock,
+    ):
         super().__init__()
-        self.entry, self.attention, self.middle, self.mlp = entry, attention, middle, mlp
+        self.entry, self.attention, self.middle, self.select, self.exit_block = (
+            entry,
+            attention,
+            middle,
+            select,
+            exit_block,
+        )
+
+    def step(
+        self, x: torch.Tensor, entry: torch.Tensor | None, ctx: FrameContext, kv: LayerKV
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x and this layer's entry (None: computed here) -> the next x and the next layer's entry
+        (None after a shard's last layer)."""
+        rows = _rows(x)
+        if entry is None:
+            if self.entry is None:
+                raise RuntimeError("a chained layer after a shard's first takes its entry from the layer before")
+            entry = self.entry(rows)
+        heads = self.attention.attend_projected(entry.to(x.dtype), ctx, kv, x.dtype)
+        h, normed = self.middle.outputs(_rows(heads), rows)
+        inputs = [normed.numpy()]
+        if self.select is not None:
+            ids, weights = self.select.selections(normed)
+            inputs += [ids.contiguous().numpy(), weights.contiguous().numpy()]
+        out = self.exit_block.outputs(*inputs, h.numpy())
+        return out[0].to(x.dtype), out[1] if len(out) > 1 else None
 
     def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
-        rows = _rows(x)
-        qkv = self.entry(rows).to(x.dtype)
-        heads = self.attention.attend_projected(qkv, ctx, kv, x.dtype)
-        h, normed = self.middle.outputs(_rows(heads), rows)
-        out: torch.Tensor = h.to(x.dtype) + self.mlp(normed.to(x.dtype))
-        return out
+        return self.step(x, None, ctx, kv)[0]

@@ -33,16 +33,18 @@ from ..errors import ConfigError
 from ..formats.int4 import Int4Weight
 from ..formats.int8 import Int8Weight
 from ..formats.plan import FormatPlan
-from ..layers import Attention, DecoderLayer, Dense, GatedMLP, RMSNorm, SparseMoE
+from ..layers import Attention, DecoderLayer, Dense, FrameContext, GatedMLP, RMSNorm, SparseMoE
 from ..models.inkling import ScaledGatedMLP, SinkMoE
 from ..quantize import QuantizedDense
 from ..shard import Shard
 from ..spec import ModelSpec, load_spec
 from . import export
 from .graphs import (
+    Entry,
     ExpertBank,
     Weight,
     dense_graph,
+    exit_graph,
     matmul_add_norm_graph,
     matmul_graph,
     moe_graph,
@@ -51,10 +53,11 @@ from .graphs import (
 )
 from .ranges import calibration_rows, execution_type, layer_exponent, needs_calibration
 from .runtime import (
+    ChainedLayer,
     CompiledBlock,
     CompileOptions,
     DenseMatmuls,
-    FusedDecoderLayer,
+    FeedForward,
     FusedMoE,
     OVLinear,
     check_block_fused,
@@ -140,7 +143,7 @@ class OpenVINOShard(Shard):
     openvino_device: str = "CPU"
     dense_form: str = "slices"
     dense_layers: int = 0
-    fused_decoder_layers: int = 0  # layers whose norms, projections and residual add run in two calls
+    chained_layers: int = 0  # layers run as three calls around attention (runtime.ChainedLayer)
     moe_layers: int = 0
     fused_layers: int = 0
     compile_seconds: float = 0.0
@@ -193,33 +196,81 @@ class OpenVINOShard(Shard):
         """Export and compile every layer (and the head), asserting each MoE block fused."""
         started = time.perf_counter()
         self.openvino_device, self._ov_bytes, self.attenuation_exponents = options.device, {}, {}
-        self.dense_form, self.dense_layers, self.fused_decoder_layers = dense_form(options.device), 0, 0
-        count = len(self.layers)
-        for done, (offset, layer) in enumerate(_track(list(enumerate(self.layers)), progress, "compiling"), 1):
+        self.dense_form, self.dense_layers, self.chained_layers = dense_form(options.device), 0, 0
+        layers = list(self.layers)
+        chain = chainable(layers, options)
+        for done, (offset, layer) in enumerate(_track(list(enumerate(layers)), progress, "compiling"), 1):
             index = self.layer_start + offset
             name = f"layer {index}"
-            layer.mlp = self._compile_mlp(layer.mlp, layer.post_norm.weight, options, name)
-            self.attenuation_exponents[index] = layer.mlp.attenuation_exponent
-            fused = _fused_layer(layer, options, name, self._count)
-            if fused is not None:
-                self.layers[offset] = fused
-                self.fused_decoder_layers += 1
+            if chain:
+                assert isinstance(layer, DecoderLayer)
+                following = layers[offset + 1] if offset + 1 < len(layers) else None
+                assert following is None or isinstance(following, DecoderLayer)
+                self.layers[offset] = self._chained_layer(layer, following, offset == 0, options, name)
+                self.attenuation_exponents[index] = 0
             else:
+                layer.mlp = self._compile_mlp(layer.mlp, layer.post_norm.weight, options, name)
+                self.attenuation_exponents[index] = layer.mlp.attenuation_exponent
                 _replace_linears(layer.attention, options, name, self._count)
             if on_layer is not None:
-                on_layer(done, count)
+                on_layer(done, len(layers))
         compiled_head = None if self.head is None else _compiled_linear(self.head, options, "head", self._count)
         if compiled_head is not None:
             self.head = compiled_head  # type: ignore[assignment]
         self.compile_seconds = time.perf_counter() - started
 
+    def run_layers(self, x: torch.Tensor, ctx: FrameContext) -> torch.Tensor:
+        """Chained layers hand the next layer its entry (computed in their exit call) with x."""
+        if not self.chained_layers:
+            return super().run_layers(x, ctx)
+        entry: torch.Tensor | None = None
+        for layer, kv in zip(self.layers, self.kv, strict=True):
+            assert isinstance(layer, ChainedLayer)
+            x, entry = layer.step(x, entry, ctx, kv)
+        return x
+
     def _count(self, role: str, fmt: str, nbytes: int) -> None:
         by_format = self._ov_bytes.setdefault(role, {})
         by_format[fmt] = by_format.get(fmt, 0) + nbytes
 
-    def _compile_mlp(
-        self, mlp: nn.Module, norm_weight: torch.Tensor, options: CompileOptions, name: str
-    ) -> FusedMoE | DenseMatmuls:
+    def _chained_layer(
+        self, layer: DecoderLayer, following: DecoderLayer | None, first: bool, options: CompileOptions, name: str
+    ) -> ChainedLayer:
+        """``layer`` (a plain grouped-query layer: :func:`chainable`) as three compiled calls around
+        its attention (:class:`.runtime.ChainedLayer`), its exit computing ``following``'s entry."""
+        attention = layer.attention
+        assert isinstance(attention, Attention)
+        qkv, o_proj = _linear_weight(attention.qkv), _linear_weight(attention.o_proj)
+        assert qkv is not None and o_proj is not None
+        for weight, _, fmt in (qkv, o_proj):
+            self._count("attention", fmt, weight_bytes(weight))
+        entry = None
+        if first:
+            graph = norm_matmul_graph(layer.input_norm.weight, layer.input_norm.eps, qkv[0], f"{name}.entry", qkv[1])
+            entry = CompiledBlock(graph, options)
+        post = layer.post_norm
+        middle = matmul_add_norm_graph(o_proj[0], post.weight, post.eps, f"{name}.middle", o_proj[1])
+        feed = self._export_mlp(layer.mlp, post.weight, options, name)
+        assert feed.exponent == 0  # chained only where blocks execute in f32 (chainable)
+        next_entry = None
+        if following is not None:
+            assert isinstance(following.attention, Attention)
+            found = _linear_weight(following.attention.qkv)
+            assert found is not None
+            norm = following.input_norm
+            next_entry = Entry(norm.weight, norm.eps, found[0], found[1])
+        scale = feed.scale if feed.top_k is None else 1.0  # routed and slices: the weights carry it
+        exit_block = CompiledBlock(exit_graph(feed.bank, feed.top_k, scale, f"{name}.exit", next_entry), options)
+        select = None
+        if feed.top_k is not None:
+            self._check_fused(exit_block, name)
+            select = FusedMoE(None, feed.router_proj, feed.route, feed.routed, feed.shared, 0, name, feed.scale)
+        attention.register_module("qkv", None)  # their weights live in the compiled blocks now
+        attention.register_module("o_proj", None)
+        self.chained_layers += 1
+        return ChainedLayer(entry, attention, CompiledBlock(middle, options), select, exit_block)
+
+    def _export_mlp(self, mlp: nn.Module, norm_weight: torch.Tensor, options: CompileOptions, name: str) -> FeedForward:
         if isinstance(mlp, SparseMoE):
             banks = [export.routed_bank(mlp.experts, f"{name}.experts")]
             if isinstance(mlp, SinkMoE):  # Inkling: a bank of shared experts, weighted by the router
@@ -234,8 +285,10 @@ class OpenVINOShard(Shard):
             shared = bank.num_experts - routed
             top_k = int(self.spec.require("num_experts_per_tok")) + shared
             exponent = _exponent(bank, norm_weight, options)
-            block = self._moe_block(bank, top_k, options, exponent, name)
-            return FusedMoE(block, mlp.router_proj, mlp.route, routed, shared, exponent, name)
+            self._count("experts", export.bank_format(bank), bank.nbytes)
+            return FeedForward(
+                export.attenuate(bank, exponent), top_k, exponent, 1.0, mlp.router_proj, mlp.route, routed, shared
+            )
         if isinstance(mlp, GatedMLP):  # a dense layer: all-active slices (Eq. 2) or three matmuls
             scale = float(mlp.global_scale) if isinstance(mlp, ScaledGatedMLP) else 1.0
             self.dense_layers += 1
@@ -243,24 +296,30 @@ class OpenVINOShard(Shard):
                 whole = export.dense_weights(mlp, f"{name}.mlp")
                 exponent = _exponent(whole, norm_weight, options)
                 self._count("experts", export.bank_format(whole), whole.nbytes)
-                attenuated = export.attenuate(whole, exponent)
-                graph = dense_graph(attenuated.gate, attenuated.up, attenuated.down, name)
-                return DenseMatmuls(CompiledBlock(graph, options), exponent, name, scale)
+                return FeedForward(export.attenuate(whole, exponent), None, exponent, scale)
             bank = export.slices_of(mlp, expert_width(self.spec), f"{name}.mlp")
             exponent = _exponent(bank, norm_weight, options)
-            block = self._moe_block(bank, bank.num_experts, options, exponent, name)
-            return FusedMoE(block, None, None, 0, bank.num_experts, exponent, name, slice_weight=scale)
+            self._count("experts", export.bank_format(bank), bank.nbytes)
+            return FeedForward(
+                export.attenuate(bank, exponent), bank.num_experts, exponent, scale, shared=bank.num_experts
+            )
         raise ConfigError(f"{name}: feed-forward block {type(mlp).__name__} has no OpenVINO export")
 
-    def _moe_block(
-        self, bank: ExpertBank, top_k: int, options: CompileOptions, exponent: int, name: str
-    ) -> CompiledBlock:
-        self._count("experts", export.bank_format(bank), bank.nbytes)
-        block = CompiledBlock(moe_graph(export.attenuate(bank, exponent), top_k, name), options)
+    def _compile_mlp(
+        self, mlp: nn.Module, norm_weight: torch.Tensor, options: CompileOptions, name: str
+    ) -> FusedMoE | DenseMatmuls:
+        feed = self._export_mlp(mlp, norm_weight, options, name)
+        if feed.top_k is None:
+            graph = dense_graph(feed.bank.gate, feed.bank.up, feed.bank.down, name)
+            return DenseMatmuls(CompiledBlock(graph, options), feed.exponent, name, feed.scale)
+        block = CompiledBlock(moe_graph(feed.bank, feed.top_k, name), options)
+        self._check_fused(block, name)
+        return FusedMoE(block, feed.router_proj, feed.route, feed.routed, feed.shared, feed.exponent, name, feed.scale)
+
+    def _check_fused(self, block: CompiledBlock, name: str) -> None:
         check_block_fused(block, name)
         self.moe_layers += 1
         self.fused_layers += 1
-        return block
 
     @property
     def bytes_by_role(self) -> dict[str, dict[str, int]]:
@@ -281,7 +340,7 @@ class OpenVINOShard(Shard):
             "host_threads": torch.get_num_threads(),
             "dense_form": self.dense_form,
             "dense_layers": self.dense_layers,
-            "fused_decoder_layers": self.fused_decoder_layers,
+            "chained_layers": self.chained_layers,
             "attenuation_exponents": {str(k): v for k, v in self.attenuation_exponents.items() if v},
             "compile_seconds": round(self.compile_seconds, 3),
         }
@@ -319,29 +378,22 @@ def _compiled_linear(
     return OVLinear(CompiledBlock(matmul_graph(weight, f"{name}", bias), options), int(weight.shape[0]))
 
 
-def _fused_layer(
-    layer: nn.Module, options: CompileOptions, name: str, count: Callable[[str, str, int], None]
-) -> FusedDecoderLayer | None:
-    """``layer`` as two compiled calls around its attention (:class:`.runtime.FusedDecoderLayer`),
-    or None where it does not apply: a layer other than the plain pre-norm grouped-query one, a
-    projection the backend does not compile, or blocks executing below float32 (the residual
-    stream then stays on the host, in float32, with Eq. 1's restore)."""
-    if execution_type(options.device, options.precision) != "f32":
-        return None
-    if type(layer) is not DecoderLayer or type(layer.attention) is not Attention:
-        return None
-    attention = layer.attention
-    qkv, o_proj = _linear_weight(attention.qkv), _linear_weight(attention.o_proj)
-    norms = (layer.input_norm, layer.post_norm)
-    if qkv is None or o_proj is None or not all(type(n) is RMSNorm for n in norms):
-        return None
-    for weight, _, fmt in (qkv, o_proj):
-        count("attention", fmt, weight_bytes(weight))
-    entry = norm_matmul_graph(layer.input_norm.weight, layer.input_norm.eps, qkv[0], f"{name}.entry", qkv[1])
-    middle = matmul_add_norm_graph(o_proj[0], layer.post_norm.weight, layer.post_norm.eps, f"{name}.middle", o_proj[1])
-    attention.register_module("qkv", None)  # their weights live in the compiled blocks now
-    attention.register_module("o_proj", None)
-    return FusedDecoderLayer(CompiledBlock(entry, options), attention, CompiledBlock(middle, options), layer.mlp)
+def chainable(layers: list[nn.Module], options: CompileOptions) -> bool:
+    """Whether a shard's layers run chained (:class:`.runtime.ChainedLayer`): blocks executing
+    in float32 (the residual stream crosses the graphs; Eq. 1 needs no attenuation or row factors
+    there) and every layer a plain pre-norm grouped-query one whose projections compile."""
+    if execution_type(options.device, options.precision) != "f32" or not layers:
+        return False
+    for layer in layers:
+        if type(layer) is not DecoderLayer or type(layer.attention) is not Attention:
+            return False
+        if _linear_weight(layer.attention.qkv) is None or _linear_weight(layer.attention.o_proj) is None:
+            return False
+        if type(layer.input_norm) is not RMSNorm or type(layer.post_norm) is not RMSNorm:
+            return False
+        if not isinstance(layer.mlp, SparseMoE | GatedMLP):
+            return False
+    return True
 
 
 def _replace_linears(
