@@ -244,17 +244,22 @@ class Attention(nn.Module):
         y: torch.Tensor = self.o_proj(self.attend_projected(self.qkv(x), ctx, kv, x.dtype))
         return y
 
-    def attend_projected(self, qkv: torch.Tensor, ctx: FrameContext, kv: LayerKV, dtype: torch.dtype) -> torch.Tensor:
-        """Attention between the projections: the rows' fused q/k/v [R, (Hq + 2 Hkv) D], in a layer
-        whose activations are ``dtype`` -> the heads' outputs [R, Hq D], for ``o_proj``."""
+    def attend_projected(
+        self, qkv: torch.Tensor, ctx: FrameContext, kv: LayerKV, dtype: torch.dtype, qk_normed: bool = False
+    ) -> torch.Tensor:
+        """Attention between the projections: the rows' fused q/k/v [R, (Hq + 2 Hkv) D] (with
+        ``qk_normed``, q and k heads already through the q/k norms), in a layer whose activations
+        are ``dtype`` -> the heads' outputs [R, Hq D], for ``o_proj``."""
         rows = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if ctx.segments is None and self._fused_decode_applies(qkv, kv):
+        if ctx.segments is None and not qk_normed and self._fused_decode_applies(qkv, kv):
             return self._fused_decode(qkv, ctx, kv).reshape(rows, q_size)
         qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
         # q and k heads side by side: [rows, Hq + Hkv, D], normed and rotated together
         qk = qk.reshape(rows, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm_weight is not None:  # normalised in float32, rounded, then scaled: as the reference
+        if (
+            self.qk_norm_weight is not None and not qk_normed
+        ):  # normalised in float32, rounded, then scaled: as the reference
             qk = self.qk_norm_weight * F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps)
         cos, sin = ctx.cos_sin(self.rotary, dtype)
         qk = self.rotary.apply(qk, cos, sin)

@@ -167,12 +167,24 @@ def _projection(x: ov.Node, w: Weight, bias: torch.Tensor | None) -> ov.Node:
     return y if bias is None else ops.add(y, ops.constant(bias.detach().to(torch.float32).numpy()))
 
 
-def norm_matmul_graph(
-    norm_weight: torch.Tensor, eps: float, w: Weight, name: str, bias: torch.Tensor | None = None
-) -> ov.Model:
-    """A layer's entry in one call: y = rms_norm(x) @ w.T (+ bias); x the residual rows [R, H]."""
-    x = ops.parameter([-1, int(norm_weight.shape[0])], ov.Type.f32, name="x")
-    return ov.Model([_projection(_rms_norm(x, norm_weight, eps), w, bias)], [x], name)
+def entry_graph(entry: Entry, name: str) -> ov.Model:
+    """A layer's entry in one call (:class:`Entry`); x the residual rows [R, H]."""
+    x = ops.parameter([-1, int(entry.norm_weight.shape[0])], ov.Type.f32, name="x")
+    return ov.Model([_entry(x, entry)], [x], name)
+
+
+def _entry(x: ov.Node, entry: Entry) -> ov.Node:
+    y = _projection(_rms_norm(x, entry.norm_weight, entry.eps), entry.weight, entry.bias)
+    if entry.heads_norm is None:
+        return y
+    heads, head_dim = (int(n) for n in entry.heads_norm.shape)
+    width = int(_shape(entry.weight)[0])
+    qk, v = ops.variadic_split(
+        y, ops.constant(np.int64(1)), _i64([heads * head_dim, width - heads * head_dim])
+    ).outputs()
+    per_head = ops.reshape(qk, _i64([-1, heads, head_dim]), special_zero=False)
+    normed = ops.reshape(_rms_norm(per_head, entry.heads_norm, entry.heads_eps), _i64([-1, heads * head_dim]), False)
+    return ops.concat([normed, v], 1)
 
 
 def matmul_add_norm_graph(
@@ -189,12 +201,16 @@ def matmul_add_norm_graph(
 
 @dataclass(frozen=True)
 class Entry:
-    """A layer's entry: rms_norm(x) (``norm_weight``, ``eps``) @ ``weight``.T (+ ``bias``)."""
+    """A layer's entry: rms_norm(x) (``norm_weight``, ``eps``) @ ``weight``.T (+ ``bias``), the
+    fused q/k/v rows, with ``heads_norm`` [Hq + Hkv, D] the q and k heads each RMS-normed
+    (``heads_eps``) and scaled by their row of it (Qwen3's q/k norms)."""
 
     norm_weight: torch.Tensor
     eps: float
     weight: Weight
     bias: torch.Tensor | None = None
+    heads_norm: torch.Tensor | None = None
+    heads_eps: float = 0.0
 
 
 def exit_graph(bank: ExpertBank, top_k: int | None, scale: float, name: str, entry: Entry | None) -> ov.Model:
@@ -218,7 +234,5 @@ def exit_graph(bank: ExpertBank, top_k: int | None, scale: float, name: str, ent
     if scale != 1.0:
         y = ops.multiply(y, ops.constant(np.float32(scale)))
     x = ops.add(h, y)
-    outputs = (
-        [x] if entry is None else [x, _projection(_rms_norm(x, entry.norm_weight, entry.eps), entry.weight, entry.bias)]
-    )
+    outputs = [x] if entry is None else [x, _entry(x, entry)]
     return ov.Model(outputs, [*params, h], name)

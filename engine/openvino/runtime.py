@@ -204,15 +204,16 @@ class ChainedLayer(nn.Module):
     :class:`~modelfleet.engine.layers.Attention`) as compiled calls around the host's attention,
     each layer's last call computing the next one's first:
 
-    - ``entry`` (the shard's first layer only): input norm and the fused q/k/v projection;
-    - the host: q/k norms, RoPE, the KV cache and attention (the engine's own code);
+    - ``entry`` (the shard's first layer only): input norm, the fused q/k/v projection and the
+      q/k norms;
+    - the host: RoPE, the KV cache and attention (the engine's own code);
     - ``middle``: the output projection, the residual add and the post-attention norm;
     - the host: routing (``select``: the family's router over the norm's output, as
       :class:`FusedMoE` runs it; None for a dense block);
     - ``exit``: the feed-forward block (fused MoE or three matmuls), the residual add and the
-      next layer's entry (its input norm and q/k/v projection).
+      next layer's entry.
 
-    Two calls a layer instead of three plus four host ops (two norms, two adds): on the demo model a
+    Two calls a layer instead of three, and three norms and two adds a layer fewer on the host: on the demo model a
     step is per-call overhead (docs/results/openvino_stage.md). Only where blocks execute in float32
     (:func:`~.stage.chainable`): the residual stream crosses the graphs."""
 
@@ -243,7 +244,7 @@ class ChainedLayer(nn.Module):
             if self.entry is None:
                 raise RuntimeError("a chained layer after a shard's first takes its entry from the layer before")
             entry = self.entry(rows)
-        heads = self.attention.attend_projected(entry.to(x.dtype), ctx, kv, x.dtype)
+        heads = self.attention.attend_projected(entry.to(x.dtype), ctx, kv, x.dtype, qk_normed=True)
         h, normed = self.middle.outputs(_rows(heads), rows)
         inputs = [normed.numpy()]
         if self.select is not None:

@@ -44,11 +44,11 @@ from .graphs import (
     ExpertBank,
     Weight,
     dense_graph,
+    entry_graph,
     exit_graph,
     matmul_add_norm_graph,
     matmul_graph,
     moe_graph,
-    norm_matmul_graph,
     weight_bytes,
 )
 from .ranges import calibration_rows, execution_type, layer_exponent, needs_calibration
@@ -244,21 +244,12 @@ class OpenVINOShard(Shard):
         assert qkv is not None and o_proj is not None
         for weight, _, fmt in (qkv, o_proj):
             self._count("attention", fmt, weight_bytes(weight))
-        entry = None
-        if first:
-            graph = norm_matmul_graph(layer.input_norm.weight, layer.input_norm.eps, qkv[0], f"{name}.entry", qkv[1])
-            entry = CompiledBlock(graph, options)
+        entry = CompiledBlock(entry_graph(_entry(layer), f"{name}.entry"), options) if first else None
         post = layer.post_norm
         middle = matmul_add_norm_graph(o_proj[0], post.weight, post.eps, f"{name}.middle", o_proj[1])
         feed = self._export_mlp(layer.mlp, post.weight, options, name)
         assert feed.exponent == 0  # chained only where blocks execute in f32 (chainable)
-        next_entry = None
-        if following is not None:
-            assert isinstance(following.attention, Attention)
-            found = _linear_weight(following.attention.qkv)
-            assert found is not None
-            norm = following.input_norm
-            next_entry = Entry(norm.weight, norm.eps, found[0], found[1])
+        next_entry = None if following is None else _entry(following)
         scale = feed.scale if feed.top_k is None else 1.0  # routed and slices: the weights carry it
         exit_block = CompiledBlock(exit_graph(feed.bank, feed.top_k, scale, f"{name}.exit", next_entry), options)
         select = None
@@ -376,6 +367,15 @@ def _compiled_linear(
     role = "head" if name == "head" else "attention"
     count(role, fmt, weight_bytes(weight))
     return OVLinear(CompiledBlock(matmul_graph(weight, f"{name}", bias), options), int(weight.shape[0]))
+
+
+def _entry(layer: DecoderLayer) -> Entry:
+    """A chainable layer's entry: its input norm, its fused q/k/v projection and q/k norms."""
+    attention, norm = layer.attention, layer.input_norm
+    assert isinstance(attention, Attention) and isinstance(norm, RMSNorm)
+    found = _linear_weight(attention.qkv)
+    assert found is not None
+    return Entry(norm.weight, norm.eps, found[0], found[1], attention.qk_norm_weight, attention.qk_norm_eps)
 
 
 def chainable(layers: list[nn.Module], options: CompileOptions) -> bool:
