@@ -150,6 +150,8 @@ class FusedMoE(nn.Module):
             return ids, weights
         assert self.router_proj is not None
         index, weight, *shared_weights = self.route(self.router_proj(x))
+        if not self.shared:  # routed experts only (Qwen3, Mixtral): no concatenation
+            return index.to(torch.int32), weight.to(torch.float32)
         if shared_weights:
             weights = shared_weights[0].to(torch.float32)
         return (
