@@ -187,18 +187,6 @@ def _entry(x: ov.Node, entry: Entry) -> ov.Node:
     return ops.concat([normed, v], 1)
 
 
-def matmul_add_norm_graph(
-    w: Weight, norm_weight: torch.Tensor, eps: float, name: str, bias: torch.Tensor | None = None
-) -> ov.Model:
-    """A layer's middle in one call: h = x + a @ w.T (+ bias) and rms_norm(h); inputs a (the
-    attention heads' outputs [R, I]) and x (the residual rows [R, H]); outputs h, then its norm."""
-    out_features, in_features = _shape(w)
-    a = ops.parameter([-1, in_features], ov.Type.f32, name="a")
-    x = ops.parameter([-1, out_features], ov.Type.f32, name="x")
-    h = ops.add(x, _projection(a, w, bias))
-    return ov.Model([h, _rms_norm(h, norm_weight, eps)], [a, x], name)
-
-
 @dataclass(frozen=True)
 class Entry:
     """A layer's entry: rms_norm(x) (``norm_weight``, ``eps``) @ ``weight``.T (+ ``bias``), the
@@ -213,26 +201,60 @@ class Entry:
     heads_eps: float = 0.0
 
 
-def exit_graph(bank: ExpertBank, top_k: int | None, scale: float, name: str, entry: Entry | None) -> ov.Model:
-    """A layer's feed-forward block, its residual add and the next layer's entry in one call.
+@dataclass(frozen=True)
+class Router:
+    """Softmax top-k routing in-graph (Qwen3's and Mixtral's ``softmax_top_k``): logits = x @
+    ``weight``.T (+ ``bias``); with ``renormalize`` a softmax over the top k logits, else the top
+    k of the softmax over all."""
 
-    Inputs: ``normed`` (the block's input [R, H]), with ``top_k``: ``ids`` i32 and ``weights``
-    f32 [R, top_k] (the tiled MoE block over ``bank``), without: ``bank`` is a dense block's whole
-    weights (three matmuls); then ``h`` (the residual [R, H]). Outputs: x = h + scale * block(normed)
-    and, with ``entry``, the next layer's entry of x."""
-    hidden = int(_shape(bank.gate)[-1])
-    normed = ops.parameter([-1, hidden], ov.Type.f32, name="normed")
-    params = [normed]
-    if top_k is None:
-        y = _dense(normed, bank)
+    weight: Weight
+    bias: torch.Tensor | None
+    top_k: int
+    renormalize: bool
+
+
+def _route(x: ov.Node, router: Router) -> tuple[ov.Output, ov.Node]:
+    """-> expert ids i32 [R, k] and their weights f32 [R, k], as the host's softmax_top_k."""
+    logits = _projection(x, router.weight, router.bias)
+    k = ops.constant(np.int64(router.top_k))
+    if router.renormalize:
+        top = ops.topk(logits, k, 1, "max", "value", "i32")
+        return top.output(1), ops.softmax(top.output(0), 1)
+    top = ops.topk(ops.softmax(logits, 1), k, 1, "max", "value", "i32")
+    return top.output(1), top.output(0)
+
+
+@dataclass(frozen=True)
+class LayerBlock:
+    """A chained layer's call: o projection (``o_weight``, ``o_bias``), post-attention norm, the
+    feed-forward block over ``bank`` (routed by ``router``, or dense three matmuls times ``scale``)."""
+
+    o_weight: Weight
+    o_bias: torch.Tensor | None
+    norm_weight: torch.Tensor
+    eps: float
+    bank: ExpertBank
+    router: Router | None
+    scale: float = 1.0
+
+
+def layer_graph(layer: LayerBlock, name: str, entry: Entry | None) -> ov.Model:
+    """A layer after its attention in one call: h = x + heads @ o.T, the post norm, the routing
+    and the feed-forward block, x' = h + block, and, with ``entry``, the next layer's entry of x'.
+    Inputs: ``heads`` (the attention heads' outputs [R, I]) and ``x`` (the residual [R, H]);
+    outputs x' and the entry."""
+    out_features, in_features = _shape(layer.o_weight)
+    heads = ops.parameter([-1, in_features], ov.Type.f32, name="heads")
+    x = ops.parameter([-1, out_features], ov.Type.f32, name="x")
+    h = ops.add(x, _projection(heads, layer.o_weight, layer.o_bias))
+    normed = _rms_norm(h, layer.norm_weight, layer.eps)
+    if layer.router is None:
+        y = _dense(normed, layer.bank)
+        if layer.scale != 1.0:
+            y = ops.multiply(y, ops.constant(np.float32(layer.scale)))
     else:
-        ids = ops.parameter([-1, top_k], ov.Type.i32, name="ids")
-        weights = ops.parameter([-1, top_k], ov.Type.f32, name="weights")
-        params += [ids, weights]
-        y = _moe(normed, ids, weights, bank)
-    h = ops.parameter([-1, hidden], ov.Type.f32, name="h")
-    if scale != 1.0:
-        y = ops.multiply(y, ops.constant(np.float32(scale)))
-    x = ops.add(h, y)
-    outputs = [x] if entry is None else [x, _entry(x, entry)]
-    return ov.Model(outputs, [*params, h], name)
+        ids, weights = _route(normed, layer.router)
+        y = _moe(normed, ids, weights, layer.bank)
+    following = ops.add(h, y)
+    outputs = [following] if entry is None else [following, _entry(following, entry)]
+    return ov.Model(outputs, [heads, x], name)

@@ -118,13 +118,12 @@ class FusedMoE(nn.Module):
     per-row weights a router returns as its third value (Inkling's sink routing weighs its shared
     experts per token). Dense (``route`` None): every one of ``shared`` slices is active with
     weight ``slice_weight`` (1, or a dense block's learned scale: Eq. 2). Weights are divided by the
-    row factor F and the output multiplied by A * F in float32 (Eq. 1). ``block`` None: the block
-    is compiled into a :class:`ChainedLayer`'s exit call, and this module only selects.
+    row factor F and the output multiplied by A * F in float32 (Eq. 1).
     """
 
     def __init__(
         self,
-        block: CompiledBlock | None,
+        block: CompiledBlock,
         router_proj: nn.Module | None,
         route: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None,
         num_routed: int,
@@ -160,7 +159,6 @@ class FusedMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.block is not None, "a chained layer's selection runs its block in the layer's exit call"
         ids, weights = self.selections(x)
         factors = row_factors(weights)
         y = self.block(_rows(x), ids.contiguous().numpy(), (weights / factors).contiguous().numpy())
@@ -203,38 +201,23 @@ class FeedForward:
 
 class ChainedLayer(nn.Module):
     """A pre-norm grouped-query layer (:class:`~modelfleet.engine.layers.DecoderLayer` over an
-    :class:`~modelfleet.engine.layers.Attention`) as compiled calls around the host's attention,
-    each layer's last call computing the next one's first:
+    :class:`~modelfleet.engine.layers.Attention`) as one compiled call after the host's attention,
+    that call computing the next layer's entry:
 
     - ``entry`` (the shard's first layer only): input norm, the fused q/k/v projection and the
       q/k norms;
     - the host: RoPE, the KV cache and attention (the engine's own code);
-    - ``middle``: the output projection, the residual add and the post-attention norm;
-    - the host: routing (``select``: the family's router over the norm's output, as
-      :class:`FusedMoE` runs it; None for a dense block);
-    - ``exit``: the feed-forward block (fused MoE or three matmuls), the residual add and the
-      next layer's entry.
+    - ``block``: the output projection, the residual add, the post-attention norm, the routing
+      (softmax top-k, in-graph), the feed-forward block (fused MoE or three matmuls), the residual
+      add and the next layer's entry.
 
-    Two calls a layer instead of three, and three norms and two adds a layer fewer on the host: on the demo model a
-    step is per-call overhead (docs/results/openvino_stage.md). Only where blocks execute in float32
-    (:func:`~.stage.chainable`): the residual stream crosses the graphs."""
+    One call a layer instead of three, and the norms, adds and routing off the host: on the demo
+    model a step is per-call overhead (docs/results/openvino_stage.md). Only where blocks execute
+    in float32 and routing is softmax top-k (:func:`~.stage.chainable`)."""
 
-    def __init__(
-        self,
-        entry: CompiledBlock | None,
-        attention: Attention,
-        middle: CompiledBlock,
-        select: FusedMoE | None,
-        exit_block: CompiledBlock,
-    ):
+    def __init__(self, entry: CompiledBlock | None, attention: Attention, block: CompiledBlock):
         super().__init__()
-        self.entry, self.attention, self.middle, self.select, self.exit_block = (
-            entry,
-            attention,
-            middle,
-            select,
-            exit_block,
-        )
+        self.entry, self.attention, self.block = entry, attention, block
 
     def step(
         self, x: torch.Tensor, entry: torch.Tensor | None, ctx: FrameContext, kv: LayerKV
@@ -247,12 +230,7 @@ class ChainedLayer(nn.Module):
                 raise RuntimeError("a chained layer after a shard's first takes its entry from the layer before")
             entry = self.entry(rows)
         heads = self.attention.attend_projected(entry.to(x.dtype), ctx, kv, x.dtype, qk_normed=True)
-        h, normed = self.middle.outputs(_rows(heads), rows)
-        inputs = [normed.numpy()]
-        if self.select is not None:
-            ids, weights = self.select.selections(normed)
-            inputs += [ids.contiguous().numpy(), weights.contiguous().numpy()]
-        out = self.exit_block.outputs(*inputs, h.numpy())
+        out = self.block.outputs(_rows(heads), rows)
         return out[0].to(x.dtype), out[1] if len(out) > 1 else None
 
     def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:

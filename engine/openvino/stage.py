@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from ..errors import ConfigError
 from ..formats.int4 import Int4Weight
 from ..formats.int8 import Int8Weight
 from ..formats.plan import FormatPlan
-from ..layers import Attention, DecoderLayer, Dense, FrameContext, GatedMLP, RMSNorm, SparseMoE
+from ..layers import Attention, DecoderLayer, Dense, FrameContext, GatedMLP, RMSNorm, SparseMoE, softmax_top_k
 from ..models.inkling import ScaledGatedMLP, SinkMoE
 from ..quantize import QuantizedDense
 from ..shard import Shard
@@ -46,11 +47,12 @@ from . import export
 from .graphs import (
     Entry,
     ExpertBank,
+    LayerBlock,
+    Router,
     Weight,
     dense_graph,
     entry_graph,
-    exit_graph,
-    matmul_add_norm_graph,
+    layer_graph,
     matmul_graph,
     moe_graph,
     weight_bytes,
@@ -240,30 +242,35 @@ class OpenVINOShard(Shard):
     def _chained_layer(
         self, layer: DecoderLayer, following: DecoderLayer | None, first: bool, options: CompileOptions, name: str
     ) -> ChainedLayer:
-        """``layer`` (a plain grouped-query layer: :func:`chainable`) as three compiled calls around
-        its attention (:class:`.runtime.ChainedLayer`), its exit computing ``following``'s entry."""
-        attention = layer.attention
-        assert isinstance(attention, Attention)
+        """``layer`` (a plain grouped-query layer: :func:`chainable`) as one compiled call after
+        its attention (:class:`.runtime.ChainedLayer`), computing ``following``'s entry."""
+        attention, mlp, post = layer.attention, layer.mlp, layer.post_norm
+        assert isinstance(attention, Attention) and isinstance(post, RMSNorm)
         qkv, o_proj = _linear_weight(attention.qkv), _linear_weight(attention.o_proj)
         assert qkv is not None and o_proj is not None
         for weight, _, fmt in (qkv, o_proj):
             self._count("attention", fmt, weight_bytes(weight))
         entry = CompiledBlock(entry_graph(_entry(layer), f"{name}.entry"), options) if first else None
-        post = layer.post_norm
-        middle = matmul_add_norm_graph(o_proj[0], post.weight, post.eps, f"{name}.middle", o_proj[1])
-        feed = self._export_mlp(layer.mlp, post.weight, options, name)
+        feed = self._export_mlp(mlp, post.weight, options, name)
         assert feed.exponent == 0  # chained only where blocks execute in f32 (chainable)
-        next_entry = None if following is None else _entry(following)
-        scale = feed.scale if feed.top_k is None else 1.0  # routed and slices: the weights carry it
-        exit_block = CompiledBlock(exit_graph(feed.bank, feed.top_k, scale, f"{name}.exit", next_entry), options)
-        select = None
+        router = None
         if feed.top_k is not None:
-            self._check_fused(exit_block, name)
-            select = FusedMoE(None, feed.router_proj, feed.route, feed.routed, feed.shared, 0, name, feed.scale)
+            assert isinstance(mlp, SparseMoE) and isinstance(mlp.route, partial)
+            found = _linear_weight(mlp.router_proj)
+            assert found is not None
+            router = Router(
+                found[0], found[1], int(mlp.route.keywords["top_k"]), bool(mlp.route.keywords["renormalize"])
+            )
+        spec = LayerBlock(o_proj[0], o_proj[1], post.weight, post.eps, feed.bank, router, feed.scale)
+        block = CompiledBlock(
+            layer_graph(spec, f"{name}.layer", None if following is None else _entry(following)), options
+        )
+        if router is not None:
+            self._check_fused(block, name)
         attention.register_module("qkv", None)  # their weights live in the compiled blocks now
         attention.register_module("o_proj", None)
         self.chained_layers += 1
-        return ChainedLayer(entry, attention, CompiledBlock(middle, options), select, exit_block)
+        return ChainedLayer(entry, attention, block)
 
     def _export_mlp(self, mlp: nn.Module, norm_weight: torch.Tensor, options: CompileOptions, name: str) -> FeedForward:
         if isinstance(mlp, SparseMoE):
@@ -385,7 +392,8 @@ def _entry(layer: DecoderLayer) -> Entry:
 def chainable(layers: list[nn.Module], options: CompileOptions) -> bool:
     """Whether a shard's layers run chained (:class:`.runtime.ChainedLayer`): blocks executing
     in float32 (the residual stream crosses the graphs; Eq. 1 needs no attenuation or row factors
-    there) and every layer a plain pre-norm grouped-query one whose projections compile."""
+    there) and every layer a plain pre-norm grouped-query one whose projections compile, its
+    feed-forward block softmax-top-k routed (:func:`_routed_in_graph`) or dense three matmuls."""
     if execution_type(options.device, options.precision) != "f32" or not layers:
         return False
     for layer in layers:
@@ -395,9 +403,22 @@ def chainable(layers: list[nn.Module], options: CompileOptions) -> bool:
             return False
         if type(layer.input_norm) is not RMSNorm or type(layer.post_norm) is not RMSNorm:
             return False
-        if not isinstance(layer.mlp, SparseMoE | GatedMLP):
+        if not _routed_in_graph(layer.mlp) and not (
+            type(layer.mlp) is GatedMLP and dense_form(options.device) == "matmuls"
+        ):
             return False
     return True
+
+
+def _routed_in_graph(mlp: nn.Module) -> bool:
+    """A sparse block whose routing the layer's graph computes: softmax top-k over a compiled
+    router projection, no shared experts (Qwen3, Mixtral)."""
+    if type(mlp) is not SparseMoE or mlp.shared is not None or _linear_weight(mlp.router_proj) is None:
+        return False
+    route = mlp.route
+    return (
+        isinstance(route, partial) and route.func is softmax_top_k and set(route.keywords) == {"top_k", "renormalize"}
+    )
 
 
 def _replace_linears(
