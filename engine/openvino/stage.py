@@ -7,10 +7,11 @@ What runs where (seed 000 §3):
   fused MoE call (routed and shared experts), a dense one as all-active slices through the same
   call (Eq. 2) or as three compressed matmuls, as :func:`dense_form` chooses for the device; the
   attention projections and the output head as compressed (int8, or float) matmuls.
-- Where the blocks execute in float32 (CPU stages) and the layers are plain grouped-query ones
-  (qwen3_moe, mixtral), the layers run chained (:class:`.runtime.ChainedLayer`): norms, q/k
-  norms, projections, residual adds and the feed-forward block in two calls a layer, each
-  layer's last call computing the next one's entry; the host keeps routing, RoPE and attention.
+- Where the blocks execute in float32 (CPU stages), the layers are plain grouped-query ones and
+  routing is softmax top-k (qwen3_moe, mixtral), the layers run chained
+  (:class:`.runtime.ChainedLayer`): norms, q/k norms, projections, residual adds, routing and the
+  feed-forward block in one call a layer after its attention, that call computing the next
+  layer's entry; the host keeps RoPE, the KV cache and attention.
 - The host, with the engine's own code: norms, routing (each family's exact rules), RoPE,
   attention over the per-slot KV cache and its :class:`~modelfleet.engine.kvcache.SlotTable`, so
   release, rewind, export and import behave exactly as in the torch backend. Inkling's short
