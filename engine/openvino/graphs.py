@@ -15,6 +15,11 @@ plugin computes every expert (FACTS.md), so :func:`moe_graph` never builds one u
 (the refusal test does). Weights enter as constants: plain float, or int4 as OpenVINO's
 decompression subgraph (u4 codes [E, O, G, 32] - u4 zero points [E, O, G, 1]) * f16 scales, which
 keeps our packed nibbles as they are (both use low nibble first).
+
+Chained layers (:class:`~.runtime.ChainedLayer`) compile a layer's work around its attention as
+:func:`entry_graph` (input norm, q/k/v projection, q/k norms: the shard's first layer) and
+:func:`layer_graph` (o projection, residual, post norm, softmax top-k routing, the same tiled MoE
+block or three matmuls, residual, the next layer's entry).
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ class OpenVINOShard(Shard):
     openvino_device: str = "CPU"
     dense_form: str = "slices"
     dense_layers: int = 0
-    chained_layers: int = 0  # layers run as three calls around attention (runtime.ChainedLayer)
+    chained_layers: int = 0  # layers run as one call after their attention (runtime.ChainedLayer)
     moe_layers: int = 0
     fused_layers: int = 0
     compile_seconds: float = 0.0
@@ -227,7 +227,7 @@ class OpenVINOShard(Shard):
         self.compile_seconds = time.perf_counter() - started
 
     def run_layers(self, x: torch.Tensor, ctx: FrameContext) -> torch.Tensor:
-        """Chained layers hand the next layer its entry (computed in their exit call) with x."""
+        """Chained layers hand the next layer its entry (computed in their own call) with x."""
         if not self.chained_layers:
             return super().run_layers(x, ctx)
         entry: torch.Tensor | None = None
