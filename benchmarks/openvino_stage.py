@@ -8,9 +8,12 @@ Workloads:
 - ``dense``: a dense SwiGLU block of 8 x 768 (DeepSeek's first layers at this width), int4: eight
   all-active expert slices through the fused block (Eq. 2) against three compressed matmuls, both
   OpenVINO (seed 000 Table 2's comparison).
+- ``profile``: the OpenVINO stage's decode step on the demo model by where the time goes: calls a
+  step and milliseconds a call of each kind of compiled block, and the host's rest of the step.
 - ``decode``: the bundled demo model (int4 experts, int8 attention) decoding 1 and 8 streams,
   whole model: ``generate_batch`` over the torch backend and the OpenVINO backend, each in a
-  process of its own (an OpenVINO CPU stage sets torch's threads for its process), with the ratio
+  process of its own (an OpenVINO CPU stage sets torch's threads for its process; the stage also
+  with OpenVINO's pool at one thread, the calling one, against its default of every core), with the ratio
   of the OpenVINO rate to each torch row's (the issue's goal: >= 0.8 against torch's default,
   float32, which ``generate`` and ``up`` use unless told otherwise).
 
@@ -22,7 +25,7 @@ bandwidth of a large tensor copy measured in the same run (bytes read + written)
     python benchmarks/openvino_stage.py                       # everything, CSV to docs/results
     python benchmarks/openvino_stage.py --experts 32 --workloads moe,dense
     # the quiet CPU check (under 3 minutes on 2 cores; its figures go in openvino_stage.md):
-    OMP_NUM_THREADS=2 taskset -c 0,1 python benchmarks/openvino_stage.py --workloads decode,dense \
+    OMP_NUM_THREADS=2 taskset -c 0,1 python benchmarks/openvino_stage.py --workloads decode,profile,dense \
         --reps 20 --tokens 24 --out docs/results/openvino_stage_quiet.csv
 """
 
@@ -45,7 +48,7 @@ import torch
 from modelfleet.engine.formats.int4 import Int4Weight, quantize_int4
 from modelfleet.engine.generate import LocalModel, generate_batch
 from modelfleet.engine.openvino.graphs import ExpertBank, dense_graph, moe_graph
-from modelfleet.engine.openvino.runtime import CompiledBlock, CompileOptions
+from modelfleet.engine.openvino.runtime import PRECISIONS, CompiledBlock, CompileOptions
 from modelfleet.engine.quantize import QuantizedExperts, prepare_kernels
 from modelfleet.engine.sampling import SamplingParams
 
@@ -166,8 +169,11 @@ def dense_rows(args: argparse.Namespace, copy: float) -> list[dict[str, object]]
     return out
 
 
-def decode_one(backend: str, dtype: str, tokens: int) -> list[dict[str, object]]:
-    """The demo model's decode rate on one backend, 1 and 8 streams, best of three runs."""
+def decode_one(backend: str, dtype: str, tokens: int, ov_threads: int | None = None) -> list[dict[str, object]]:
+    """The demo model's decode rate on one backend, 1 and 8 streams, best of three runs;
+    ``ov_threads``: OpenVINO's INFERENCE_NUM_THREADS for every block (its default: every core)."""
+    if ov_threads is not None:
+        PRECISIONS["f32"] = {**PRECISIONS["f32"], "INFERENCE_NUM_THREADS": str(ov_threads)}
     model = ROOT / "models" / "demo"
     prompts = [[5 + 7 * i + j for j in range(12)] for i in range(8)]
     lm = LocalModel.load(model, max_slots=8, max_context=256, dtype=dtype, backend=backend)
@@ -181,23 +187,83 @@ def decode_one(backend: str, dtype: str, tokens: int) -> list[dict[str, object]]
             results = generate_batch(lm, prompts[:streams], params)
             seconds.append(time.perf_counter() - start)
         count = sum(len(r.token_ids) for r in results)
-        out.append({"workload": "decode", "path": f"{backend} {dtype}", "rows": streams,
+        path = f"{backend} {dtype}" + ("" if ov_threads is None else f" ({ov_threads} OpenVINO thread)")
+        out.append({"workload": "decode", "path": path, "rows": streams,
                     "ms": round(min(seconds) * 1000 / tokens, 2), "tok_s": round(count / min(seconds), 1),
                     "threads": torch.get_num_threads()})  # fmt: skip
     return out
 
 
+def _block_kind(block: CompiledBlock) -> str:
+    """A compiled block's role from its graph's name: entry, middle, exit (chained layers), qkv,
+    o_proj, moe (a layer's feed-forward block), head."""
+    name = block.compiled.get_runtime_model().get_friendly_name()
+    return name.rsplit(".", 1)[-1] if "." in name else ("moe" if name.startswith("layer") else name)
+
+
+def profile_one(tokens: int) -> list[dict[str, object]]:
+    """The OpenVINO stage's decode step on the demo model, by where the time goes: calls a step
+    and milliseconds a call of each kind of compiled block (perf_counter around each call: the
+    input binding, the inference and the output copy), and the rest of the step (the host: norms,
+    routing, attention, sampling, scheduling). Counts and shares are what to read on a loaded
+    machine; absolute figures only on a quiet one."""
+    calls: dict[str, list[float]] = {}
+    kinds: dict[int, str] = {}
+    run = CompiledBlock.__call__
+
+    def timed_call(block: CompiledBlock, *inputs: np.ndarray) -> torch.Tensor:
+        start = time.perf_counter()
+        y = run(block, *inputs)
+        kind = kinds.get(id(block)) or kinds.setdefault(id(block), _block_kind(block))
+        calls.setdefault(kind, []).append(time.perf_counter() - start)
+        return y
+
+    CompiledBlock.__call__ = timed_call  # type: ignore[method-assign]
+    lm = LocalModel.load(ROOT / "models" / "demo", max_slots=8, max_context=256, dtype="float32", backend="openvino")
+    prompts = [[5 + 7 * i + j for j in range(12)] for i in range(8)]
+    out: list[dict[str, object]] = []
+    for streams in (1, 8):
+        generate_batch(lm, prompts[:streams], [SamplingParams(max_tokens=4)] * streams)  # warm
+        best: tuple[float, dict[str, list[float]]] | None = None
+        for _ in range(3):
+            calls.clear()
+            start = time.perf_counter()
+            generate_batch(lm, prompts[:streams], [SamplingParams(max_tokens=tokens)] * streams)
+            seconds = time.perf_counter() - start
+            if best is None or seconds < best[0]:
+                best = (seconds, {k: list(v) for k, v in calls.items()})
+        assert best is not None
+        seconds, by_kind = best
+        step_ms = seconds * 1000 / tokens
+        compiled_ms = 0.0
+        for kind, samples in sorted(by_kind.items()):
+            ms = sum(samples) * 1000 / tokens
+            compiled_ms += ms
+            out.append({"workload": "profile", "path": f"openvino {kind}", "rows": streams,
+                        "calls": round(len(samples) / tokens, 1), "ms": round(sum(samples) * 1000 / len(samples), 3),
+                        "ms_per_step": round(ms, 3), "share": round(ms / step_ms, 3)})  # fmt: skip
+        out.append({"workload": "profile", "path": "openvino host (the rest)", "rows": streams,
+                    "ms_per_step": round(step_ms - compiled_ms, 3), "share": round(1 - compiled_ms / step_ms, 3)})  # fmt: skip
+        out.append({"workload": "profile", "path": "openvino step", "rows": streams, "ms_per_step": round(step_ms, 3),
+                    "calls": round(sum(len(v) for v in by_kind.values()) / tokens, 1)})  # fmt: skip
+    return out
+
+
 def decode_rows(args: argparse.Namespace) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
-    for backend, dtype in (("torch", "bfloat16"), ("torch", "float32"), ("openvino", "float32")):
-        command = [sys.executable, __file__, "--decode-one", f"{backend}:{dtype}", "--tokens", str(args.tokens)]
+    runs = ("torch:bfloat16", "torch:float32", "openvino:float32", "openvino:float32:1")
+    for run in runs:
+        command = [sys.executable, __file__, "--decode-one", run, "--tokens", str(args.tokens)]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         out += json.loads(done.stdout.strip().splitlines()[-1])
     rate = {(row["path"], row["rows"]): float(row["tok_s"]) for row in out}  # type: ignore[arg-type]
     for streams in (1, 8):
-        for peer in ("torch float32", "torch bfloat16"):
-            ratio = rate["openvino float32", streams] / rate[peer, streams]
-            out.append({"workload": "decode", "path": f"openvino / {peer}", "rows": streams, "ratio": round(ratio, 2)})
+        for ours in ("openvino float32", "openvino float32 (1 OpenVINO thread)"):
+            for peer in ("torch float32", "torch bfloat16"):
+                ratio = rate[ours, streams] / rate[peer, streams]
+                out.append(
+                    {"workload": "decode", "path": f"{ours} / {peer}", "rows": streams, "ratio": round(ratio, 2)}
+                )
     return out
 
 
@@ -215,10 +281,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens per stream (decode workload)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "openvino_stage.csv")
     parser.add_argument("--decode-one", help=argparse.SUPPRESS)  # backend:dtype, in a process of its own
+    parser.add_argument("--profile-one", action="store_true", help=argparse.SUPPRESS)  # likewise
     args = parser.parse_args()
     if args.decode_one:
-        backend, dtype = args.decode_one.split(":")
-        print(json.dumps(decode_one(backend, dtype, args.tokens)))
+        backend, dtype, *threads = args.decode_one.split(":")
+        print(json.dumps(decode_one(backend, dtype, args.tokens, int(threads[0]) if threads else None)))
+        return
+    if args.profile_one:
+        print(json.dumps(profile_one(args.tokens)))
         return
     copy = copy_gbps()
     print(f"copy bandwidth (read + write): {copy:.1f} GB/s; torch threads {torch.get_num_threads()}")
@@ -230,6 +300,9 @@ def main() -> None:
         rows += dense_rows(args, copy)
     if "decode" in chosen:
         rows += decode_rows(args)
+    if "profile" in chosen:
+        command = [sys.executable, __file__, "--profile-one", "--tokens", str(args.tokens)]
+        rows += json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     fields = [
         "workload",
         "path",
@@ -238,6 +311,9 @@ def main() -> None:
         "tok_s",
         "ratio",
         "threads",
+        "calls",
+        "ms_per_step",
+        "share",
         "gb_s",
         "share_of_copy",
         "s_per_gib",

@@ -241,19 +241,27 @@ class Attention(nn.Module):
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
     def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
-        rows = x.shape[0]
+        y: torch.Tensor = self.o_proj(self.attend_projected(self.qkv(x), ctx, kv, x.dtype))
+        return y
+
+    def attend_projected(
+        self, qkv: torch.Tensor, ctx: FrameContext, kv: LayerKV, dtype: torch.dtype, qk_normed: bool = False
+    ) -> torch.Tensor:
+        """Attention between the projections: the rows' fused q/k/v [R, (Hq + 2 Hkv) D] (with
+        ``qk_normed``, q and k heads already through the q/k norms), in a layer whose activations
+        are ``dtype`` -> the heads' outputs [R, Hq D], for ``o_proj``."""
+        rows = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv(x)
-        if ctx.segments is None and self._fused_decode_applies(qkv, kv):
-            out = self._fused_decode(qkv, ctx, kv)
-            y_fused: torch.Tensor = self.o_proj(out.reshape(rows, q_size))
-            return y_fused
+        if ctx.segments is None and not qk_normed and self._fused_decode_applies(qkv, kv):
+            return self._fused_decode(qkv, ctx, kv).reshape(rows, q_size)
         qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
         # q and k heads side by side: [rows, Hq + Hkv, D], normed and rotated together
         qk = qk.reshape(rows, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm_weight is not None:  # normalised in float32, rounded, then scaled: as the reference
+        if (
+            self.qk_norm_weight is not None and not qk_normed
+        ):  # normalised in float32, rounded, then scaled: as the reference
             qk = self.qk_norm_weight * F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps)
-        cos, sin = ctx.cos_sin(self.rotary, x.dtype)
+        cos, sin = ctx.cos_sin(self.rotary, dtype)
         qk = self.rotary.apply(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.reshape(rows, self.num_kv_heads, self.head_dim)
@@ -265,7 +273,7 @@ class Attention(nn.Module):
             out = attend_with_cache(kv, ctx.segments[0], q, {"k": k, "v": v}, self.scale, self.window, self.sinks)
         else:
             out = torch.empty_like(q)
-            batched = decode_rows_to_batch(ctx.segments, x, kv)
+            batched = decode_rows_to_batch(ctx.segments, qkv, kv)
             if batched:  # CPU decode rows of several streams: one attention call, not one per stream
                 picked = torch.tensor([seg.row_start for seg in batched])
                 out[picked] = attend_decode_rows(kv, batched, q[picked], {"k": k[picked], "v": v[picked]}, self)
@@ -274,8 +282,7 @@ class Attention(nn.Module):
                 out[rs] = attend_with_cache(
                     kv, seg, q[rs], {"k": k[rs], "v": v[rs]}, self.scale, self.window, self.sinks
                 )
-        y: torch.Tensor = self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
-        return y
+        return out.reshape(rows, q_size)
 
     def _fused_decode_applies(self, qkv: torch.Tensor, kv: LayerKV) -> bool:
         return not self.rotary.interleaved and decode_attention.applies(

@@ -54,7 +54,7 @@ from modelfleet.engine.openvino.runtime import (  # noqa: E402
     FusedMoE,
     check_block_fused,
 )
-from modelfleet.engine.openvino.stage import OpenVINOShard, dense_form, host_threads  # noqa: E402
+from modelfleet.engine.openvino.stage import OpenVINOShard, chainable, dense_form, host_threads  # noqa: E402
 from modelfleet.engine.quantize import QuantizedDense  # noqa: E402
 from modelfleet.engine.shard import Shard  # noqa: E402
 
@@ -190,6 +190,34 @@ def test_generate_json_reports_the_backend_device_and_fused_layers(family: str, 
     report = json.loads(ov_run.stdout.strip().splitlines()[-1])
     assert report["backend"]["backend"] == "openvino" and report["backend"]["fused_layers"] == 3
     assert report["token_ids"] == json.loads(torch_run.stdout.strip().splitlines()[-1])["token_ids"]
+
+
+def test_grouped_query_layers_run_chained_one_compiled_call_a_layer_and_latent_ones_do_not(
+    tiny_checkpoint, openvino_stage, monkeypatch
+) -> None:
+    """A step of a CPU stage over grouped-query layers: the first layer's entry, then one call a
+    layer (o_proj, residual, post norm, routing, feed-forward block, residual, the next layer's
+    entry), then the head: 4 + 2 calls, not 3 x 4 + 1. DeepSeek's latent attention keeps its own."""
+    calls: list[int] = []
+    run = CompiledBlock.__call__
+
+    def counted(block: CompiledBlock, *inputs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return run(block, *inputs)
+
+    monkeypatch.setattr(CompiledBlock, "__call__", counted)
+    for family, chained, per_step in (("qwen3_moe", 4, 4 + 2), ("deepseek_v3", 0, None)):
+        shard = openvino_stage(family)
+        assert shard.backend_info["chained_layers"] == chained
+        shard.allocate_cache(1, 64)
+        calls.clear()
+        shard(Frame.of_streams([(0, 0, PROMPT)]))
+        if per_step is not None:
+            assert len(calls) == per_step
+    layers = list(Shard.load(tiny_checkpoint("qwen3_moe")[0]).layers)
+    assert chainable(layers, OPTIONS)
+    assert not chainable(layers, CompileOptions(precision="default"))  # bf16 blocks: the residual stays on the host
+    assert not chainable(list(Shard.load(tiny_checkpoint("deepseek_v3")[0]).layers), OPTIONS)
 
 
 def test_a_graph_with_a_static_row_count_is_refused_naming_the_layer() -> None:

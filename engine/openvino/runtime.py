@@ -22,7 +22,10 @@ import openvino as ov
 import torch
 from torch import nn
 
+from ..kvcache import LayerKV
+from ..layers import Attention, FrameContext
 from .fusion import check_fused, fused_count, layer_types
+from .graphs import ExpertBank
 from .ranges import restore, row_factors
 
 PRECISIONS = {
@@ -71,8 +74,19 @@ class CompiledBlock:
         self.device = options.device
 
     def __call__(self, *inputs: np.ndarray) -> torch.Tensor:
-        self.request.infer(list(inputs), share_inputs=True)
+        # each input bound as a tensor over the array's own memory, then infer() without inputs:
+        # passing them to infer() costs ~30 us a call in its Python input dispatch (more than a
+        # small block's whole compute; docs/results/openvino_stage.md, the per-call profile)
+        for i, x in enumerate(inputs):
+            self.request.set_input_tensor(i, ov.Tensor(np.ascontiguousarray(x), shared_memory=True))
+        self.request.infer()
         return torch.from_numpy(self.request.get_output_tensor(0).data.copy())
+
+    def outputs(self, *inputs: np.ndarray) -> list[torch.Tensor]:
+        """Every output of the block (one call), as float32 torch tensors."""
+        first = self(*inputs)
+        rest = range(1, len(self.compiled.outputs))
+        return [first, *(torch.from_numpy(self.request.get_output_tensor(i).data.copy()) for i in rest)]
 
     @property
     def fused_matmuls(self) -> int:
@@ -135,6 +149,8 @@ class FusedMoE(nn.Module):
             return ids, weights
         assert self.router_proj is not None
         index, weight, *shared_weights = self.route(self.router_proj(x))
+        if not self.shared:  # routed experts only (Qwen3, Mixtral): no concatenation
+            return index.to(torch.int32), weight.to(torch.float32)
         if shared_weights:
             weights = shared_weights[0].to(torch.float32)
         return (
@@ -164,3 +180,58 @@ class DenseMatmuls(nn.Module):
 
 def check_block_fused(block: CompiledBlock, layer: str) -> None:
     check_fused(block.compiled, block.device, layer)
+
+
+@dataclass(frozen=True)
+class FeedForward:
+    """A layer's feed-forward block exported for OpenVINO, not yet compiled: ``bank`` attenuated
+    by 2^``exponent`` (Eq. 1); ``top_k`` (id, weight) pairs a row, or None for a dense block's
+    whole weights (three matmuls, output times ``scale``); the host's selection (the family's router,
+    ``routed`` experts then ``shared`` always-active ones, weighted ``scale`` unless routed)."""
+
+    bank: ExpertBank
+    top_k: int | None
+    exponent: int
+    scale: float
+    router_proj: nn.Module | None = None
+    route: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+    routed: int = 0
+    shared: int = 0
+
+
+class ChainedLayer(nn.Module):
+    """A pre-norm grouped-query layer (:class:`~modelfleet.engine.layers.DecoderLayer` over an
+    :class:`~modelfleet.engine.layers.Attention`) as one compiled call after the host's attention,
+    that call computing the next layer's entry:
+
+    - ``entry`` (the shard's first layer only): input norm, the fused q/k/v projection and the
+      q/k norms;
+    - the host: RoPE, the KV cache and attention (the engine's own code);
+    - ``block``: the output projection, the residual add, the post-attention norm, the routing
+      (softmax top-k, in-graph), the feed-forward block (fused MoE or three matmuls), the residual
+      add and the next layer's entry.
+
+    One call a layer instead of three, and the norms, adds and routing off the host: on the demo
+    model a step is per-call overhead (docs/results/openvino_stage.md). Only where blocks execute
+    in float32 and routing is softmax top-k (:func:`~.stage.chainable`)."""
+
+    def __init__(self, entry: CompiledBlock | None, attention: Attention, block: CompiledBlock):
+        super().__init__()
+        self.entry, self.attention, self.block = entry, attention, block
+
+    def step(
+        self, x: torch.Tensor, entry: torch.Tensor | None, ctx: FrameContext, kv: LayerKV
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x and this layer's entry (None: computed here) -> the next x and the next layer's entry
+        (None after a shard's last layer)."""
+        rows = _rows(x)
+        if entry is None:
+            if self.entry is None:
+                raise RuntimeError("a chained layer after a shard's first takes its entry from the layer before")
+            entry = self.entry(rows)
+        heads = self.attention.attend_projected(entry.to(x.dtype), ctx, kv, x.dtype, qk_normed=True)
+        out = self.block.outputs(_rows(heads), rows)
+        return out[0].to(x.dtype), out[1] if len(out) > 1 else None
+
+    def forward(self, x: torch.Tensor, ctx: FrameContext, kv: LayerKV) -> torch.Tensor:
+        return self.step(x, None, ctx, kv)[0]

@@ -7,6 +7,11 @@ What runs where (seed 000 §3):
   fused MoE call (routed and shared experts), a dense one as all-active slices through the same
   call (Eq. 2) or as three compressed matmuls, as :func:`dense_form` chooses for the device; the
   attention projections and the output head as compressed (int8, or float) matmuls.
+- Where the blocks execute in float32 (CPU stages), the layers are plain grouped-query ones and
+  routing is softmax top-k (qwen3_moe, mixtral), the layers run chained
+  (:class:`.runtime.ChainedLayer`): norms, q/k norms, projections, residual adds, routing and the
+  feed-forward block in one call a layer after its attention, that call computing the next
+  layer's entry; the host keeps RoPE, the KV cache and attention.
 - The host, with the engine's own code: norms, routing (each family's exact rules), RoPE,
   attention over the per-slot KV cache and its :class:`~modelfleet.engine.kvcache.SlotTable`, so
   release, rewind, export and import behave exactly as in the torch backend. Inkling's short
@@ -24,6 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,18 +39,32 @@ from ..errors import ConfigError
 from ..formats.int4 import Int4Weight
 from ..formats.int8 import Int8Weight
 from ..formats.plan import FormatPlan
-from ..layers import Dense, GatedMLP, SparseMoE
+from ..layers import Attention, DecoderLayer, Dense, FrameContext, GatedMLP, RMSNorm, SparseMoE, softmax_top_k
 from ..models.inkling import ScaledGatedMLP, SinkMoE
 from ..quantize import QuantizedDense
 from ..shard import Shard
 from ..spec import ModelSpec, load_spec
 from . import export
-from .graphs import ExpertBank, Weight, dense_graph, matmul_graph, moe_graph, weight_bytes
+from .graphs import (
+    Entry,
+    ExpertBank,
+    LayerBlock,
+    Router,
+    Weight,
+    dense_graph,
+    entry_graph,
+    layer_graph,
+    matmul_graph,
+    moe_graph,
+    weight_bytes,
+)
 from .ranges import calibration_rows, execution_type, layer_exponent, needs_calibration
 from .runtime import (
+    ChainedLayer,
     CompiledBlock,
     CompileOptions,
     DenseMatmuls,
+    FeedForward,
     FusedMoE,
     OVLinear,
     check_block_fused,
@@ -130,6 +150,7 @@ class OpenVINOShard(Shard):
     openvino_device: str = "CPU"
     dense_form: str = "slices"
     dense_layers: int = 0
+    chained_layers: int = 0  # layers run as one call after their attention (runtime.ChainedLayer)
     moe_layers: int = 0
     fused_layers: int = 0
     compile_seconds: float = 0.0
@@ -182,28 +203,77 @@ class OpenVINOShard(Shard):
         """Export and compile every layer (and the head), asserting each MoE block fused."""
         started = time.perf_counter()
         self.openvino_device, self._ov_bytes, self.attenuation_exponents = options.device, {}, {}
-        self.dense_form, self.dense_layers = dense_form(options.device), 0
-        count = len(self.layers)
-        for done, (offset, layer) in enumerate(_track(list(enumerate(self.layers)), progress, "compiling"), 1):
+        self.dense_form, self.dense_layers, self.chained_layers = dense_form(options.device), 0, 0
+        layers = list(self.layers)
+        chain = chainable(layers, options)
+        for done, (offset, layer) in enumerate(_track(list(enumerate(layers)), progress, "compiling"), 1):
             index = self.layer_start + offset
             name = f"layer {index}"
-            layer.mlp = self._compile_mlp(layer.mlp, layer.post_norm.weight, options, name)
-            self.attenuation_exponents[index] = layer.mlp.attenuation_exponent
-            _replace_linears(layer.attention, options, name, self._count)
+            if chain:
+                assert isinstance(layer, DecoderLayer)
+                following = layers[offset + 1] if offset + 1 < len(layers) else None
+                assert following is None or isinstance(following, DecoderLayer)
+                self.layers[offset] = self._chained_layer(layer, following, offset == 0, options, name)
+                self.attenuation_exponents[index] = 0
+            else:
+                layer.mlp = self._compile_mlp(layer.mlp, layer.post_norm.weight, options, name)
+                self.attenuation_exponents[index] = layer.mlp.attenuation_exponent
+                _replace_linears(layer.attention, options, name, self._count)
             if on_layer is not None:
-                on_layer(done, count)
+                on_layer(done, len(layers))
         compiled_head = None if self.head is None else _compiled_linear(self.head, options, "head", self._count)
         if compiled_head is not None:
             self.head = compiled_head  # type: ignore[assignment]
         self.compile_seconds = time.perf_counter() - started
 
+    def run_layers(self, x: torch.Tensor, ctx: FrameContext) -> torch.Tensor:
+        """Chained layers hand the next layer its entry (computed in their own call) with x."""
+        if not self.chained_layers:
+            return super().run_layers(x, ctx)
+        entry: torch.Tensor | None = None
+        for layer, kv in zip(self.layers, self.kv, strict=True):
+            assert isinstance(layer, ChainedLayer)
+            x, entry = layer.step(x, entry, ctx, kv)
+        return x
+
     def _count(self, role: str, fmt: str, nbytes: int) -> None:
         by_format = self._ov_bytes.setdefault(role, {})
         by_format[fmt] = by_format.get(fmt, 0) + nbytes
 
-    def _compile_mlp(
-        self, mlp: nn.Module, norm_weight: torch.Tensor, options: CompileOptions, name: str
-    ) -> FusedMoE | DenseMatmuls:
+    def _chained_layer(
+        self, layer: DecoderLayer, following: DecoderLayer | None, first: bool, options: CompileOptions, name: str
+    ) -> ChainedLayer:
+        """``layer`` (a plain grouped-query layer: :func:`chainable`) as one compiled call after
+        its attention (:class:`.runtime.ChainedLayer`), computing ``following``'s entry."""
+        attention, mlp, post = layer.attention, layer.mlp, layer.post_norm
+        assert isinstance(attention, Attention) and isinstance(post, RMSNorm)
+        qkv, o_proj = _linear_weight(attention.qkv), _linear_weight(attention.o_proj)
+        assert qkv is not None and o_proj is not None
+        for weight, _, fmt in (qkv, o_proj):
+            self._count("attention", fmt, weight_bytes(weight))
+        entry = CompiledBlock(entry_graph(_entry(layer), f"{name}.entry"), options) if first else None
+        feed = self._export_mlp(mlp, post.weight, options, name)
+        assert feed.exponent == 0  # chained only where blocks execute in f32 (chainable)
+        router = None
+        if feed.top_k is not None:
+            assert isinstance(mlp, SparseMoE) and isinstance(mlp.route, partial)
+            found = _linear_weight(mlp.router_proj)
+            assert found is not None
+            router = Router(
+                found[0], found[1], int(mlp.route.keywords["top_k"]), bool(mlp.route.keywords["renormalize"])
+            )
+        spec = LayerBlock(o_proj[0], o_proj[1], post.weight, post.eps, feed.bank, router, feed.scale)
+        block = CompiledBlock(
+            layer_graph(spec, f"{name}.layer", None if following is None else _entry(following)), options
+        )
+        if router is not None:
+            self._check_fused(block, name)
+        attention.register_module("qkv", None)  # their weights live in the compiled blocks now
+        attention.register_module("o_proj", None)
+        self.chained_layers += 1
+        return ChainedLayer(entry, attention, block)
+
+    def _export_mlp(self, mlp: nn.Module, norm_weight: torch.Tensor, options: CompileOptions, name: str) -> FeedForward:
         if isinstance(mlp, SparseMoE):
             banks = [export.routed_bank(mlp.experts, f"{name}.experts")]
             if isinstance(mlp, SinkMoE):  # Inkling: a bank of shared experts, weighted by the router
@@ -218,8 +288,10 @@ class OpenVINOShard(Shard):
             shared = bank.num_experts - routed
             top_k = int(self.spec.require("num_experts_per_tok")) + shared
             exponent = _exponent(bank, norm_weight, options)
-            block = self._moe_block(bank, top_k, options, exponent, name)
-            return FusedMoE(block, mlp.router_proj, mlp.route, routed, shared, exponent, name)
+            self._count("experts", export.bank_format(bank), bank.nbytes)
+            return FeedForward(
+                export.attenuate(bank, exponent), top_k, exponent, 1.0, mlp.router_proj, mlp.route, routed, shared
+            )
         if isinstance(mlp, GatedMLP):  # a dense layer: all-active slices (Eq. 2) or three matmuls
             scale = float(mlp.global_scale) if isinstance(mlp, ScaledGatedMLP) else 1.0
             self.dense_layers += 1
@@ -227,24 +299,30 @@ class OpenVINOShard(Shard):
                 whole = export.dense_weights(mlp, f"{name}.mlp")
                 exponent = _exponent(whole, norm_weight, options)
                 self._count("experts", export.bank_format(whole), whole.nbytes)
-                attenuated = export.attenuate(whole, exponent)
-                graph = dense_graph(attenuated.gate, attenuated.up, attenuated.down, name)
-                return DenseMatmuls(CompiledBlock(graph, options), exponent, name, scale)
+                return FeedForward(export.attenuate(whole, exponent), None, exponent, scale)
             bank = export.slices_of(mlp, expert_width(self.spec), f"{name}.mlp")
             exponent = _exponent(bank, norm_weight, options)
-            block = self._moe_block(bank, bank.num_experts, options, exponent, name)
-            return FusedMoE(block, None, None, 0, bank.num_experts, exponent, name, slice_weight=scale)
+            self._count("experts", export.bank_format(bank), bank.nbytes)
+            return FeedForward(
+                export.attenuate(bank, exponent), bank.num_experts, exponent, scale, shared=bank.num_experts
+            )
         raise ConfigError(f"{name}: feed-forward block {type(mlp).__name__} has no OpenVINO export")
 
-    def _moe_block(
-        self, bank: ExpertBank, top_k: int, options: CompileOptions, exponent: int, name: str
-    ) -> CompiledBlock:
-        self._count("experts", export.bank_format(bank), bank.nbytes)
-        block = CompiledBlock(moe_graph(export.attenuate(bank, exponent), top_k, name), options)
+    def _compile_mlp(
+        self, mlp: nn.Module, norm_weight: torch.Tensor, options: CompileOptions, name: str
+    ) -> FusedMoE | DenseMatmuls:
+        feed = self._export_mlp(mlp, norm_weight, options, name)
+        if feed.top_k is None:
+            graph = dense_graph(feed.bank.gate, feed.bank.up, feed.bank.down, name)
+            return DenseMatmuls(CompiledBlock(graph, options), feed.exponent, name, feed.scale)
+        block = CompiledBlock(moe_graph(feed.bank, feed.top_k, name), options)
+        self._check_fused(block, name)
+        return FusedMoE(block, feed.router_proj, feed.route, feed.routed, feed.shared, feed.exponent, name, feed.scale)
+
+    def _check_fused(self, block: CompiledBlock, name: str) -> None:
         check_block_fused(block, name)
         self.moe_layers += 1
         self.fused_layers += 1
-        return block
 
     @property
     def bytes_by_role(self) -> dict[str, dict[str, int]]:
@@ -265,6 +343,7 @@ class OpenVINOShard(Shard):
             "host_threads": torch.get_num_threads(),
             "dense_form": self.dense_form,
             "dense_layers": self.dense_layers,
+            "chained_layers": self.chained_layers,
             "attenuation_exponents": {str(k): v for k, v in self.attenuation_exponents.items() if v},
             "compile_seconds": round(self.compile_seconds, 3),
         }
@@ -300,6 +379,47 @@ def _compiled_linear(
     role = "head" if name == "head" else "attention"
     count(role, fmt, weight_bytes(weight))
     return OVLinear(CompiledBlock(matmul_graph(weight, f"{name}", bias), options), int(weight.shape[0]))
+
+
+def _entry(layer: DecoderLayer) -> Entry:
+    """A chainable layer's entry: its input norm, its fused q/k/v projection and q/k norms."""
+    attention, norm = layer.attention, layer.input_norm
+    assert isinstance(attention, Attention) and isinstance(norm, RMSNorm)
+    found = _linear_weight(attention.qkv)
+    assert found is not None
+    return Entry(norm.weight, norm.eps, found[0], found[1], attention.qk_norm_weight, attention.qk_norm_eps)
+
+
+def chainable(layers: list[nn.Module], options: CompileOptions) -> bool:
+    """Whether a shard's layers run chained (:class:`.runtime.ChainedLayer`): blocks executing
+    in float32 (the residual stream crosses the graphs; Eq. 1 needs no attenuation or row factors
+    there) and every layer a plain pre-norm grouped-query one whose projections compile, its
+    feed-forward block softmax-top-k routed (:func:`_routed_in_graph`) or dense three matmuls."""
+    if execution_type(options.device, options.precision) != "f32" or not layers:
+        return False
+    for layer in layers:
+        if type(layer) is not DecoderLayer or type(layer.attention) is not Attention:
+            return False
+        if _linear_weight(layer.attention.qkv) is None or _linear_weight(layer.attention.o_proj) is None:
+            return False
+        if type(layer.input_norm) is not RMSNorm or type(layer.post_norm) is not RMSNorm:
+            return False
+        if not _routed_in_graph(layer.mlp) and not (
+            type(layer.mlp) is GatedMLP and dense_form(options.device) == "matmuls"
+        ):
+            return False
+    return True
+
+
+def _routed_in_graph(mlp: nn.Module) -> bool:
+    """A sparse block whose routing the layer's graph computes: softmax top-k over a compiled
+    router projection, no shared experts (Qwen3, Mixtral)."""
+    if type(mlp) is not SparseMoE or mlp.shared is not None or _linear_weight(mlp.router_proj) is None:
+        return False
+    route = mlp.route
+    return (
+        isinstance(route, partial) and route.func is softmax_top_k and set(route.keywords) == {"top_k", "renormalize"}
+    )
 
 
 def _replace_linears(
