@@ -96,19 +96,21 @@ def few_cpu_threads():
 def test_q_star_comes_from_pinned_copies_to_the_gpu_measured_with_the_cpu_busy(few_cpu_threads):
     # Qwen3-30B-A3B's expert shape: copies of a few MB each, not latency-bound ones
     big = bank_on_cuda("int4", 2048, 768)
-    store = ExpertStore(big, CUDA, StoreConfig(2, EvictionPolicy.LRU, None, 1), dtype=torch.bfloat16)
+    store = ExpertStore(big, CUDA, StoreConfig(4, EvictionPolicy.LRU, None, 1), dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(1, 2048, generator=g).to(CUDA, torch.bfloat16)
     index, weight = torch.tensor([[3, 9, 12, 1]], device=CUDA), torch.full((1, 4), 0.25, device=CUDA).bfloat16()
+    store.q = 1.0  # the step's four experts fill the four slots
     store(x, index, weight)  # slot 0 holds an expert the measurement borrows and gives back
     held = store.slot_map.slots[0].expert
+    assert held is not None
     measured = measure_bandwidths(store, 0.2, torch.bfloat16)
     assert not measured.device_is_stand_in and measured.beta_g > 1e9 and measured.beta_c > 0
     assert 0 < measured.q_star < 1
     resident = bank_on_cuda("int4", 2048, 768)
-    store.q = 1.0
     assert store.slot_map.slots[0].expert == held
-    assert torch.equal(store(x, index, weight), resident(x, index, weight))
+    assert torch.equal(store(x, index, weight), resident(x, index, weight))  # every expert a hit, slot 0 refilled
+    assert store.slot_map.hits == 4
 
 
 @pytest.fixture(scope="module")
