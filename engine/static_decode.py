@@ -235,9 +235,10 @@ class StaticSteps:
     stage places its expert stores and allocates its caches after it loads, before any frame.
     """
 
-    def __init__(self, shards: Sequence[Shard], static_decode: bool | None = None):
+    def __init__(self, shards: Sequence[Shard], static_decode: bool | None = None, use_graph: bool | None = None):
         self.shards = list(shards)
         self.static_decode = static_decode
+        self.use_graph = use_graph  # capture CUDA graphs (None: on CUDA); False runs the same steps eagerly
         self.decoders: dict[int, StaticDecoder] = {}
         self._caches: list[weakref.ref[LayerKV]] = []  # the layer caches the decoders were made for
         self._rows_per_stream = 0
@@ -267,7 +268,7 @@ class StaticSteps:
             return None
         bucket = graph_bucket(len(tokens))
         if bucket not in self.decoders:
-            self.decoders[bucket] = StaticDecoder(self.shards, bucket)
+            self.decoders[bucket] = StaticDecoder(self.shards, bucket, self.use_graph)
         return self.decoders[bucket].step(tokens, slots, positions, hidden)
 
     def _renew(self) -> None:
