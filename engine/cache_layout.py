@@ -24,9 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from .kvcache import LayerKV
 from .models import family
 
 if TYPE_CHECKING:
+    import torch
+
     from .spec import ModelSpec
 
 # Positions a windowed entry keeps beyond its window, so that a speculative rewind of up to this
@@ -97,6 +100,21 @@ class LayerCache:
     def rewind_limit(self, context_length: int, rewind_slack: int = REWIND_SLACK_POSITIONS) -> int | None:
         limits = [e.rewind_limit(context_length, rewind_slack) for e in self.entries.values()]
         return min((n for n in limits if n is not None), default=None)
+
+    def state(
+        self, max_slots: int, max_context: int, dtype: torch.dtype, device: torch.device,
+        rewind_slack: int = REWIND_SLACK_POSITIONS,
+    ) -> LayerKV:  # fmt: skip
+        """The per-slot state of this layout for ``max_slots`` streams of ``max_context`` positions."""
+        entries = self.entries
+        return LayerKV(
+            max_slots,
+            {name: e.rows(max_context, rewind_slack) for name, e in entries.items()},
+            {name: e.shape for name, e in entries.items()},
+            dtype,
+            device,
+            {name: e.is_ring(max_context, rewind_slack) for name, e in entries.items()},
+        )
 
     def for_rank(self, tp_size: int) -> LayerCache:
         """One tensor rank's share (of a group of ``tp_size``); heads were checked to divide."""

@@ -310,20 +310,9 @@ class Shard(nn.Module):
                 f"KV cache for {max_slots} slots x {max_context} positions needs {need} bytes, over the "
                 f"shard's budget of {kv_budget_bytes} bytes; lower max_slots or max_context, or raise the budget"
             )
-        self.kv = [self._layer_state(layout, max_slots, max_context, rewind_slack) for layout in layouts]
+        self.kv = [layout.state(max_slots, max_context, self.dtype, self.device, rewind_slack) for layout in layouts]
         limits = [n for layout in layouts if (n := layout.rewind_limit(max_context, rewind_slack)) is not None]
         self.slots = SlotTable(max_slots, max_context, min(limits) if limits else None)
-
-    def _layer_state(self, layout: LayerCache, max_slots: int, max_context: int, rewind_slack: int) -> LayerKV:
-        entries = layout.entries
-        return LayerKV(
-            max_slots,
-            {name: e.rows(max_context, rewind_slack) for name, e in entries.items()},
-            {name: e.shape for name, e in entries.items()},
-            self.dtype,
-            self.device,
-            {name: e.is_ring(max_context, rewind_slack) for name, e in entries.items()},
-        )
 
     def _slots(self) -> SlotTable:
         if self.slots is None:

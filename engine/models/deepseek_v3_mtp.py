@@ -51,15 +51,8 @@ class DeepseekV3Mtp(nn.Module):
         self.kv: LayerKV | None = None
 
     def allocate(self, max_slots: int, max_context: int, rewind_slack: int = REWIND_SLACK_POSITIONS) -> None:
-        entries = cache_layout(self.spec, self.layer_index).entries
-        self.kv = LayerKV(
-            max_slots,
-            {name: e.rows(max_context, rewind_slack) for name, e in entries.items()},
-            {name: e.shape for name, e in entries.items()},
-            self.embed.dtype,
-            self.embed.device,
-            {name: e.is_ring(max_context, rewind_slack) for name, e in entries.items()},
-        )
+        layout = cache_layout(self.spec, self.layer_index)
+        self.kv = layout.state(max_slots, max_context, self.embed.dtype, self.embed.device, rewind_slack)
 
     @torch.inference_mode()
     def forward(self, frame: Frame) -> torch.Tensor:

@@ -124,14 +124,7 @@ class InklingMtp(nn.Module):
         """Each depth's state for ``max_slots`` streams of ``max_context`` positions."""
         layouts = [cache_layout(self.spec, k) for k in range(self.spec.num_layers)]
         self.kv = [
-            LayerKV(
-                max_slots,
-                {name: e.rows(max_context, rewind_slack) for name, e in layout.entries.items()},
-                {name: e.shape for name, e in layout.entries.items()},
-                self.embed.dtype,
-                self.embed.device,
-                {name: e.is_ring(max_context, rewind_slack) for name, e in layout.entries.items()},
-            )
+            layout.state(max_slots, max_context, self.embed.dtype, self.embed.device, rewind_slack)
             for layout in layouts
         ]
         limits = [n for layout in layouts if (n := layout.rewind_limit(max_context, rewind_slack)) is not None]
