@@ -118,4 +118,4 @@ def test_setup_installs_the_cpu_torch_from_pytorchs_index_with_a_short_timeout_a
     assert "https://download.pytorch.org/whl/cpu" in setup and "--timeout 5 --retries 0" in setup
     cpu_try, fallback = setup.index('--index-url "$CPU_INDEX"'), setup.index("did not answer: installing")
     assert cpu_try < fallback
-    assert '"${PIP[@]}" "$TORCH"' in setup and '"${PIP[@]}" -e .' in setup, "pip shows its progress"
+    assert '"${PIP[@]}" "$TORCH"' in setup and '"${PIP[@]}" -e ".[structured]"' in setup, "pip shows its progress"
