@@ -14,10 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_gateway import Served, TestFleet
-from test_pipeline import wait_until
+from test_gateway import Served, served_fleet
 
-from modelfleet.agent.gateway import GatewayConfig
 from modelfleet.engine.generate import LocalModel, generate
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.tokenizer import TextTokenizer
@@ -28,14 +26,8 @@ TASKS = Path(__file__).resolve().parent / "data" / "lmeval"
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Iterator[Served]:  # type: ignore[no-untyped-def]
-    fleet = TestFleet(DEMO, tmp_path_factory.mktemp("demo-fleet"))
-    fleet.start()
-    try:
-        with Served(GatewayConfig.of(fleet.plan)) as served:
-            wait_until(lambda: served.gateway.ready, 10, "the gateway sees the head ready")
-            yield served
-    finally:
-        fleet.stop()
+    with served_fleet(DEMO, tmp_path_factory.mktemp("demo-fleet")) as served:
+        yield served
 
 
 def test_lm_eval_scores_multiple_choice_and_generate_tasks_in_batches_as_the_engine_does(demo, monkeypatch) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_speculative import check_proposals_against
 from tiny import assert_close_to, save_model
 
 from modelfleet.engine.frame import Frame
@@ -130,23 +131,7 @@ def test_mtp_proposals_from_a_deepseek_v3_checkpoint_leave_greedy_output_unchang
     # holds a row of an abandoned proposal
     fresh = SingleMtp(load_mtp(directory), reads="normed")
     fresh.allocate_cache(2, 128)
-    seen: dict[int, dict[int, torch.Tensor]] = {}
-    checked: list[int] = []
-    observe, propose = proposer.observe, proposer._propose
-
-    def observing(slots, positions, hidden):  # type: ignore[no-untyped-def]
-        for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
-            seen.setdefault(slot, {})[position] = hidden[row].clone()
-        observe(slots, positions, hidden)
-
-    def proposing(slot, tokens, k):  # type: ignore[no-untyped-def]
-        drafts = propose(slot, tokens, k)
-        rows = torch.stack([seen[slot][p] for p in range(len(tokens) - 1)])
-        assert drafts == fresh.draft(slot, 0, rows, tokens[1:])[0][:k]
-        checked.append(slot)
-        return drafts
-
-    proposer.observe, proposer._propose = observing, proposing  # type: ignore[method-assign]
+    checked = check_proposals_against(proposer, fresh)
     speculator = Speculator(config, proposer)
     lm.keep_hidden(proposer.reads)
     assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain

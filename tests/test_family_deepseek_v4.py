@@ -479,10 +479,8 @@ def test_inspect_and_plan_of_the_tiny_checkpoint_split_its_layers_and_count_its_
 def test_a_two_stage_local_fleet_gives_the_engines_tokens_to_its_client_and_the_openai_client(tiny, tmp_path):
     """Stage 1 holds a hash-routed layer, so the frames it gets carry the hyper-connection streams
     and the rows' token ids; the gateway in front serves the OpenAI API."""
-    from test_gateway import Served, build_tokenizer, extra, wait_until
+    from test_gateway import build_tokenizer, extra, ready_gateway
     from test_pipeline import Fleet, prompts_and_params, reference, run_concurrently
-
-    from modelfleet.agent.gateway import GatewayConfig
 
     path = tmp_path / "deepseek-v4-chat"
     shutil.copytree(tiny[0], path)
@@ -493,8 +491,7 @@ def test_a_two_stage_local_fleet_gives_the_engines_tokens_to_its_client_and_the_
     try:
         prompts, params = prompts_and_params(6)
         assert run_concurrently(fleet, prompts, params) == reference(path, prompts, params)
-        with Served(GatewayConfig.of(fleet.plan)) as served:
-            wait_until(lambda: served.gateway.ready, 10, "the gateway sees the head ready")
+        with ready_gateway(fleet.plan) as served:
             result = served.openai().completions.create(
                 model=served.gateway.model_name, prompt=prompts[3], max_tokens=8, temperature=0,
                 extra_body={"return_token_ids": True},

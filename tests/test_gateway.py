@@ -17,9 +17,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -152,6 +153,26 @@ class TestFleet:
         self.log.close()
 
 
+@contextlib.contextmanager
+def ready_gateway(plan: FleetPlan) -> Iterator[Served]:
+    """A gateway for ``plan``'s running fleet, once it sees the head ready."""
+    with Served(GatewayConfig.of(plan)) as served:
+        wait_until(lambda: served.gateway.ready, 10, "the gateway sees the head ready")
+        yield served
+
+
+@contextlib.contextmanager
+def served_fleet(model_dir: Path, workdir: Path) -> Iterator[Served]:
+    """A TestFleet of ``model_dir`` behind a ready gateway; the fleet stops on exit."""
+    fleet = TestFleet(model_dir, workdir)
+    fleet.start()
+    try:
+        with ready_gateway(fleet.plan) as served:
+            yield served
+    finally:
+        fleet.stop()
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):  # type: ignore[no-untyped-def]
     lm = LocalModel.load(tiny_checkpoint("qwen3_moe")[0], max_slots=1, max_context=CONTEXT)
@@ -178,8 +199,7 @@ def fleet(checkpoint, tmp_path_factory) -> Iterator[TestFleet]:  # type: ignore[
 
 @pytest.fixture(scope="module")
 def served(fleet) -> Iterator[Served]:  # type: ignore[no-untyped-def]
-    with Served(GatewayConfig.of(fleet.plan)) as served:
-        wait_until(lambda: served.gateway.ready, 10, "the gateway sees the head ready")
+    with ready_gateway(fleet.plan) as served:
         yield served
 
 
@@ -480,6 +500,25 @@ def test_api_keys_guard_the_api_but_not_health_and_metrics_can_be_keyed_too(flee
         assert httpx.get(served.url + "/metrics", headers={"Authorization": "Bearer k"}, timeout=5).status_code == 200
 
 
+def post_while_stopped(served: Served, stage: subprocess.Popen[Any], paused: Callable[[], bool],
+                       body: dict[str, Any]) -> httpx.Response:  # fmt: skip
+    """POST ``body`` to /v1/completions while ``stage`` is SIGSTOPped: once ``paused()`` says the
+    gateway sees its pipeline healing, the request must wait in the admission line; the stage is
+    continued and the answer returned."""
+    answers: list[httpx.Response] = []
+    stage.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(paused, 20, "the gateway sees the pipeline paused")
+        asking = threading.Thread(target=lambda: answers.append(served.post("/v1/completions", body)))
+        asking.start()
+        wait_until(lambda: len(served.gateway.admission.waiting) == 1, 10, "the request waits in line")
+    finally:
+        stage.send_signal(signal.SIGCONT)
+    asking.join(60)
+    assert answers, "no answer"
+    return answers[0]
+
+
 def plan_with_head_at(plan: FleetPlan, port: int) -> FleetPlan:
     stage = plan.groups[0].stages[0].model_copy(update={"address": f"127.0.0.1:{port}"})
     group = plan.groups[0].model_copy(update={"stages": (stage, *plan.groups[0].stages[1:])})
@@ -495,19 +534,16 @@ def test_a_request_arriving_while_the_only_pipeline_heals_waits_for_it_and_gets_
     gateway = served.gateway
     prompt = [5, 17, 42, 99, 3]
     body = {"model": gateway.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
-    answers: list[httpx.Response] = []
-    stage.send_signal(signal.SIGSTOP)
-    try:
-        wait_until(lambda: gateway.heads[0].paused and gateway.heads[0].healing, 20, "the gateway sees the pause")
+
+    def paused() -> bool:
+        if not (gateway.heads[0].paused and gateway.heads[0].healing):
+            return False
         assert not gateway.ready and httpx.get(served.url + "/readyz", timeout=5).status_code == 503
-        asking = threading.Thread(target=lambda: answers.append(served.post("/v1/completions", body)))
-        asking.start()
-        wait_until(lambda: len(gateway.admission.waiting) == 1, 10, "the request waits in line")
-    finally:
-        stage.send_signal(signal.SIGCONT)
-    asking.join(60)
-    assert answers and answers[0].status_code == 200, answers and answers[0].text
-    assert answers[0].json()["choices"][0]["token_ids"] == reference(prompt, max_tokens=6)
+        return True
+
+    answer = post_while_stopped(served, stage, paused, body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["token_ids"] == reference(prompt, max_tokens=6)
     wait_until(lambda: gateway.ready, 20, "the head is ready again")
 
 
@@ -879,22 +915,15 @@ def test_a_stream_failing_over_while_the_other_pipeline_heals_waits_for_it_and_g
     undisturbed = reference(prompt, max_tokens=10, stop_token_ids=())
     failing = FailingHead(tokens=tuple(undisturbed[:3]))
     stage = fleet.local.children[1].process
-    answers: list[httpx.Response] = []
     try:
         with gateway_before_fleet(fleet, failing) as served:
             gateway = served.gateway
             body = {"model": gateway.model_name, "prompt": prompt, "max_tokens": 10, "temperature": 0,
                     "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
-            stage.send_signal(signal.SIGSTOP)
-            try:
-                wait_until(lambda: gateway.heads[1].healing and gateway.heads[1].paused, 20, "the pipeline pauses")
-                asking = threading.Thread(target=lambda: answers.append(served.post("/v1/completions", body)))
-                asking.start()
-                wait_until(lambda: len(gateway.admission.waiting) == 1, 10, "the continuation waits in line")
-            finally:
-                stage.send_signal(signal.SIGCONT)
-            asking.join(60)
-            chunks = [json.loads(e) for e in sse_events(answers[0])[:-1]]
+            answer = post_while_stopped(
+                served, stage, lambda: gateway.heads[1].healing and gateway.heads[1].paused, body
+            )
+            chunks = [json.loads(e) for e in sse_events(answer)[:-1]]
             assert all("error" not in c for c in chunks), chunks[-1]
             assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == undisturbed
             assert by_reason(served, "modelfleet_gateway_failovers_total") == {"stream_failed": 1.0}
@@ -1329,12 +1358,13 @@ def _modelfleet(*args: str) -> list[str]:
     return [sys.executable, "-P", "-m", "modelfleet.cli", *args]
 
 
-def test_up_starts_the_fleet_and_the_gateway_and_prints_a_request_that_works(checkpoint, tmp_path) -> None:
-    port, base = free_port(), free_base_port(1)
+@contextlib.contextmanager
+def up_serving(*args: str) -> Iterator[list[str]]:
+    """`modelfleet up ARGS` until it prints its request to try (the lines it printed so far);
+    stopped with SIGTERM on exit, as Ctrl-C would."""
     env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    args = ["up", "--model", str(checkpoint), "--stages", "1", "--port", str(port), "--base-port", str(base),
-            "--context-length", "64", "--ready-timeout", "60"]  # fmt: skip
-    up = subprocess.Popen(_modelfleet(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(_modelfleet("up", *args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)  # fmt: skip
     try:
         assert up.stdout is not None
         lines = []
@@ -1343,6 +1373,17 @@ def test_up_starts_the_fleet_and_the_gateway_and_prints_a_request_that_works(che
             if line.startswith("try: curl"):
                 break
         assert lines and lines[-1].startswith("try: curl"), "".join(lines)
+        yield lines
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(30)
+
+
+def test_up_starts_the_fleet_and_the_gateway_and_prints_a_request_that_works(checkpoint, tmp_path) -> None:
+    port, base = free_port(), free_base_port(1)
+    args = ["--model", str(checkpoint), "--stages", "1", "--port", str(port), "--base-port", str(base),
+            "--context-length", "64", "--ready-timeout", "60"]  # fmt: skip
+    with up_serving(*args) as lines:
         body = json.loads(lines[-1].split(" -d ", 1)[1].strip().strip("'"))
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
         # the printed request samples (temperature 1): a first token of EOS is a valid, empty answer
@@ -1357,9 +1398,6 @@ def test_up_starts_the_fleet_and_the_gateway_and_prints_a_request_that_works(che
             pytest.raises(FleetError, match="no answer"),
         ):
             stranger.generate([1, 2, 3], params)
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(30)
 
 
 def test_the_gateway_command_names_a_missing_plan_and_up_a_busy_gateway_port(checkpoint, tmp_path) -> None:

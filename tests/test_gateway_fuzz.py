@@ -15,10 +15,7 @@ import pytest
 import requests
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
-from test_gateway import Served, TestFleet, checkpoint, fleet, reference  # noqa: F401  (module fixtures)
-from test_pipeline import wait_until
-
-from modelfleet.agent.gateway import GatewayConfig
+from test_gateway import Served, TestFleet, checkpoint, fleet, ready_gateway, reference  # noqa: F401  (module fixtures)
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402  (after the skip)
@@ -33,8 +30,7 @@ CHECKS = [schemathesis_checks.not_a_server_error, schemathesis_checks.response_s
 
 @pytest.fixture(scope="module")
 def served(fleet) -> Iterator[Served]:  # type: ignore[no-untyped-def]  # noqa: F811
-    with Served(GatewayConfig.of(fleet.plan)) as served:
-        wait_until(lambda: served.gateway.ready, 10, "the gateway sees the head ready")
+    with ready_gateway(fleet.plan) as served:
         yield served
 
 

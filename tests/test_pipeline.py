@@ -311,6 +311,17 @@ def long_streams(count: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, [*params, penalised, sampled]
 
 
+def through_a_killed_stage(fleet: Fleet, client, prompts, params):  # type: ignore[no-untyped-def]
+    """Submit the streams, SIGKILL stage 1 once they run, restart it once the head holds them for a
+    replay, and return their results."""
+    ids = submit_all(client, prompts, params)
+    fleet.local.children[1].process.send_signal(signal.SIGKILL)
+    fleet.local.children[1].process.wait()
+    wait_until(lambda: fleet.status(0)["head"]["streams_waiting_for_replay"] > 0, 10, "streams wait")
+    fleet.restart(1)
+    return client.wait(ids)
+
+
 def submit_all(client: FleetClient, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
     ids = [client.submit(p, s) for p, s in zip(prompts, params, strict=True)]
     started = lambda: (client.poll(0.01) or True) and all(len(client.results[i].token_ids) >= 3 for i in ids)  # noqa: E731
@@ -328,12 +339,7 @@ def test_killing_the_middle_stage_mid_stream_loses_no_token_and_eight_streams_fi
     expected = reference(tiny_checkpoint("qwen3_moe")[0], prompts, params)
     replays = secure_fleet.metric(0, "modelfleet_head_replays_total")
     with secure_fleet.client() as client:
-        ids = submit_all(client, prompts, params)
-        secure_fleet.local.children[1].process.send_signal(signal.SIGKILL)
-        secure_fleet.local.children[1].process.wait()
-        wait_until(lambda: secure_fleet.status(0)["head"]["streams_waiting_for_replay"] > 0, 10, "streams wait")
-        secure_fleet.restart(1)
-        results = client.wait(ids)
+        results = through_a_killed_stage(secure_fleet, client, prompts, params)
     assert [r.finish_reason for r in results] == ["length"] * 8, [r.error for r in results]
     assert [r.token_ids for r in results] == expected
     assert secure_fleet.metric(0, "modelfleet_head_replays_total") >= replays + 1

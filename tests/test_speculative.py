@@ -491,6 +491,31 @@ def test_a_sampled_stream_s_draft_proposes_from_its_own_q_which_reaches_the_veri
 # ---- mtp: the checkpoint's own next-token-prediction layers ----------------------------------
 
 
+def check_proposals_against(proposer, fresh) -> list[int]:  # type: ignore[no-untyped-def]
+    """Wrap an MtpProposer so that each proposal is checked against what ``fresh`` (an MTP module
+    with its own state) drafts over all the stream's rows seen so far: the proposer's kept state
+    never holds a row of an abandoned proposal. Returns the checked proposals' context lengths."""
+    seen: dict[int, dict[int, torch.Tensor]] = {}
+    checked: list[int] = []
+    observe, propose = proposer.observe, proposer._propose
+
+    def observing(slots, positions, hidden):  # type: ignore[no-untyped-def]
+        for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
+            seen.setdefault(slot, {})[position] = hidden[row].clone()
+        observe(slots, positions, hidden)
+
+    def proposing(slot, tokens, k):  # type: ignore[no-untyped-def]
+        drafts = propose(slot, tokens, k)
+        n = len(tokens) - 1
+        rows = torch.stack([seen[slot][p] for p in range(n)])
+        assert drafts == fresh.draft(slot, 0, rows, tokens[1:])[0][:k]
+        checked.append(n)
+        return drafts
+
+    proposer.observe, proposer._propose = observing, proposing
+    return checked
+
+
 def test_mtp_proposals_from_an_inkling_checkpoint_s_mtp_layers_leave_greedy_output_unchanged(tmp_path) -> None:
     from inkling_tiny import save_text_model_with_mtp
 
@@ -508,24 +533,9 @@ def test_mtp_proposals_from_an_inkling_checkpoint_s_mtp_layers_leave_greedy_outp
     assert isinstance(proposer, MtpProposer) and proposer.depths == 2
     # each proposal is what a fresh chain drafts over all the stream's rows: the kept chain state
     # never holds a row of an abandoned proposal
-    fresh, seen, checked = InklingMtp.load(tmp_path), {}, []
+    fresh = InklingMtp.load(tmp_path)
     fresh.allocate_cache(3, 128)
-    observe, propose = proposer.observe, proposer._propose
-
-    def observing(slots, positions, hidden):  # type: ignore[no-untyped-def]
-        for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
-            seen.setdefault(slot, {})[position] = hidden[row].clone()
-        observe(slots, positions, hidden)
-
-    def proposing(slot, tokens, k):  # type: ignore[no-untyped-def]
-        drafts = propose(slot, tokens, k)
-        n = len(tokens) - 1
-        rows = torch.stack([seen[slot][p] for p in range(n)])
-        assert drafts == fresh.draft(slot, 0, rows, tokens[1:])[0][:k]
-        checked.append(n)
-        return drafts
-
-    proposer.observe, proposer._propose = observing, proposing  # type: ignore[method-assign]
+    checked = check_proposals_against(proposer, fresh)
     speculator = Speculator(config, proposer)
     lm.keep_hidden()
     spec = [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)]

@@ -6,10 +6,6 @@ parses and validates does so because the tail's grammar mask allowed nothing els
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -17,10 +13,9 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
-from test_gateway import Served, TestFleet, free_port
-from test_pipeline import Fleet, free_base_port, reference, submit_all, wait_until
+from test_gateway import Served, free_port, served_fleet, up_serving
+from test_pipeline import Fleet, free_base_port, reference, through_a_killed_stage
 
-from modelfleet.agent.gateway import GatewayConfig
 from modelfleet.engine.sampling import SamplingParams
 from modelfleet.engine.structured import spec_text
 from modelfleet.engine.tokenizer import TextTokenizer
@@ -66,14 +61,8 @@ PROMPTS = [f"def task_{i}(items):\n    # {word}\n" for i, word in enumerate(WORD
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Iterator[Served]:  # type: ignore[no-untyped-def]
-    fleet = TestFleet(DEMO, tmp_path_factory.mktemp("structured-fleet"))
-    fleet.start()
-    try:
-        with Served(GatewayConfig.of(fleet.plan)) as served:
-            wait_until(lambda: served.gateway.ready, 10, "the gateway sees the head ready")
-            yield served
-    finally:
-        fleet.stop()
+    with served_fleet(DEMO, tmp_path_factory.mktemp("structured-fleet")) as served:
+        yield served
 
 
 def person_format(strict: bool = True) -> dict[str, Any]:
@@ -209,19 +198,9 @@ def test_langchain_with_structured_output_returns_the_pydantic_model(demo: Serve
 def test_modelfleet_up_with_one_stage_serves_json_schema_output_from_its_head(tmp_path: Path) -> None:
     """A one-stage fleet's head is its tail: it masks too. Through `modelfleet up`, as a user runs it."""
     port, base = free_port(), free_base_port(1)
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    args = ["up", "--model", str(DEMO), "--stages", "1", "--port", str(port), "--base-port", str(base),
+    args = ["--model", str(DEMO), "--stages", "1", "--port", str(port), "--base-port", str(base),
             "--context-length", "256", "--ready-timeout", "60"]  # fmt: skip
-    up = subprocess.Popen([sys.executable, "-P", "-m", "modelfleet.cli", *args], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        assert up.stdout is not None
-        lines = []
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("try: curl"):
-                break
-        assert lines and lines[-1].startswith("try: curl"), "".join(lines)
+    with up_serving(*args):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         out = client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "x = 1"}], max_tokens=96, temperature=0.9, seed=1,
@@ -229,9 +208,6 @@ def test_modelfleet_up_with_one_stage_serves_json_schema_output_from_its_head(tm
         )  # fmt: skip
         assert out.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.choices[0].message.content or ""), PERSON)
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(30)
 
 
 def test_grammar_streams_replayed_after_their_tail_was_killed_go_on_with_the_engines_tokens(tmp_path: Path) -> None:
@@ -253,12 +229,7 @@ def test_grammar_streams_replayed_after_their_tail_was_killed_go_on_with_the_eng
     fleet.start()
     try:
         with fleet.client() as client:
-            ids = submit_all(client, prompts, params)
-            fleet.local.children[1].process.send_signal(signal.SIGKILL)
-            fleet.local.children[1].process.wait()
-            wait_until(lambda: fleet.status(0)["head"]["streams_waiting_for_replay"] > 0, 10, "streams wait")
-            fleet.restart(1)
-            results = client.wait(ids)
+            results = through_a_killed_stage(fleet, client, prompts, params)
         assert fleet.metric(0, "modelfleet_head_replayed_tokens_total") > 0
     finally:
         fleet.stop()

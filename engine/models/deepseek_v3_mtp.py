@@ -20,55 +20,37 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from ..cache_layout import REWIND_SLACK_POSITIONS
 from ..errors import CheckpointError, ConfigError
-from ..frame import Frame, segments_of
-from ..kvcache import LayerKV
-from ..layers import Dense, FrameContext, RMSNorm
+from ..layers import RMSNorm
 from ..spec import ModelSpec
 from ..weights import LayerWeights
 from .common import dense
 from .deepseek_v3 import build_layer, cache_layout
+from .mtp_layer import MtpLayer
 
 
-class DeepseekV3Mtp(nn.Module):
+class DeepseekV3Mtp(MtpLayer):
     """One next-token-prediction layer; see the module docstring for what it computes."""
 
     reads = "normed"  # the target's hidden rows after its final norm (Shard.keep_hidden)
 
     def __init__(self, spec: ModelSpec, index: int, w: LayerWeights, embed: torch.Tensor, head: torch.Tensor):
-        super().__init__()
-        self.spec, self.layer_index = spec, spec.num_layers + index
-        self.block = build_layer(spec, self.layer_index, w)
+        layer_index = spec.num_layers + index
+        super().__init__(spec, layer_index, build_layer(spec, layer_index, w), cache_layout(spec, layer_index), embed,
+                         head)  # fmt: skip
         self.enorm = RMSNorm(w.get("enorm.weight"), spec.rms_norm_eps)
         self.hnorm = RMSNorm(w.get("hnorm.weight"), spec.rms_norm_eps)
         self.eh_proj = dense(w, "eh_proj")  # [hidden, 2 * hidden]: embedding columns, then hidden's
         self.norm = RMSNorm(w.get("shared_head.norm.weight"), spec.rms_norm_eps)
-        self.embed = nn.Parameter(embed, requires_grad=False)
-        self.head = Dense(head)
-        self.kv: LayerKV | None = None
 
-    def allocate(self, max_slots: int, max_context: int, rewind_slack: int = REWIND_SLACK_POSITIONS) -> None:
-        layout = cache_layout(self.spec, self.layer_index)
-        self.kv = layout.state(max_slots, max_context, self.embed.dtype, self.embed.device, rewind_slack)
+    def combine(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        return out
 
-    @torch.inference_mode()
-    def forward(self, frame: Frame) -> torch.Tensor:
-        """frame.hidden: the target's final hidden rows [R, hidden] at positions t; frame.token_ids:
-        the tokens at t + 1; segments as a shard's (each slot's state advances with its rows).
-        -> float32 logits [R, vocab] for the tokens at t + 2."""
-        if self.kv is None:
-            self.allocate(1, min(self.spec.max_position_embeddings, 4096))
-        assert self.kv is not None and frame.hidden is not None and frame.token_ids is not None
-        ids = frame.token_ids.to(self.embed.device)
-        hidden = frame.hidden.to(self.embed.device, self.embed.dtype)
-        x = self.eh_proj(torch.cat([self.enorm(self.embed[ids]), self.hnorm(hidden)], dim=-1))
-        segments = segments_of(frame.slots.tolist(), frame.positions.tolist())
-        x = self.block(x, FrameContext(segments, frame.positions.to(ids.device), token_ids=ids), self.kv)
+    def read_out(self, x: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.head(self.norm(x))
-        return logits.to(torch.float32)
+        return logits
 
 
 def load_mtp(model_dir: str | Path, index: int = 0, *, dtype: torch.dtype = torch.float32,
