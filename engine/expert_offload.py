@@ -6,9 +6,10 @@ agent's /status and metrics).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,10 +42,17 @@ def moe_layers(root: nn.Module, layer_start: int = 0) -> list[MoELayer]:
     """Each MoE layer's bank size (absolute layer numbers), for :func:`plan_expert_placement`."""
     out = []
     for i, moe in moe_banks(root).items():
-        bank = moe.experts.host if isinstance(moe.experts, ExpertStore) else moe.experts
-        if isinstance(bank, Experts | QuantizedExperts):
-            out.append(MoELayer(layer_start + i, bank.num_experts, expert_bytes(bank)))
+        if isinstance(moe.experts, ExpertStore):
+            out.append(MoELayer(layer_start + i, moe.experts.num_experts, moe.experts.expert_nbytes))
+        elif isinstance(moe.experts, Experts | QuantizedExperts):
+            out.append(MoELayer(layer_start + i, moe.experts.num_experts, expert_bytes(moe.experts)))
     return out
+
+
+def default_cpu_workers() -> int:
+    """Threads for the CPU share when none are given: every CPU this process may run on but one
+    (left to the thread that drives the device)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ class StoreOptions:
 
     policy: EvictionPolicy = EvictionPolicy.LRU
     q: float | None = None  # None: q* from bandwidths measured at startup
-    cpu_workers: int = 1
+    cpu_workers: int = field(default_factory=lambda: default_cpu_workers())  # the compiled kernel's threads
     measure_seconds: float = 0.2
 
 
@@ -69,7 +77,7 @@ def apply_placement(
     :class:`ExpertStore` (one worker pool for the stage); with ``options.q`` None, q* is measured
     once (both paths at once, activations in ``dtype``) and given to every store. Returns the stores."""
     by_layer = placement.by_layer()
-    pool = ThreadPoolExecutor(options.cpu_workers, thread_name_prefix="cpu-experts")
+    pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")  # torch's path (ExpertStore's docstring)
     stores = []
     for i, moe in moe_banks(root).items():
         chosen: LayerPlacement | None = by_layer.get(layer_start + i)
@@ -86,9 +94,7 @@ def apply_placement(
         torch.cuda.empty_cache()
     with_slots = [store for store in stores if store.config.num_slots > 0]
     if with_slots and options.q is None:  # no slot anywhere: nothing can be fetched, q stays 0
-        measured = measure_bandwidths(
-            with_slots[0], options.measure_seconds, _activation_dtype(with_slots[0].host, dtype)
-        )
+        measured = measure_bandwidths(with_slots[0], options.measure_seconds, with_slots[0].activation_dtype)
         for store in stores:
             store.q = measured.q_star
             store.bandwidths = measured

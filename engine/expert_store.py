@@ -38,7 +38,9 @@ import torch
 from torch import nn
 
 from .errors import InputError
-from .layers import Experts, SparseMoE, forward_grouped
+from .formats.base import unpack_nibbles
+from .kernels import cpu_experts
+from .layers import Experts, SparseMoE, forward_grouped, glu_kind
 from .quantize import QuantizedExperts
 
 Bank = Experts | QuantizedExperts
@@ -229,10 +231,19 @@ class DeviceSlotBank:
 
     ``bank`` may sit on the device (a shard loaded there) or on the CPU; the device layout is
     built a chunk of experts at a time on the device, so at most ``chunk`` experts are there at
-    once besides the slots. ``cpu_bank()`` is the bank the CPU workers read (for a plain bank the
-    pinned mirror itself: one copy in host memory)."""
+    once besides the slots. ``cpu_bank()`` is the bank torch's CPU kernels read (for a plain bank
+    the pinned mirror itself: one copy in host memory); with ``cpu_layout`` False none is built
+    (the compiled CPU kernel reads the mirror itself, :func:`compiled_cpu_share`)."""
 
-    def __init__(self, bank: Bank, num_slots: int, device: torch.device, dtype: torch.dtype, chunk: int = 8):
+    def __init__(
+        self,
+        bank: Bank,
+        num_slots: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        chunk: int = 8,
+        cpu_layout: bool = True,
+    ):
         if isinstance(bank, Experts) and bank.packed is not None:
             raise InputError("a oneDNN-packed (CPU) expert bank cannot fill device slots; load it unpacked")
         self.device, self.dtype, self.num_slots = device, dtype, num_slots
@@ -254,14 +265,19 @@ class DeviceSlotBank:
                 self._mirror[name][start:end].copy_(t)
         torch.cuda.synchronize(device)
         self.expert_nbytes = sum(t[0].numel() * t.element_size() for t in self._mirror.values())
-        self._cpu_bank = _cpu_bank(bank, self._mirror, dtype)
+        self._cpu_bank = _cpu_bank(bank, self._mirror, dtype) if cpu_layout else None
         # each slot's and each expert's tensors as views made once: a step's copies are one call
         names = list(self._slot_tensors)
         self._slot_views = [[self._slot_tensors[n][s] for n in names] for s in range(max(num_slots, 1))]
         self._expert_views = [[self._mirror[n][e] for n in names] for e in range(num_experts)]
 
-    def cpu_bank(self) -> Bank:
+    def cpu_bank(self) -> Bank | None:
         return self._cpu_bank
+
+    @property
+    def mirror(self) -> dict[str, torch.Tensor]:
+        """The pinned host copy of every expert, by tensor name (:func:`_bank_tensors`'s names)."""
+        return self._mirror
 
     def fetch(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy expert e into slot s for each (s, e) on the side stream; the current stream waits
@@ -327,6 +343,48 @@ def _bank_tensors(bank: Bank) -> dict[str, torch.Tensor]:
     return held
 
 
+def compiled_kernel_takes(bank: Bank) -> bool:
+    """Whether the compiled CPU kernel computes ``bank``'s experts: a 4-bit bank (int4, int4_sym,
+    mxfp4) with a GLU it has, on a machine where the kernel builds."""
+    return (
+        isinstance(bank, QuantizedExperts)
+        and bank.format in cpu_experts.FORMATS
+        and glu_kind(bank.activation) is not None
+        and cpu_experts.available()
+    )
+
+
+def compiled_cpu_share(tensors: dict[str, torch.Tensor], bank: Bank, threads: int) -> cpu_experts.CpuExperts | None:
+    """The compiled CPU kernel over ``tensors`` (``bank``'s per-expert tensors on the host, named as
+    :func:`_bank_tensors` names them: the pinned mirror's), or None where it does not take them
+    (another format or GLU, no compiler, or the codes only in torch's CPU layout)."""
+    if not compiled_kernel_takes(bank):
+        return None
+    assert isinstance(bank, QuantizedExperts)
+    act = glu_kind(bank.activation)
+    assert act is not None
+    names = ("major_blocks", "blocks") if bank.format == "mxfp4" else ("major_codes", "codes")
+    projections, majors = [], set()
+    for part in ("gate_up", "down"):
+        key = next((name for name in names if f"{part}.{name}" in tensors), None)
+        if key is None:
+            return None
+        codes, scales = tensors[f"{part}.{key}"], tensors[f"{part}.scales"]
+        codes = codes.reshape(*codes.shape[:2], -1)
+        zeros = None
+        if bank.format == "int4":
+            zeros = tensors.get(f"{part}.zero_bytes")
+            if zeros is None:
+                zeros = unpack_nibbles(tensors[f"{part}.zeros"])[..., : scales.shape[-1]].contiguous()
+        bias = tensors.get(f"{part}_bias")
+        bias32 = None if bias is None else bias.to(torch.float32).contiguous()
+        projections.append(cpu_experts.PackedProjection(codes, scales, zeros, bias32))
+        majors.add(key.startswith("major"))
+    if len(majors) != 1:
+        return None
+    return cpu_experts.CpuExperts(bank.format, projections[0], projections[1], majors.pop(), act, threads)
+
+
 def _cpu_bank(bank: Bank, mirror: dict[str, torch.Tensor] | None, dtype: torch.dtype) -> Bank:
     """The bank the CPU workers compute from: a plain bank reads the pinned mirror in place (or
     its own copy in host memory without one); a quantized one is held in its CPU kernels' layout
@@ -365,6 +423,17 @@ def banks_to(root: nn.Module, device: torch.device) -> None:
             bank_to(moe.experts, device)
 
 
+class HostMirror(nn.Module):
+    """A layer's experts held only as the pinned mirror, which the compiled CPU kernel reads in
+    place: its tensors registered (not saved) so the shard counts their host bytes once."""
+
+    def __init__(self, mirror: dict[str, torch.Tensor], num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        for name, tensor in mirror.items():
+            self.register_buffer(name.replace(".", "_"), tensor, persistent=False)
+
+
 # ---- the store ------------------------------------------------------------------------------
 
 
@@ -382,7 +451,9 @@ class StoreCounters:
 @dataclass
 class StoreConfig:
     """How one layer's store serves misses. ``q``: the fetched share of miss bytes (None: q*
-    once measured, 0 until then); ``cpu_workers``: threads computing CPU experts."""
+    once measured, 0 until then); ``cpu_workers``: the compiled CPU kernel's threads (torch's
+    path, for banks the kernel does not take, runs one expert at a time on one worker with torch's
+    intra-op threads inside: more Python workers starved the copies, docs/results)."""
 
     num_slots: int
     policy: EvictionPolicy = EvictionPolicy.LRU
@@ -415,19 +486,34 @@ class ExpertStore(nn.Module):
         self.q = 0.0 if config.q is None else config.q
         self.slot_map = SlotMap(config.num_slots, config.policy)
         # CUDA: a stacked slot bank filled from pinned host memory (the bank given may sit on the
-        # device; it is released once the host side holds it); elsewhere: the stand-in slots
+        # device; it is released once the host side holds it); elsewhere: the stand-in slots. The
+        # CPU share: the compiled kernel over the pinned mirror where it takes the bank (one copy
+        # of each expert in host memory), else torch's kernels over a bank in their CPU layout
         self.device_bank: DeviceSlotBank | None = None
+        self.cpu_kernel: cpu_experts.CpuExperts | None = None
+        self.activation_dtype = dtype
+        self.format = host.format if isinstance(host, QuantizedExperts) else _plain_format(host)
+        on_host: Bank | HostMirror = host
+        self.slots: SlotStorage | None = None
         if self.device.type == "cuda" and config.num_slots > 0:
-            self.device_bank = DeviceSlotBank(host, config.num_slots, self.device, dtype)
-            host = self.device_bank.cpu_bank()
-        elif self.device.type == "cuda":
-            host = _cpu_bank(host, None, dtype)
-        self.host = host  # a registered submodule: its bytes are the shard's expert bytes (host memory)
-        self.slots = SlotStorage(host, config.num_slots, self.device)
-        self.expert_nbytes = expert_bytes(host) if self.device_bank is None else self.device_bank.expert_nbytes
+            compiled = compiled_kernel_takes(host)
+            self.device_bank = DeviceSlotBank(host, config.num_slots, self.device, dtype, cpu_layout=not compiled)
+            mirror = self.device_bank.mirror
+            self.cpu_kernel = compiled_cpu_share(mirror, host, config.cpu_workers) if compiled else None
+            if self.cpu_kernel is not None:
+                on_host = HostMirror(mirror, host.num_experts)
+            else:
+                on_host = self.device_bank.cpu_bank() or _cpu_bank(host, mirror, dtype)
+            self.expert_nbytes = self.device_bank.expert_nbytes
+        else:
+            if self.device.type == "cuda":
+                host = on_host = _cpu_bank(host, None, dtype)
+            self.slots = SlotStorage(host, config.num_slots, self.device)
+            self.expert_nbytes = expert_bytes(host)
+        self.host = on_host  # a registered submodule: its bytes are the shard's expert bytes (host memory)
         self.counters = StoreCounters()
         self.bandwidths: Bandwidths | None = None  # set when q came from measured bandwidths
-        self._pool = pool or ThreadPoolExecutor(config.cpu_workers, thread_name_prefix="cpu-experts")
+        self._pool = pool or ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")
         self._lock = threading.Lock()  # one step at a time per layer
 
     @property
@@ -460,6 +546,7 @@ class ExpertStore(nn.Module):
         if self.device_bank is not None:
             self.device_bank.fetch(pairs)
             return
+        assert self.slots is not None
         for slot, e in pairs:
             self.slots.load(slot, e)
 
@@ -505,13 +592,8 @@ class ExpertStore(nn.Module):
         if on_device:
             assert self.device_bank is not None
             out = self.device_bank.run(x, slot_index, weight)
-        futures = self._launch_cpu(x_host, {e: rows_of[e] for e in on_cpu})
         if on_cpu:
-            cpu_sum = torch.zeros(x.shape, dtype=torch.float32)
-            for e, future in futures.items():
-                w_e = weight_host[index_host == e].float()  # one per row of e (an expert appears once per token)
-                cpu_sum.index_add_(0, rows_of[e], future.result().float() * w_e[:, None])
-            part = cpu_sum.to(x.dtype).to(self.device)
+            part = self._cpu_share(x_host, index_host, weight_host, on_cpu, rows_of).to(x.dtype).to(self.device)
             out = part if out is None else out + part
         self._count(fetch, on_cpu)
         return out if out is not None else torch.zeros_like(x)
@@ -528,6 +610,7 @@ class ExpertStore(nn.Module):
         futures = self._launch_cpu(x, {e: rows_of[e] for e in on_cpu})
         outputs: dict[int, torch.Tensor] = {}
         self._load([(self.slot_map.admit(e, pinned), e) for e in fetch])
+        assert self.slots is not None
         for e in (*hits, *fetch):
             rows = x[rows_of[e]].to(self.device)
             outputs[e] = self.slots.run(self.slot_map.slot_of[e], rows).to(x.device)
@@ -535,6 +618,25 @@ class ExpertStore(nn.Module):
             outputs[e] = future.result().to(x.device)
         self._count(fetch, on_cpu)
         return outputs
+
+    def _cpu_share(
+        self,
+        x: torch.Tensor,
+        index: torch.Tensor,
+        weight: torch.Tensor,
+        on_cpu: Sequence[int],
+        rows_of: dict[int, torch.Tensor],
+    ) -> torch.Tensor:
+        """float32 [T, H] on the host: each row's weighted sum over its pairs with an expert in
+        ``on_cpu`` (the compiled kernel in one call, else one torch task per expert)."""
+        if self.cpu_kernel is not None:
+            return self.cpu_kernel(x, index, weight, set(on_cpu))
+        futures = self._launch_cpu(x, {e: rows_of[e] for e in on_cpu})
+        cpu_sum = torch.zeros(x.shape, dtype=torch.float32)
+        for e, future in futures.items():
+            w_e = weight[index == e].float()  # one per row of e (an expert appears once per token)
+            cpu_sum.index_add_(0, rows_of[e], future.result().float() * w_e[:, None])
+        return cpu_sum
 
     def _count(self, fetch: Sequence[int], on_cpu: Sequence[int]) -> None:
         counters = self.counters
@@ -548,7 +650,13 @@ class ExpertStore(nn.Module):
         """One task per CPU expert, on the store's worker threads, reading the host bank in place."""
         x_host = x.to("cpu") if rows_of else x
         host = self.host
+        assert isinstance(host, Experts | QuantizedExperts), "torch's CPU path needs a bank in its layout"
         return {e: self._pool.submit(host.expert, e, x_host[rows.to("cpu")]) for e, rows in rows_of.items()}
+
+    @property
+    def cpu_kernel_name(self) -> str:
+        """What computes the CPU share: the compiled kernel (and its instruction set) or torch."""
+        return f"compiled ({cpu_experts.instruction_set()})" if self.cpu_kernel is not None else "torch"
 
     def report(self) -> dict[str, object]:
         """This layer's placement and counters (the placement report's per-layer row)."""
@@ -557,7 +665,7 @@ class ExpertStore(nn.Module):
             "slots": self.config.num_slots, "cached_experts": held, "host_experts": self.num_experts,
             "expert_bytes": self.expert_nbytes, "q": round(self.q, 4), "policy": str(self.config.policy),
             "hits": self.slot_map.hits, "misses": self.slot_map.misses, "fetch_bytes": c.fetch_bytes,
-            "cpu_bytes": c.cpu_bytes, "steps": c.steps,
+            "cpu_bytes": c.cpu_bytes, "steps": c.steps, "cpu_kernel": self.cpu_kernel_name,
         }  # fmt: skip
 
 
@@ -585,7 +693,8 @@ class Bandwidths:
     device_is_stand_in: bool  # no accelerator: the "device" path copied within host memory
     seconds: float
     format: str
-    cpu_workers: int
+    cpu_workers: int  # the compiled kernel's threads (torch's path: one worker)
+    cpu_kernel: str = "torch"
 
     @property
     def q_star(self) -> float:
@@ -595,7 +704,8 @@ class Bandwidths:
         return {
             "beta_g_bytes_per_second": round(self.beta_g), "beta_c_bytes_per_second": round(self.beta_c),
             "q_star": round(self.q_star, 4), "device": self.device, "device_is_stand_in": self.device_is_stand_in,
-            "format": self.format, "cpu_workers": self.cpu_workers, "seconds": self.seconds,
+            "format": self.format, "cpu_workers": self.cpu_workers, "cpu_kernel": self.cpu_kernel,
+            "seconds": self.seconds,
         }  # fmt: skip
 
 
@@ -614,28 +724,51 @@ def _repeat_for(seconds: float, work: Callable[[int], int], stop: threading.Even
 
 def measure_bandwidths(store: ExpertStore, seconds: float = 0.5, dtype: torch.dtype = torch.float32) -> Bandwidths:
     """Copy experts into a slot and compute experts on the CPU at one row each, both at once, for
-    ``seconds``; the betas are the bytes each path moved per second while the other ran."""
+    ``seconds``; the betas are the bytes each path moved per second while the other ran. Both
+    paths move a step's worth at a time: FETCH_BATCH experts copied, then a wait; the compiled
+    kernel computes FETCH_BATCH experts a call (torch's, one expert a task on each worker)."""
     if store.config.num_slots < 1:
         raise InputError("measuring beta_g needs an expert store with at least one slot")
-    host, storage, nbytes = store.host, SlotStorage(store.host, 1, store.device), store.expert_nbytes
-    row = torch.randn(1, _in_features(host), dtype=dtype)
-    host.expert(0, row)  # kernel layouts are built on first use: not part of either bandwidth
+    host, nbytes, experts = store.host, store.expert_nbytes, store.num_experts
+    kernel = store.cpu_kernel
     bank = store.device_bank
     held = store.slot_map.slots[0].expert  # slot 0 is the copies' target; refilled afterwards
-    if bank is None:
+    storage = None
+    if bank is None:  # the stand-in's copies
+        assert isinstance(host, Experts | QuantizedExperts)
+        storage = SlotStorage(host, 1, store.device)
         storage.load(0, 0)
+    if kernel is not None:
+        row = torch.randn(1, kernel.hidden, dtype=dtype)
+        group = min(FETCH_BATCH, experts)
+        weight = torch.ones(1, group)
+
+        def compute(i: int) -> int:
+            index = ((torch.arange(group) + i * group) % experts)[None]
+            kernel(row, index, weight, set(index[0].tolist()))
+            return nbytes * group
+
+        workers = 1  # the kernel's own threads compute each call
+    else:
+        assert isinstance(host, Experts | QuantizedExperts)
+        row = torch.randn(1, _in_features(host), dtype=dtype)
+        host.expert(0, row)  # kernel layouts are built on first use: not part of either bandwidth
+
+        def compute(i: int) -> int:
+            host.expert(i % experts, row)
+            return nbytes
+
+        workers = 1
     stop = threading.Event()
-    cpu_threads = [
-        store._pool.submit(_repeat_for, seconds, lambda i: (host.expert(i % host.num_experts, row), nbytes)[1], stop)
-        for _ in range(store.config.cpu_workers)
-    ]
+    cpu_threads = [store._pool.submit(_repeat_for, seconds, compute, stop) for _ in range(workers)]
 
     def fetch(i: int) -> int:
         if bank is None:
-            storage.load(0, i % host.num_experts)
+            assert storage is not None
+            storage.load(0, i % experts)
             return nbytes
         # a step's worth of copies (pinned host -> the slot bank, side stream), then wait for them
-        bank.fetch([(0, (i * FETCH_BATCH + j) % host.num_experts) for j in range(FETCH_BATCH)])
+        bank.fetch([(0, (i * FETCH_BATCH + j) % experts) for j in range(FETCH_BATCH)])
         torch.cuda.synchronize(store.device)
         return nbytes * FETCH_BATCH
 
@@ -645,11 +778,15 @@ def measure_bandwidths(store: ExpertStore, seconds: float = 0.5, dtype: torch.dt
         bank.fetch([(0, held)])
         torch.cuda.synchronize(store.device)
     beta_c = sum(b for b, _ in cpu) / max(max(s for _, s in cpu), 1e-9)
-    fmt = host.format if isinstance(host, QuantizedExperts) else str(dtype).removeprefix("torch.")
     return Bandwidths(
-        g_bytes / max(g_seconds, 1e-9), beta_c, str(store.device), store.device.type != "cuda", seconds, fmt,
-        store.config.cpu_workers,
+        g_bytes / max(g_seconds, 1e-9), beta_c, str(store.device), store.device.type != "cuda", seconds, store.format,
+        store.config.cpu_workers, store.cpu_kernel_name,
     )  # fmt: skip
+
+
+def _plain_format(bank: Experts) -> str:
+    """A plain bank's format name: its dtype (a oneDNN-packed one is bf16)."""
+    return str(torch.bfloat16 if bank.packed is not None else bank.gate_up.dtype).removeprefix("torch.")
 
 
 def _plain_in_features(bank: Experts) -> int:

@@ -57,7 +57,8 @@ base() {
 BASE=localhost/modelfleet/bookworm:12
 # an existing image with a newer Intel compute runtime can stand in: BASE_INTEL=IMAGE
 BASE_INTEL=${BASE_INTEL:-localhost/modelfleet/bookworm-intel:12}
-base "$BASE" ca-certificates,python3,python3-venv
+# gcc, libc6-dev: the CPU expert kernel is compiled on the node at first use (-march=native)
+base "$BASE" ca-certificates,python3,python3-venv,gcc,libc6-dev
 if wants agent-openvino; then
   base "$BASE_INTEL" ca-certificates,python3,python3-venv,intel-opencl-icd,libze1,ocl-icd-libopencl1
 fi

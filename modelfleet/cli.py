@@ -61,14 +61,14 @@ def _parse_ids(text: str) -> list[int]:
         return []
 
 
-def _store_options(q: float | None, policy: str, workers: int):  # type: ignore[no-untyped-def]
-    from modelfleet.engine.expert_offload import StoreOptions
+def _store_options(q: float | None, policy: str, workers: int | None):  # type: ignore[no-untyped-def]
+    from modelfleet.engine.expert_offload import StoreOptions, default_cpu_workers
     from modelfleet.engine.expert_store import EvictionPolicy
 
     choices = [p.value for p in EvictionPolicy]
     if policy not in choices:
         _fail(f"--expert-cache-policy {policy!r}: choose one of {', '.join(choices)}")
-    return StoreOptions(EvictionPolicy(policy), q, workers)
+    return StoreOptions(EvictionPolicy(policy), q, workers or default_cpu_workers())
 
 
 def _prompt_batch(
@@ -153,8 +153,11 @@ def generate(
         help="Share of each step's expert-miss bytes fetched to the device (default: q* from bandwidths measured at start).",
     ),
     expert_cache_policy: str = typer.Option("lru", "--expert-cache-policy", help="Cache eviction: lru or frequency."),
-    cpu_expert_workers: int = typer.Option(
-        1, "--cpu-expert-workers", min=1, help="Threads computing experts on the CPU."
+    cpu_expert_workers: int | None = typer.Option(
+        None,
+        "--cpu-expert-workers",
+        min=1,
+        help="Threads computing offloaded experts on the CPU (default: every CPU this process may use but one).",
     ),
     as_json: bool = typer.Option(
         False,

@@ -20,6 +20,7 @@ from modelfleet.engine.expert_offload import moe_layers
 from modelfleet.engine.expert_placement import MAX_DEVICE_RESERVE_BYTES
 from modelfleet.engine.expert_store import EvictionPolicy, ExpertStore, StoreConfig, measure_bandwidths
 from modelfleet.engine.generate import LocalModel
+from modelfleet.engine.kernels import cpu_experts
 from modelfleet.engine.layers import Experts
 from modelfleet.engine.quantize import quantized_module
 
@@ -61,7 +62,14 @@ def test_fetched_slots_give_the_resident_banks_outputs_bit_for_bit_after_evictio
     resident = bank_on_cuda(fmt)
     # 12 slots: room for every expert a step routes to (12 candidates), fewer than the 16 experts
     store = ExpertStore(bank_on_cuda(fmt), CUDA, StoreConfig(12, policy, 1.0, cpu_workers=2), dtype=torch.bfloat16)
-    assert store.device_bank is not None and store.host.gate_up.device.type == "cpu"
+    assert store.device_bank is not None
+    # the host side: one copy of each expert (the pinned mirror, which the compiled kernel reads),
+    # or for bf16 the mirror as torch's bank
+    assert (store.cpu_kernel is not None) == (fmt != "bf16" and cpu_experts.available())
+    host_bytes = sum(t.numel() * t.element_size() for t in store.host.buffers()) or sum(
+        t.numel() * t.element_size() for t in store.host.parameters()
+    )
+    assert host_bytes == store.device_bank.host_nbytes
     used = 0
     for x, index, weight in steps(12):
         assert torch.equal(store(x, index, weight), resident(x, index, weight))
@@ -72,7 +80,7 @@ def test_fetched_slots_give_the_resident_banks_outputs_bit_for_bit_after_evictio
     assert store.counters.cpu_bytes == 0 and store.counters.fetch_bytes == store.counters.fetched * store.expert_nbytes
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "mxfp4"])
 @pytest.mark.parametrize(("slots", "q"), [(0, 0.0), (5, 0.0), (5, 0.5)])
 def test_misses_computed_on_the_cpu_keep_the_resident_outputs_within_the_kernels_tolerance(fmt, slots, q):
     resident = bank_on_cuda(fmt)

@@ -23,12 +23,17 @@ def profile_bandwidth(
     moe_inner: int = typer.Option(768, "--moe-inner", min=16, help="Expert width I (Qwen3-30B-A3B: 768)."),
     experts: int = typer.Option(32, "--experts", min=1, help="Experts in the profiled bank."),
     fmt: str = typer.Option("int4", "--format", help=FORMAT_HELP),
-    cpu_workers: int = typer.Option(1, "--cpu-workers", min=1, help="Threads computing experts on the CPU."),
+    cpu_workers: int | None = typer.Option(
+        None,
+        "--cpu-workers",
+        min=1,
+        help="Threads of the compiled CPU expert kernel (int4, int4_sym, mxfp4; default: every CPU but one).",
+    ),
     cpu_threads: int | None = typer.Option(
         None,
         "--cpu-threads",
         min=1,
-        help="Threads inside each CPU expert call (torch's intra-op threads; default: torch's).",
+        help="torch's intra-op threads, for formats the compiled kernel does not take (default: torch's).",
     ),
     seconds: float = typer.Option(1.0, "--seconds", min=0.01, help="How long both paths run."),
     misses: int = typer.Option(8, "--misses", min=1, help="Expert misses per MoE layer per step, for the prediction."),
@@ -43,6 +48,7 @@ def profile_bandwidth(
     import torch
 
     from modelfleet.engine.errors import ModelfleetError
+    from modelfleet.engine.expert_offload import default_cpu_workers
     from modelfleet.engine.expert_store import (
         EvictionPolicy,
         ExpertStore,
@@ -72,7 +78,8 @@ def profile_bandwidth(
         else:
             bank = quantized_module("layers.0.mlp.experts", plain, fmt)
         del plain
-        store = ExpertStore(bank, torch.device(device), StoreConfig(1, EvictionPolicy.LRU, None, cpu_workers))  # type: ignore[arg-type]
+        workers = cpu_workers or default_cpu_workers()
+        store = ExpertStore(bank, torch.device(device), StoreConfig(1, EvictionPolicy.LRU, None, workers))  # type: ignore[arg-type]
         row_dtype = dtype if dtype is not None else resolve_dtype(activations)
         measured = measure_bandwidths(store, seconds, row_dtype)
     except (ModelfleetError, RuntimeError) as exc:
@@ -99,7 +106,10 @@ def _print(report: dict[str, object], stand_in: bool) -> None:
     table.add_row("beta_c (CPU experts, one row)", f"{float(beta_c) / 1e9:.2f} GB/s")  # type: ignore[arg-type]
     table.add_row("q* = beta_g / (beta_g + beta_c)", f"{report['q_star']}")
     table.add_row(
-        "format / CPU workers x threads", f"{report['format']} / {report['cpu_workers']} x {report['cpu_threads']}"
+        "format / CPU kernel",
+        f"{report['format']} / {report['cpu_kernel']}, {report['cpu_workers']} threads"
+        if report["cpu_kernel"] != "torch"
+        else f"{report['format']} / torch, {report['cpu_threads']} threads",
     )
     for name, seconds in report["predicted_step_seconds"].items():  # type: ignore[attr-defined]
         table.add_row(f"miss service per step, {name}", f"{seconds * 1e3:.2f} ms")
