@@ -226,6 +226,17 @@ def mem_available_bytes() -> int | None:
     return None
 
 
+def rss_bytes() -> int | None:
+    """This process's resident set (pinned host memory included) from /proc/self/status."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def layers_that_fit(layers: int, bank_bytes: int, available: int | None) -> int:
     """How many of ``layers`` layers' offloaded banks (``bank_bytes`` each, held HOST_COPIES
     times) fit HOST_HEADROOM of the available host memory (all of them when it is unknown)."""
@@ -415,9 +426,26 @@ def verdicts(rows: list[dict[str, object]], batches: list[int]) -> list[str]:
 
 
 def whole_model(args: argparse.Namespace) -> None:
-    """The whole-model mode: a random model of ``args.model``'s shape through the engine's load
-    path, decode steps only, resident (graphed and eager) and capped (q = 1, q = 0 with a static
-    hot set, q* measured at start, a sweep of q); a markdown table, a CSV and an SVG sweep plot."""
+    """The whole-model mode: a random model of ``args.model``'s shape (weights seeded by name,
+    transformers' init) through the engine's load path (``Shard.from_checkpoint`` with the format
+    plan's default: ``--format`` experts, int8 attention and head), decode steps only:
+
+    - every batch's prompts (one random prompt per stream, fixed seed) are prefilled once on the
+      resident model and every configuration decodes greedily from that KV and first token:
+      ``--warmup`` untimed steps (graph capture, slot fill), then ``--tokens`` timed ones;
+    - resident: eager (the general path, which a model with stores takes) and graphed (static
+      steps, where ``LocalModel`` allows them), their ratio being the cost of the eager fallback;
+    - capped: ``offload_experts`` with the ``--gpu-memory-bytes`` that gives each layer
+      round(cap-share x experts) slots (:func:`cap_for_slots`), q* measured at start as serving
+      does; then q = 1, q = 0 with the slots holding each layer's most routed experts of the q = 1
+      run (a static hot set from this very workload: the most favourable one for q = 0), q*, and
+      ``--sweep``. A step can use more experts than a layer has free slots (batch 8: ~52 of 128
+      used, 36 slots), so q = 1 may still compute the overflow on the CPU (its CPU MB say so);
+    - the bound per step: the resident eager step + sum over layers of max(T_g, T_c), each
+      layer's fetched and CPU bytes averaged over the timed steps, over the betas measured at
+      start (averaging before the max makes it, if anything, lower);
+    - routing is the random model's own, not a trained model's.
+    """
     device, dtype = args.device, torch.bfloat16
     if args.warmup < 1 or args.tokens < 1:
         sys.exit("error: --warmup and --tokens must be >= 1 (the warm-up captures the graphs and fills the slots)")
@@ -490,7 +518,8 @@ def whole_model(args: argparse.Namespace) -> None:
     held = sorted({p.slots for p in placement.layers})
     print(f"capped: --gpu-memory-bytes {cap} ({cap / 2**30:.2f} GiB): {len(stores)} stores, slots per layer {held} "
           f"of {experts}, expert bytes on the device {placement.expert_device_bytes / 1e9:.2f} GB, on the host "
-          f"{placement.expert_host_bytes / 1e9:.2f} GB; graphed decode: {'yes' if lm.static_decode else 'no'}; "
+          f"{placement.expert_host_bytes / 1e9:.2f} GB (process RSS {(rss_bytes() or 0) / 1e9:.1f} GB); "
+          f"graphed decode: {'yes' if lm.static_decode else 'no'}; "
           f"placed in {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
     stand_in = " (CPU stand-in device: no real bandwidths)" if betas.device_is_stand_in else ""
     print(f"measured at start, both paths at once{stand_in}: beta_g {betas.beta_g / 1e9:.2f} GB/s, "
