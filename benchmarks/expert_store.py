@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from modelfleet.engine.expert_offload import StoreOptions, moe_layers, offload_experts, stores_of
+from modelfleet.engine.expert_offload import StoreOptions, default_cpu_workers, moe_layers, offload_experts, stores_of
 from modelfleet.engine.expert_placement import MoELayer, device_reserve_bytes
 from modelfleet.engine.expert_store import (
     Bandwidths,
@@ -52,9 +52,11 @@ from modelfleet.engine.expert_store import (
     expert_bytes,
     measure_bandwidths,
 )
+from modelfleet.engine.formats.plain import PLAIN_DTYPES
 from modelfleet.engine.formats.plan import FormatPlan
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.generate import LocalModel
+from modelfleet.engine.kernels import cpu_experts
 from modelfleet.engine.kvcache import SlotState
 from modelfleet.engine.layers import Experts
 from modelfleet.engine.quantize import QuantizedExperts, quantized_module
@@ -158,9 +160,15 @@ def run_store(
 
 # ---- whole-model mode (--model) -------------------------------------------------------------
 
-# the host keeps each offloaded bank twice: the pinned mirror in the device kernels' layout and the
-# bank in the CPU kernels' layout (engine/expert_store.py, DeviceSlotBank and _cpu_bank)
-HOST_COPIES = 2
+
+def host_copies(fmt: str) -> int:
+    """How many copies of an offloaded bank the host keeps: the pinned mirror only, where the
+    compiled CPU kernel reads it (4-bit formats) or it is torch's bank itself (plain dtypes); else
+    also the bank in torch's CPU layout (engine/expert_store.py, DeviceSlotBank and _cpu_bank)."""
+    compiled = fmt in cpu_experts.FORMATS and cpu_experts.available()
+    return 1 if compiled or fmt in PLAIN_DTYPES else 2
+
+
 HOST_HEADROOM = 0.8  # the share of MemAvailable the banks may take (the process, KV copies, the OS)
 
 
@@ -237,12 +245,12 @@ def rss_bytes() -> int | None:
     return None
 
 
-def layers_that_fit(layers: int, bank_bytes: int, available: int | None) -> int:
-    """How many of ``layers`` layers' offloaded banks (``bank_bytes`` each, held HOST_COPIES
+def layers_that_fit(layers: int, bank_bytes: int, available: int | None, copies: int) -> int:
+    """How many of ``layers`` layers' offloaded banks (``bank_bytes`` each, held ``copies``
     times) fit HOST_HEADROOM of the available host memory (all of them when it is unknown)."""
     if available is None:
         return layers
-    return max(0, min(layers, int(available * HOST_HEADROOM) // (HOST_COPIES * bank_bytes)))
+    return max(0, min(layers, int(available * HOST_HEADROOM) // (copies * bank_bytes)))
 
 
 def cap_for_slots(layers: Sequence[MoELayer], other_bytes: int, slots: int) -> int:
@@ -454,10 +462,10 @@ def whole_model(args: argparse.Namespace) -> None:
     hidden, inner, experts = shape["hidden_size"], shape["moe_intermediate_size"], shape["num_experts"]
     per_expert = one_expert_bytes(hidden, inner, args.format, device)
     available = mem_available_bytes()
-    fit = layers_that_fit(layers, experts * per_expert, available)
-    need = HOST_COPIES * layers * experts * per_expert
+    fit = layers_that_fit(layers, experts * per_expert, available, host_copies(args.format))
+    need = host_copies(args.format) * layers * experts * per_expert
     print(f"host memory: {layers} layers of {experts} x {per_expert / 1e6:.2f} MB {args.format} experts need "
-          f"~{need / 1e9:.1f} GB ({HOST_COPIES} copies: pinned mirror + CPU layout); MemAvailable "
+          f"~{need / 1e9:.1f} GB ({host_copies(args.format)} cop(ies)); MemAvailable "
           f"{'unknown' if available is None else f'{available / 1e9:.1f} GB'}", flush=True)  # fmt: skip
     if fit < layers:
         if fit == 0:
@@ -593,13 +601,19 @@ def main(argv: list[str] | None = None) -> None:
     ask.add_argument("--format", default="int4")
     ask.add_argument("--cap-share", type=float, default=0.28, help="share of each layer's experts given slots")
     ask.add_argument("--skew", type=float, default=0.8, help="Zipf exponent of the synthetic routing")
-    ask.add_argument("--cpu-workers", type=int, default=1, help="threads computing CPU experts")
-    ask.add_argument("--cpu-threads", type=int, default=14, help="torch intra-op threads inside each CPU expert")
+    ask.add_argument(
+        "--cpu-workers",
+        type=int,
+        default=default_cpu_workers(),
+        help="threads of the compiled CPU expert kernel (default: every CPU but one)",
+    )
+    ask.add_argument("--cpu-threads", type=int, default=torch.get_num_threads(),
+                     help="torch's intra-op threads (formats the compiled kernel does not take)")  # fmt: skip
     ask.add_argument("--steps", type=int, default=40)
     ask.add_argument("--warmup", type=int, default=8)
     ask.add_argument("--batches", default="1,8")
     ask.add_argument("--sweep", default="0,0.25,0.5,0.6,0.7,0.8,0.9,1")
-    ask.add_argument("--beta-c", default="1x1,1x4,1x8,1x14,2x7,14x1", help="workers x threads to measure betas at")
+    ask.add_argument("--beta-c", default="1,2,4,8,12,15", help="CPU-share thread counts to measure betas at")
     ask.add_argument("--out", type=Path, default=None, help="JSON (synthetic) or CSV (--model); --model: SVG beside it")
     ask.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--model only")
     ask.add_argument("--tokens", type=int, default=16, help="--model: timed decode steps per configuration")
@@ -627,15 +641,17 @@ def main(argv: list[str] | None = None) -> None:
     nbytes = stores[0].expert_nbytes
 
     betas: dict[str, Bandwidths] = {}
-    serving = stores[0]._pool, stores[0].config.cpu_workers
-    for combo in args.beta_c.split(","):  # both paths at once, per CPU workers x threads
-        workers, threads = (int(n) for n in combo.split("x"))
-        torch.set_num_threads(threads)
-        stores[0]._pool, stores[0].config.cpu_workers = ThreadPoolExecutor(workers), workers
+    kernel = stores[0].cpu_kernel
+    for combo in args.beta_c.split(","):  # both paths at once, per thread count of the CPU share
+        threads = int(combo)
+        if kernel is not None:  # the compiled kernel's threads
+            kernel.threads = stores[0].config.cpu_workers = threads
+        else:  # torch's intra-op threads inside each expert
+            torch.set_num_threads(threads)
         betas[combo] = measure_bandwidths(stores[0], 1.0, torch.bfloat16)
-        stores[0]._pool.shutdown()
-        print(json.dumps({"workers_x_threads": combo, **betas[combo].as_dict()}), flush=True)
-    stores[0]._pool, stores[0].config.cpu_workers = serving
+        print(json.dumps({"threads": combo, **betas[combo].as_dict()}), flush=True)
+    if kernel is not None:
+        kernel.threads = stores[0].config.cpu_workers = args.cpu_workers
     torch.set_num_threads(args.cpu_threads)
     measured = measure_bandwidths(stores[0], 1.0, torch.bfloat16)
     beta_g, beta_c, q_star = measured.beta_g, measured.beta_c, measured.q_star
@@ -647,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_threads": args.cpu_threads,
         "routing": f"synthetic: Zipf popularity per layer, exponent {args.skew}, top {args.top_k} without replacement",
         "beta_g": beta_g, "beta_c": beta_c, "q_star": q_star,
-        "betas_by_workers_x_threads": {c: [b.beta_g, b.beta_c] for c, b in betas.items()},
+        "betas_by_threads": {c: [b.beta_g, b.beta_c] for c, b in betas.items()},
         "device": torch.cuda.get_device_name(),
         "rows": [],
     }  # fmt: skip

@@ -515,6 +515,7 @@ class ExpertStore(nn.Module):
         self.bandwidths: Bandwidths | None = None  # set when q came from measured bandwidths
         self._pool = pool or ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")
         self._lock = threading.Lock()  # one step at a time per layer
+        self._luts: tuple[torch.Tensor, torch.Tensor] | None = None  # CUDA: expert -> slot, expert -> in a slot
 
     @property
     def num_experts(self) -> int:
@@ -529,6 +530,7 @@ class ExpertStore(nn.Module):
                 self.q = StoreConfig(self.config.num_slots, self.config.policy, q).q or 0.0
             self.slot_map = SlotMap(self.config.num_slots, self.config.policy)
             self.counters = StoreCounters()
+            self._luts = None
 
     def prefetch(self, experts: Sequence[int]) -> None:
         """Bring ``experts`` into slots ahead of the step that will need them (a router that can see
@@ -539,6 +541,8 @@ class ExpertStore(nn.Module):
                 if e not in self.slot_map.slot_of and self.slot_map.free_capacity(set()) > 0:
                     loads.append((self.slot_map.admit(e, set()), e))
                     self.counters.fetch_bytes += self.expert_nbytes
+            if loads:
+                self._luts = None  # the slot tables change with the slots
             self._load(loads)
 
     def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -560,43 +564,61 @@ class ExpertStore(nn.Module):
         return forward_grouped(lambda e, _rows: outputs[e], self.num_experts, x, index, weight)
 
     def _forward_device(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """CUDA: the step's routing comes to the host (one small copy: it decides the copies); the
-        fetched share is copied into slots on the side stream and the slot bank runs every device
-        pair through the resident bank's kernels with ids remapped to slots (a CPU pair's weight
-        zeroed there), queued behind the copies; meanwhile the CPU share runs on the worker
-        threads; its partial sum is added last. With no CPU share the result is the resident
-        bank's, bit for bit."""
-        index_host = index.to("cpu")
-        rows_of = _rows_by_expert(index_host)
-        used = sorted(rows_of, key=lambda e: (-rows_of[e].numel(), e))
+        """CUDA: the step's routing comes to the host (its copy waits for the GPU; x and the
+        weights come in the same wait); the fetched share is copied into slots on the side stream
+        and the slot bank runs every device pair through the resident bank's kernels with ids
+        remapped to slots by a device lookup table (a CPU pair's weight zeroed there), queued
+        behind the copies; meanwhile the CPU share runs on this thread and the CPU kernel's pool;
+        its partial sum comes back (pinned, asynchronously) and is added last. With no CPU share
+        the result is the resident bank's, bit for bit."""
+        x_host = x.to("cpu", non_blocking=True)
+        weight_host = weight.to("cpu", non_blocking=True)
+        index_host = index.to("cpu")  # waits for the stream, so x_host and weight_host are in too
+        rows: dict[int, int] = {}
+        for row in index_host.tolist():
+            for e in row:
+                rows[e] = rows.get(e, 0) + 1
+        used = sorted(rows, key=lambda e: (-rows[e], e))  # the experts with most rows fetch first
         hits, misses = self.slot_map.lookup(used)
         pinned = set(used)
         fetch, on_cpu = split_misses(
             [(e, self.expert_nbytes) for e in misses], self.q, self.slot_map.free_capacity(pinned)
         )
-        weight_host = weight.to("cpu") if on_cpu else weight
-        x_host = x.to("cpu") if on_cpu else x
         loads = [(self.slot_map.admit(e, pinned), e) for e in fetch]
-        on_device = self.device_bank is not None and bool(hits or fetch)
-        if on_device:  # small host -> device copies, done before the stream waits for the fetches
-            slot_of = self.slot_map.slot_of
-            lut = torch.tensor([slot_of.get(e, 0) for e in range(self.num_experts)])
-            slot_index = lut[index_host].to(self.device)
-            if on_cpu:  # those pairs add 0 x (whatever slot 0 holds) on the device
-                keep = torch.tensor([e in slot_of for e in range(self.num_experts)])[index_host]
-                weight = weight * keep.to(self.device, weight.dtype)
-        # the device work is queued before the CPU workers start (once they run, this thread
-        # waits for the interpreter lock between calls): the copies, then the slot kernel
-        self._load(loads)
         out: torch.Tensor | None = None
-        if on_device:
-            assert self.device_bank is not None
-            out = self.device_bank.run(x, slot_index, weight)
+        if self.device_bank is not None and (hits or fetch):
+            if loads or self._luts is None or self._luts[1].dtype != weight.dtype:
+                self._refresh_luts(weight.dtype)
+            assert self._luts is not None
+            slot_lut, keep_lut = self._luts
+            slot_index = slot_lut[index]
+            device_weight = weight * keep_lut[index] if on_cpu else weight  # CPU pairs add 0 x slot 0
+            self._load(loads)  # the copies on the side stream; the slot kernel waits for them
+            out = self.device_bank.run(x, slot_index, device_weight)
+        elif loads:
+            self._load(loads)
         if on_cpu:
-            part = self._cpu_share(x_host, index_host, weight_host, on_cpu, rows_of).to(x.dtype).to(self.device)
+            part = self._cpu_share(x_host, index_host, weight_host, on_cpu)
+            part = part.to(self.device, non_blocking=True).to(x.dtype)
             out = part if out is None else out + part
         self._count(fetch, on_cpu)
         return out if out is not None else torch.zeros_like(x)
+
+    def _refresh_luts(self, dtype: torch.dtype) -> None:
+        """The device tables the slot kernel reads: each expert's slot (0 when it has none) and 1
+        where it has one, else 0, in the routing weights' dtype; staged in pinned memory (the next
+        step's routing copy waits for this copy before the staging is rewritten)."""
+        slot_of = self.slot_map.slot_of
+        slots = [slot_of.get(e, 0) for e in range(self.num_experts)]
+        keep = [1.0 if e in slot_of else 0.0 for e in range(self.num_experts)]
+        staged = (
+            torch.tensor(slots, dtype=torch.int64).pin_memory(),
+            torch.tensor(keep, dtype=dtype).pin_memory(),
+        )
+        self._luts = (
+            staged[0].to(self.device, non_blocking=True),
+            staged[1].to(self.device, non_blocking=True),
+        )
 
     def _serve(self, x: torch.Tensor, rows_of: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Every used expert's output over its rows: hits and fetched on the device, the rest on the CPU."""
@@ -620,17 +642,13 @@ class ExpertStore(nn.Module):
         return outputs
 
     def _cpu_share(
-        self,
-        x: torch.Tensor,
-        index: torch.Tensor,
-        weight: torch.Tensor,
-        on_cpu: Sequence[int],
-        rows_of: dict[int, torch.Tensor],
+        self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, on_cpu: Sequence[int]
     ) -> torch.Tensor:
-        """float32 [T, H] on the host: each row's weighted sum over its pairs with an expert in
-        ``on_cpu`` (the compiled kernel in one call, else one torch task per expert)."""
+        """[T, H] on the host (pinned on CUDA): each row's weighted sum over its pairs with an
+        expert in ``on_cpu`` (the compiled kernel in one call, else one torch task per expert)."""
         if self.cpu_kernel is not None:
-            return self.cpu_kernel(x, index, weight, set(on_cpu))
+            return self.cpu_kernel(x, index, weight, set(on_cpu), pin_memory=self.device.type == "cuda")
+        rows_of = _rows_by_expert(index)
         futures = self._launch_cpu(x, {e: rows_of[e] for e in on_cpu})
         cpu_sum = torch.zeros(x.shape, dtype=torch.float32)
         for e, future in futures.items():

@@ -41,14 +41,16 @@ def test_the_derived_cap_is_the_least_that_gives_every_layer_its_slots(layers: l
         assert min(p.slots for p in fewer) == slots - 1
 
 
-def test_layers_that_fit_the_host_count_both_host_copies() -> None:
+def test_layers_that_fit_the_host_count_the_host_copies() -> None:
     bank = 128 * 2_875_392
-    assert bench.layers_that_fit(48, bank, None) == 48
-    assert bench.layers_that_fit(48, bank, 200 << 30) == 48
+    assert bench.layers_that_fit(48, bank, None, 2) == 48
+    assert bench.layers_that_fit(48, bank, 200 << 30, 2) == 48
     available = 10 << 30
-    fit = bench.layers_that_fit(48, bank, available)
-    assert 0 < fit < 48
-    assert fit * bench.HOST_COPIES * bank <= available * bench.HOST_HEADROOM < (fit + 1) * bench.HOST_COPIES * bank
+    for copies in (1, 2):
+        fit = bench.layers_that_fit(48, bank, available, copies)
+        assert 0 < fit < 48
+        assert fit * copies * bank <= available * bench.HOST_HEADROOM < (fit + 1) * copies * bank
+    assert bench.host_copies("bf16") == 1 and bench.host_copies("int8") == 2
 
 
 def test_first_divergence_names_the_stream_and_token() -> None:

@@ -92,6 +92,21 @@ def test_results_do_not_depend_on_the_thread_count_and_rows_without_cpu_pairs_ar
     assert bool((outs[0].abs().sum(dim=1) > 0).sum() == 7 - len(untouched))
 
 
+def test_bf16_rows_in_give_bf16_sums_out_and_other_dtypes_are_read_as_they_are() -> None:
+    bank = bank_of("mxfp4", True, seed=7)
+    x, index, weight = routing(6, 3, seed=8)
+    kernel = kernel_of(bank, True)
+    chosen = {1, 2, 4}
+    x16 = x.to(torch.bfloat16)
+    expected = reference(bank, x16.float(), index, weight.to(torch.bfloat16).float(), chosen)
+    out = kernel(x16, index.to(torch.int32), weight.to(torch.bfloat16), chosen)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-5)  # one bf16 rounding of the sum
+    half = kernel(x.half(), index, weight.half(), chosen)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, reference(bank, x.half().float(), index, weight.half().float(), chosen))
+
+
 def test_the_portable_c_path_agrees_with_the_vectorized_one() -> None:
     portable, why = cpu_experts.build(cpu_experts.PORTABLE)
     if portable is None or not cpu_experts.PORTABLE:
@@ -156,5 +171,7 @@ def test_bad_banks_and_inputs_are_refused_with_the_reason() -> None:
         cpu_experts.CpuExperts("int4", good, good, True)  # gate_up given as down
     kernel = kernel_of(bank, True)
     x, index, weight = routing(3, 2)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match="do not match"):
         kernel(x[:, :64], index, weight, {0})
+    with pytest.raises(ValueError, match="do not match"):
+        kernel(x, index, weight[:, :1], {0})

@@ -49,19 +49,28 @@ typedef struct {
     int32_t format, act, nibble_major, threads;
     float alpha, limit;
     mf_bank gate_up, down; /* gate_up: N = 2I, K = H ([gate; up] rows); down: N = H, K = I */
-    int32_t tokens, pairs, used;
-    const float *x;             /* [T, H] */
-    const int32_t *expert;      /* [U] expert ids */
-    const int32_t *pair_start;  /* [U + 1]: the pairs of expert[u] are pair_start[u] .. pair_start[u + 1] - 1 */
-    const int32_t *pair_row;    /* [P] the token row of each pair */
-    const float *pair_weight;   /* [P] */
-    const int32_t *row_start;   /* [T + 1]: the pairs of token t are row_pair[row_start[t] .. row_start[t + 1] - 1] */
-    const int32_t *row_pair;    /* [P] */
-    float *xp;                  /* scratch [T, H]: x in the codes' order */
-    float *act_buf;             /* scratch [P, I]: GLU outputs in the codes' order of down */
-    float *y;                   /* scratch [P, H] */
-    float *out;                 /* [T, H] */
+    /* the step, from the caller */
+    int32_t experts, tokens, top_k, chosen_count;
+    int32_t x_dtype, weight_dtype, out_dtype; /* DT_* */
+    const void *x;               /* [T, H] */
+    const int64_t *index;        /* [T, k] the step's routing */
+    const void *weight;          /* [T, k] */
+    const int32_t *chosen;       /* [C] the experts computed here (the others' pairs are skipped) */
+    void *out;                   /* [T, H]: each row's weighted sum over its chosen pairs */
+    /* built by mf_moe */
+    int32_t pairs, used;
+    int32_t *expert;             /* [U] expert ids, ascending */
+    int32_t *pair_start;         /* [U + 1]: the pairs of expert[u] are pair_start[u] .. pair_start[u + 1] - 1 */
+    int32_t *pair_row;           /* [P] the token row of each pair (ascending within an expert) */
+    float *pair_weight;          /* [P] */
+    int32_t *row_start;          /* [T + 1]: the pairs of token t are row_pair[row_start[t] .. row_start[t + 1] - 1] */
+    int32_t *row_pair;           /* [P] (in the routing's order within a token) */
+    float *xp;                   /* [T, H]: x in the codes' order */
+    float *act_buf;              /* [P, I]: GLU outputs in the codes' order of down */
+    float *y;                    /* [P, H] */
 } mf_moe_args;
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 /* ---- decode tables ------------------------------------------------------------------------ */
 
@@ -82,6 +91,28 @@ static void init_tables(void) {
         POSITION[1][8 * m + t] = j;
         POSITION[1][8 * m + 4 + t] = 16 + j;
     }
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float half_to_float(uint16_t h);
+
+static inline float load_value(const void *base, int64_t i, int dtype) {
+    if (dtype == DT_BF16) return bf16_to_float(((const uint16_t *)base)[i]);
+    if (dtype == DT_F16) return half_to_float(((const uint16_t *)base)[i]);
+    return ((const float *)base)[i];
 }
 
 static inline float half_to_float(uint16_t h) {
@@ -141,9 +172,11 @@ static void row_scales(const mf_moe_args *a, const mf_bank *b, int64_t row, int6
     }
 }
 
-/* res[p] = sum over the row's K inputs of w * xs[p] (xs in the codes' order) */
-static void dot_row(const mf_moe_args *a, const mf_bank *b, int64_t e, int64_t n, int np, const float *const *xs,
-                    float *res) {
+/* res[p] = sum over the row's K inputs of w * xs[p] (xs in the codes' order); always inlined with
+ * a constant np (dot_row below), so the accumulators stay in registers */
+static inline __attribute__((always_inline)) void dot_row_n(const mf_moe_args *a, const mf_bank *b, int64_t e,
+                                                              int64_t n, const int np, const float *const *xs,
+                                                              float *res) {
     const int64_t groups = b->cols / GROUP, row = e * b->rows + n;
     const uint8_t *codes = b->codes + row * (b->cols / 2);
     const int8_t *table = a->format == FMT_MXFP4 ? E2M1_TWICE : INT4_VALUES;
@@ -214,6 +247,16 @@ static void dot_row(const mf_moe_args *a, const mf_bank *b, int64_t e, int64_t n
 #endif
 }
 
+static void dot_row(const mf_moe_args *a, const mf_bank *b, int64_t e, int64_t n, int np, const float *const *xs,
+                    float *res) {
+    switch (np) {
+    case 1: dot_row_n(a, b, e, n, 1, xs, res); break;
+    case 2: dot_row_n(a, b, e, n, 2, xs, res); break;
+    case 3: dot_row_n(a, b, e, n, 3, xs, res); break;
+    default: dot_row_n(a, b, e, n, 4, xs, res); break;
+    }
+}
+
 static inline float glu(const mf_moe_args *a, float gate, float up) {
     if (a->act == ACT_CLAMPED_SWIGLU) {
         gate = fminf(gate, a->limit);
@@ -228,10 +271,9 @@ static inline float glu(const mf_moe_args *a, float gate, float up) {
 static void permute_row(const mf_moe_args *a, int64_t t) {
     const int64_t h = a->gate_up.cols;
     const int *position = POSITION[a->nibble_major != 0];
-    const float *x = a->x + t * h;
     float *xp = a->xp + t * h;
     for (int64_t g = 0; g < h; g += GROUP)
-        for (int r = 0; r < GROUP; r++) xp[g + position[r]] = x[g + r];
+        for (int r = 0; r < GROUP; r++) xp[g + position[r]] = load_value(a->x, t * h + g + r, a->x_dtype);
 }
 
 static int64_t col_tiles(const mf_moe_args *a) { return (a->down.cols + COLS_PER_TILE - 1) / COLS_PER_TILE; }
@@ -282,13 +324,20 @@ static void down_tile(const mf_moe_args *a, int64_t tile) {
 static void sum_tile(const mf_moe_args *a, int64_t tile) {
     const int64_t hidden = a->down.rows, n0 = tile * SUM_PER_TILE;
     const int64_t n1 = n0 + SUM_PER_TILE < hidden ? n0 + SUM_PER_TILE : hidden;
+    float sum[SUM_PER_TILE];
     for (int64_t t = 0; t < a->tokens; t++) {
-        float *out = a->out + t * hidden;
-        for (int64_t n = n0; n < n1; n++) out[n] = 0.0f;
+        for (int64_t n = n0; n < n1; n++) sum[n - n0] = 0.0f;
         for (int32_t i = a->row_start[t]; i < a->row_start[t + 1]; i++) {
             const int32_t p = a->row_pair[i];
             const float w = a->pair_weight[p], *y = a->y + (int64_t)p * hidden;
-            for (int64_t n = n0; n < n1; n++) out[n] += w * y[n];
+            for (int64_t n = n0; n < n1; n++) sum[n - n0] += w * y[n];
+        }
+        if (a->out_dtype == DT_BF16) {
+            uint16_t *out = (uint16_t *)a->out + t * hidden;
+            for (int64_t n = n0; n < n1; n++) out[n] = float_to_bf16(sum[n - n0]);
+        } else {
+            float *out = (float *)a->out + t * hidden;
+            for (int64_t n = n0; n < n1; n++) out[n] = sum[n - n0];
         }
     }
 }
@@ -396,13 +445,75 @@ static int ensure_workers(int threads) {
 
 /* ---- entry points ------------------------------------------------------------------------- */
 
-/* Compute args->out; returns 0, or -1 for arguments this kernel does not take. */
-int mf_moe(const mf_moe_args *args) {
+/* Group the step's chosen pairs by expert (ascending; tokens ascending within one) and by token
+ * (the routing's order), into one allocation; returns it, or NULL when out of memory. */
+static void *build_pairs(mf_moe_args *a) {
+    const int64_t hidden = a->gate_up.cols, inner = a->down.cols, slots = (int64_t)a->tokens * a->top_k;
+    int32_t *count = calloc((size_t)a->experts + 1, sizeof *count);
+    uint8_t *mine = calloc((size_t)a->experts, 1);
+    if (!count || !mine) return free(count), free(mine), NULL;
+    for (int32_t c = 0; c < a->chosen_count; c++)
+        if (a->chosen[c] >= 0 && a->chosen[c] < a->experts) mine[a->chosen[c]] = 1;
+    int64_t pairs = 0;
+    for (int64_t i = 0; i < slots; i++) {
+        const int64_t e = a->index[i];
+        if (e >= 0 && e < a->experts && mine[e]) count[e]++, pairs++;
+    }
+    const int64_t p1 = pairs > 0 ? pairs : 1;
+    size_t ints = (size_t)(a->experts + (a->experts + 1) + p1 + (a->tokens + 1) + p1), floats = (size_t)(p1 + a->tokens * hidden + p1 * inner + p1 * hidden);
+    char *block = malloc(ints * sizeof(int32_t) + floats * sizeof(float) + 64);
+    if (!block) return free(count), free(mine), NULL;
+    int32_t *ip = (int32_t *)block;
+    a->expert = ip, ip += a->experts;
+    a->pair_start = ip, ip += a->experts + 1;
+    a->pair_row = ip, ip += p1;
+    a->row_start = ip, ip += a->tokens + 1;
+    a->row_pair = ip, ip += p1;
+    float *fp = (float *)(((uintptr_t)ip + 63) & ~(uintptr_t)63);
+    a->pair_weight = fp, fp += p1;
+    a->xp = fp, fp += a->tokens * hidden;
+    a->act_buf = fp, fp += p1 * inner;
+    a->y = fp;
+    /* experts in ascending order; next[e]: where e's next pair goes */
+    int32_t used = 0, at = 0;
+    for (int32_t e = 0; e < a->experts; e++) {
+        if (!count[e]) continue;
+        a->expert[used] = e;
+        a->pair_start[used++] = at;
+        const int32_t n = count[e];
+        count[e] = at; /* reused as the cursor */
+        at += n;
+    }
+    a->pair_start[used] = at;
+    a->used = used, a->pairs = (int32_t)pairs;
+    int32_t r = 0;
+    for (int32_t t = 0; t < a->tokens; t++) {
+        a->row_start[t] = r;
+        for (int32_t j = 0; j < a->top_k; j++) {
+            const int64_t i = (int64_t)t * a->top_k + j, e = a->index[i];
+            if (e < 0 || e >= a->experts || !mine[e]) continue;
+            const int32_t p = count[e]++;
+            a->pair_row[p] = t;
+            a->pair_weight[p] = load_value(a->weight, i, a->weight_dtype);
+            a->row_pair[r++] = p;
+        }
+    }
+    a->row_start[a->tokens] = r;
+    free(count), free(mine);
+    return block;
+}
+
+/* Compute args->out for the step; returns 0, -1 for arguments this kernel does not take, -2 when
+ * out of memory. */
+int mf_moe(mf_moe_args *args) {
     if (args->format < FMT_INT4 || args->format > FMT_MXFP4 || args->gate_up.cols % GROUP || args->down.cols % GROUP ||
         args->gate_up.rows != 2 * args->down.cols || args->down.rows != args->gate_up.cols || args->threads < 1 ||
-        args->gate_up.cols / GROUP > MAX_GROUPS || args->down.cols / GROUP > MAX_GROUPS)
+        args->gate_up.cols / GROUP > MAX_GROUPS || args->down.cols / GROUP > MAX_GROUPS || args->experts < 1 ||
+        args->tokens < 0 || args->top_k < 0)
         return -1;
     pthread_once(&tables_once, init_tables);
+    void *scratch = build_pairs(args);
+    if (scratch == NULL) return -2;
     mf_job job = {.args = args};
     job.tiles[0] = args->tokens;
     job.tiles[1] = (int64_t)args->used * col_tiles(args);
@@ -423,6 +534,7 @@ int mf_moe(const mf_moe_args *args) {
     atomic_store(&pool.job, (mf_job *)NULL); /* late workers find no job; then wait out those inside */
     while (atomic_load(&pool.active) > 0) relax();
     pthread_mutex_unlock(&pool.lock);
+    free(scratch);
     return 0;
 }
 

@@ -65,21 +65,24 @@ class _Bank(ctypes.Structure):
 
 class _Args(ctypes.Structure):
     _fields_ = [
-        ("format", ctypes.c_int32),
-        ("act", ctypes.c_int32),
-        ("nibble_major", ctypes.c_int32),
-        ("threads", ctypes.c_int32),
+        *((name, ctypes.c_int32) for name in ("format", "act", "nibble_major", "threads")),
         ("alpha", ctypes.c_float),
         ("limit", ctypes.c_float),
         ("gate_up", _Bank),
         ("down", _Bank),
-        ("tokens", ctypes.c_int32),
+        *((name, ctypes.c_int32) for name in (
+            "experts", "tokens", "top_k", "chosen_count", "x_dtype", "weight_dtype", "out_dtype",
+        )),
+        *((name, ctypes.c_void_p) for name in ("x", "index", "weight", "chosen", "out")),
         ("pairs", ctypes.c_int32),
         ("used", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in (
-            "x", "expert", "pair_start", "pair_row", "pair_weight", "row_start", "row_pair", "xp", "act_buf", "y", "out",
+            "expert", "pair_start", "pair_row", "pair_weight", "row_start", "row_pair", "xp", "act_buf", "y",
         )),
     ]  # fmt: skip
+
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's DT_*
 
 
 def cache_dir() -> Path:
@@ -237,6 +240,11 @@ class CpuExperts:
         self.format, self.gate_up, self.down, self.nibble_major = fmt, gate_up, down, nibble_major
         self.activation, self.threads = activation, max(1, threads)
         self.num_experts, self.hidden, self.inner = e, hidden_half * 2, two_inner // 2
+        kind, alpha, limit = activation
+        self._args = _Args(
+            FORMATS[fmt], kind, int(nibble_major), self.threads, alpha, limit, gate_up.struct(), down.struct()
+        )
+        self._args.experts = e
         self.expert_nbytes = sum(
             t[0].numel() * t.element_size()
             for p in (gate_up, down)
@@ -244,44 +252,33 @@ class CpuExperts:
             if t is not None
         )
 
-    def __call__(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, experts: set[int]) -> torch.Tensor:
-        """x [T, H], index/weight [T, k] on the host -> float32 [T, H]: each row's weighted sum
-        over its pairs whose expert is in ``experts`` (rows with none: 0). ``threads`` of the
-        pool compute it (the caller included), the interpreter lock released."""
+    def __call__(
+        self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, experts: set[int], pin_memory: bool = False
+    ) -> torch.Tensor:
+        """x [T, H], index/weight [T, k] on the host -> [T, H] in x's dtype (float32 for fp16):
+        each row's weighted sum over its pairs whose expert is in ``experts`` (rows with none: 0).
+        ``threads`` of the pool compute it (the caller included), the interpreter lock released;
+        the pairs are grouped in the kernel, so a call costs one dispatch however many experts.
+        ``pin_memory``: the result in pinned memory (for an asynchronous copy to a device)."""
         tokens, k = index.shape
-        if x.shape != (tokens, self.hidden):
-            raise ValueError(f"x {tuple(x.shape)} does not match index {tuple(index.shape)} and hidden {self.hidden}")
-        x32 = x.to(torch.float32).contiguous()
-        chosen = torch.zeros(self.num_experts, dtype=torch.bool)
-        chosen[list(experts)] = True
-        flat = index.reshape(-1)
-        mine = chosen[flat]
-        pair_expert = flat[mine]
-        order = torch.argsort(pair_expert, stable=True)  # pairs grouped by expert, token order within
-        pair_expert = pair_expert[order]
-        pair_row = torch.arange(tokens).repeat_interleave(k)[mine][order]
-        pair_weight = weight.reshape(-1)[mine][order].to(torch.float32)
-        used, counts = torch.unique_consecutive(pair_expert, return_counts=True)
-        pair_start = torch.zeros(used.numel() + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=pair_start[1:])
-        row_pair = torch.argsort(pair_row, stable=True)
-        row_start = torch.zeros(tokens + 1, dtype=torch.int64)
-        torch.cumsum(torch.bincount(pair_row, minlength=tokens), 0, out=row_start[1:])
-        pairs = int(pair_row.numel())
-        i32 = [t.to(torch.int32).contiguous() for t in (used, pair_start, pair_row, row_start, row_pair)]
-        pair_weight = pair_weight.contiguous()
-        xp = torch.empty_like(x32)
-        act = torch.empty(max(pairs, 1), self.inner)
-        y = torch.empty(max(pairs, 1), self.hidden)
-        out = torch.empty(tokens, self.hidden)
-        kind, alpha, limit = self.activation
-        args = _Args(
-            FORMATS[self.format], kind, int(self.nibble_major), self.threads, alpha, limit,
-            self.gate_up.struct(), self.down.struct(), tokens, pairs, int(used.numel()),
-            x32.data_ptr(), *(t.data_ptr() for t in i32[:3]), pair_weight.data_ptr(),
-            i32[3].data_ptr(), i32[4].data_ptr(), xp.data_ptr(), act.data_ptr(), y.data_ptr(), out.data_ptr(),
-        )  # fmt: skip
-        if self._library.mf_moe(ctypes.byref(args)) != 0:
+        if x.shape != (tokens, self.hidden) or weight.shape != index.shape:
+            raise ValueError(
+                f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match index {tuple(index.shape)} "
+                f"and hidden {self.hidden}"
+            )
+        x = x.contiguous() if x.dtype in DTYPES else x.to(torch.float32).contiguous()
+        weight = weight.contiguous() if weight.dtype in DTYPES else weight.to(torch.float32).contiguous()
+        index = index.to(torch.int64).contiguous()
+        out_dtype = x.dtype if x.dtype != torch.float16 else torch.float32
+        out = torch.empty(tokens, self.hidden, dtype=out_dtype, pin_memory=pin_memory)
+        chosen = (ctypes.c_int32 * max(len(experts), 1))(*experts)
+        args = self._args
+        args.threads, args.tokens, args.top_k, args.chosen_count = self.threads, tokens, k, len(experts)
+        args.x_dtype, args.weight_dtype, args.out_dtype = DTYPES[x.dtype], DTYPES[weight.dtype], DTYPES[out.dtype]
+        args.x, args.index, args.weight = x.data_ptr(), index.data_ptr(), weight.data_ptr()
+        args.chosen, args.out = ctypes.addressof(chosen), out.data_ptr()
+        status = self._library.mf_moe(ctypes.byref(args))
+        if status != 0:
             raise ValueError(
                 f"the CPU expert kernel refused a {self.format} bank of shape {tuple(self.gate_up.codes.shape)}"
             )
