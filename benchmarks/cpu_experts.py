@@ -57,6 +57,39 @@ def read_bandwidth(threads: int, seconds: float) -> float:
     return rate(lambda: buffer.sum(), seconds) * buffer.numel() * 4
 
 
+def measure(fmt: str, threads: int, args: argparse.Namespace) -> list[tuple[str, float]]:
+    """(kernel, bytes per second) of the compiled kernel and, where torch has one, torch's path."""
+    per_call = args.experts_per_call
+    experts = bank(fmt, args.experts, args.hidden, args.inner)
+    tensors = {name: t.contiguous() for name, t in _bank_tensors(experts).items()}
+    kernel = compiled_cpu_share(tensors, experts, threads)
+    assert kernel is not None
+    x = torch.randn(1, args.hidden, dtype=torch.bfloat16)
+    weight = torch.full((1, per_call), 1.0 / per_call)
+    calls = [torch.arange(i * per_call, (i + 1) * per_call)[None] % args.experts for i in range(64)]
+    turn = iter(range(1 << 62))
+
+    def compiled() -> None:
+        index = calls[next(turn) % len(calls)]
+        kernel(x, index, weight, set(index[0].tolist()))
+
+    nbytes = per_call * kernel.expert_nbytes
+    measured = [("compiled", rate(compiled, args.seconds) * nbytes)]
+    if fmt == "int4_sym":  # torch's int4 kernel is the same for both
+        return measured
+    torch.set_num_threads(threads)
+    experts.gate_up.prepare_for(x)
+    experts.down.prepare_for(x.new_zeros(1, args.inner))
+
+    def torch_path() -> None:
+        for e in calls[next(turn) % len(calls)][0].tolist():
+            experts.expert(e, x)
+
+    peer_seconds = args.seconds if fmt != "mxfp4" else min(args.seconds, 0.5)
+    measured.append((f"torch {fmt}", rate(torch_path, peer_seconds) * nbytes))
+    return measured
+
+
 def main() -> None:
     ask = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ask.add_argument("--formats", default="int4,int4_sym,mxfp4")
@@ -70,42 +103,14 @@ def main() -> None:
     args = ask.parse_args()
     if not cpu_experts.available():
         raise SystemExit(f"error: {cpu_experts.unavailable_reason()}")
-    per_call = args.experts_per_call
     rows = []
-    print(f"compiled kernel: {cpu_experts.instruction_set()}; {per_call} experts x 1 row per step, "
+    print(f"compiled kernel: {cpu_experts.instruction_set()}; {args.experts_per_call} experts x 1 row per step, "
           f"H={args.hidden}, I={args.inner}, {args.experts}-expert banks")  # fmt: skip
     print("| format | kernel | threads | GB/s | read bound GB/s | ratio |\n|---|---|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
         bound = read_bandwidth(threads, args.seconds)
         for fmt in args.formats.split(","):
-            experts = bank(fmt, args.experts, args.hidden, args.inner)
-            tensors = {name: t.contiguous() for name, t in _bank_tensors(experts).items()}
-            kernel = compiled_cpu_share(tensors, experts, threads)
-            assert kernel is not None
-            x = torch.randn(1, args.hidden, dtype=torch.bfloat16)
-            weight = torch.full((1, per_call), 1.0 / per_call)
-            calls = [torch.arange(i * per_call, (i + 1) * per_call)[None] % args.experts for i in range(64)]
-            turn = iter(range(1 << 62))
-
-            def compiled() -> None:
-                index = calls[next(turn) % len(calls)]
-                kernel(x, index, weight, set(index[0].tolist()))
-
-            nbytes = per_call * kernel.expert_nbytes
-            measured = [("compiled", rate(compiled, args.seconds) * nbytes)]
-            if fmt != "int4_sym":
-                torch.set_num_threads(threads)
-                experts.gate_up.prepare_for(x)
-                experts.down.prepare_for(x.new_zeros(1, args.inner))
-
-                def torch_path() -> None:
-                    first = calls[next(turn) % len(calls)][0].tolist()
-                    for e in first:
-                        experts.expert(e, x)
-
-                peer_seconds = args.seconds if fmt != "mxfp4" else min(args.seconds, 0.5)
-                measured.append((f"torch {fmt}", rate(torch_path, peer_seconds) * nbytes))
-            for name, value in measured:
+            for name, value in measure(fmt, threads, args):
                 rows.append({"format": fmt, "kernel": name, "threads": threads, "gb_per_s": round(value / 1e9, 3),
                              "read_bound_gb_per_s": round(bound / 1e9, 3), "ratio": round(value / bound, 3)})  # fmt: skip
                 print(f"| {fmt} | {name} | {threads} | {value / 1e9:.2f} | {bound / 1e9:.1f} | {value / bound:.2f} |",
