@@ -31,6 +31,16 @@ class Placement(enum.StrEnum):
     HOST = "host"  # host bank only: misses run on the CPU
 
 
+class ExpertPrefetch(enum.StrEnum):
+    """What cached layers' slots are filled with ahead of the step (engine.expert_prefetch)."""
+
+    OFF = "off"
+    EXACT = "exact"  # hash-routed layers only: their experts follow from the token ids
+    # also learned routers: the next layer's router on this layer's input (the default: on tiny
+    # trained models 70-93% of what it copied was used, docs/results/expert-prefetch.md)
+    PREDICTED = "predicted"
+
+
 @dataclass(frozen=True)
 class MoELayer:
     """One MoE layer's routed-expert bank, as held (packed formats at their packed size)."""

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -123,10 +124,15 @@ class SlotMap:
         self.frequency: dict[int, int] = {}
         self.step = 0
         self.hits = self.misses = 0
+        self.prefetched: set[int] = set()  # admitted ahead of the next step, not yet looked up
+        self.prefetch_hits = 0  # prefetched experts that the next step used
 
     def lookup(self, experts: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Start a step that routes to ``experts``: (hits, misses), counted; hits are marked used."""
+        """Start a step that routes to ``experts``: (hits, misses), counted; hits are marked used
+        (a hit admitted ahead of this step is a prefetch hit)."""
         self.step += 1
+        self.prefetch_hits += sum(1 for e in experts if e in self.prefetched and e in self.slot_of)
+        self.prefetched.clear()
         hits, misses = [], []
         for e in experts:
             self.frequency[e] = self.frequency.get(e, 0) + 1
@@ -155,6 +161,20 @@ class SlotMap:
         self.slots[slot] = SlotState(expert, self.step)
         self.slot_of[expert] = slot
         return slot
+
+    def admit_ahead(self, experts: Sequence[int]) -> list[tuple[int, int]]:
+        """Slots for ``experts`` (most wanted first) ahead of the step that will use them: (slot,
+        expert) for each one not held, evicting by policy but never one of ``experts``; stops when
+        every slot holds one of them."""
+        wanted, loads = set(experts), []
+        for e in experts:
+            if e in self.slot_of:
+                continue
+            if choose_victim(self.policy, self.slots, self.frequency, wanted) is None:
+                break
+            loads.append((self.admit(e, wanted), e))
+            self.prefetched.add(e)
+        return loads
 
     def held(self) -> list[int]:
         return sorted(self.slot_of)
@@ -237,7 +257,9 @@ class DeviceSlotBank:
             raise InputError("a oneDNN-packed (CPU) expert bank cannot fill device slots; load it unpacked")
         self.device, self.dtype, self.num_slots = device, dtype, num_slots
         self.stream = torch.cuda.Stream(device)
-        self.event = torch.cuda.Event()
+        self.event = torch.cuda.Event()  # the side stream's last copies
+        self.read = torch.cuda.Event()  # the last slot kernel queued (what a prefetch must not overwrite early)
+        self._ahead = False  # copies queued ahead of the next run, which waits for them
         num_experts = bank.num_experts
         probe = torch.zeros(1, _in_features(bank), dtype=dtype, device=device)
         self.slot_bank = _device_part(bank, 0, max(num_slots, 1), device, probe)
@@ -270,16 +292,36 @@ class DeviceSlotBank:
             return
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)  # a refilled slot may still be read by work queued before
+        self._copy(pairs)
+        main.wait_event(self.event)
+
+    def fetch_ahead(self, pairs: Sequence[tuple[int, int]], after: torch.cuda.Event | None = None) -> None:
+        """Copy as :meth:`fetch` does, for a step still to come: the copies wait only for the last
+        slot kernel (and ``after``: another bank's copies that go first), not for the current
+        stream's other work, which goes on beside them; the next :meth:`run` waits for them."""
+        if not pairs:
+            return
+        self.stream.wait_event(self.read)
+        if after is not None:
+            self.stream.wait_event(after)
+        self._copy(pairs)
+        self._ahead = True
+
+    def _copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         with torch.cuda.stream(self.stream):
             dst = [t for slot, _ in pairs for t in self._slot_views[slot]]
             src = [t for _, e in pairs for t in self._expert_views[e]]
             torch._foreach_copy_(dst, src, non_blocking=True)  # one call (and lock release) for all
             self.event.record(self.stream)
-        main.wait_event(self.event)
 
     def run(self, x: torch.Tensor, slot_index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The resident bank's forward over the slots: slot_index [T, k] (int64 on the device)."""
+        main = torch.cuda.current_stream(self.device)
+        if self._ahead:
+            main.wait_event(self.event)
+            self._ahead = False
         out: torch.Tensor = self.slot_bank(x, slot_index, weight)
+        self.read.record(main)
         return out
 
     @property
@@ -377,6 +419,20 @@ class StoreCounters:
     cpu_bytes: int = 0
     fetched: int = 0
     cpu_experts: int = 0
+    prefetched: int = 0  # experts copied into slots ahead of the step that would use them
+    prefetch_bytes: int = 0
+
+
+class Lookahead(Protocol):
+    """What a layer's store does for the next MoE layer while serving its own step
+    (:mod:`.expert_prefetch` builds it): ``predict`` the next layer's experts from this layer's
+    MoE input (ids [T, k] on x's device; they come to the host in the same copy as this layer's
+    routing), then ``prefetch`` them (the ids on the host) into the next layer's slots, the
+    copies queued behind ``after``, this layer's own (None: no device bank)."""
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def prefetch(self, index: torch.Tensor, after: torch.cuda.Event | None) -> None: ...
 
 
 @dataclass
@@ -429,6 +485,8 @@ class ExpertStore(nn.Module):
         self.bandwidths: Bandwidths | None = None  # set when q came from measured bandwidths
         self._pool = pool or ThreadPoolExecutor(config.cpu_workers, thread_name_prefix="cpu-experts")
         self._lock = threading.Lock()  # one step at a time per layer
+        self.lookahead: Lookahead | None = None  # prefetch for the next MoE layer (engine.expert_prefetch)
+        self._ahead: torch.Tensor | None = None  # this step's prediction for it, on the host, until prefetched
 
     @property
     def num_experts(self) -> int:
@@ -444,16 +502,36 @@ class ExpertStore(nn.Module):
             self.slot_map = SlotMap(self.config.num_slots, self.config.policy)
             self.counters = StoreCounters()
 
-    def prefetch(self, experts: Sequence[int]) -> None:
-        """Bring ``experts`` into slots ahead of the step that will need them (a router that can see
-        the next layer's likely experts calls this), without evicting what the step pinned."""
+    def prefetch(self, experts: Sequence[int], after: torch.cuda.Event | None = None) -> None:
+        """Bring ``experts`` (most wanted first) into slots ahead of the step that will need them,
+        as many as the slots hold, evicting by policy but never one of them. On CUDA the copies
+        are queued on the side stream (behind ``after``) and the current stream goes on: the next
+        step's slot kernel waits for them. Counted as prefetched, apart from the step's fetches."""
         with self._lock:
-            loads = []
-            for e in experts:
-                if e not in self.slot_map.slot_of and self.slot_map.free_capacity(set()) > 0:
-                    loads.append((self.slot_map.admit(e, set()), e))
-                    self.counters.fetch_bytes += self.expert_nbytes
-            self._load(loads)
+            loads = self.slot_map.admit_ahead(experts)
+            self.counters.prefetched += len(loads)
+            self.counters.prefetch_bytes += len(loads) * self.expert_nbytes
+            if self.device_bank is not None:
+                self.device_bank.fetch_ahead(loads, after)
+            else:
+                self._load(loads)
+
+    def _routing_to_host(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The step's routing on the host; with a lookahead, the next layer's predicted experts
+        come in the same copy (kept for :meth:`_look_ahead`)."""
+        if self.lookahead is None:
+            return index.to("cpu")
+        k = index.shape[1]
+        both = torch.cat([index, self.lookahead.predict(x).to(index.dtype)], dim=1).to("cpu")
+        self._ahead = both[:, k:]
+        return both[:, :k]
+
+    def _look_ahead(self) -> None:
+        """Prefetch the next layer's predicted experts (once a step), behind this step's own copies."""
+        if self._ahead is None or self.lookahead is None:
+            return
+        ahead, self._ahead = self._ahead, None
+        self.lookahead.prefetch(ahead, None if self.device_bank is None else self.device_bank.event)
 
     def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Fill slot s with expert e for each (s, e): side-stream copies on CUDA, else the stand-in."""
@@ -466,10 +544,14 @@ class ExpertStore(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
         with self._lock:
+            index_host = self._routing_to_host(x, index)
             if self.device.type == "cuda" and x.is_cuda:
-                return self._forward_device(x, index, weight)
-            rows_of = _rows_by_expert(index)
+                out = self._forward_device(x, index_host, weight)
+                self._look_ahead()  # (done already where the device work was queued)
+                return out
+            rows_of = _rows_by_expert(index_host)
             outputs = self._serve(x, rows_of)
+            self._look_ahead()
         return forward_grouped(lambda e, _rows: outputs[e], self.num_experts, x, index, weight)
 
     def _forward_device(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -505,6 +587,7 @@ class ExpertStore(nn.Module):
         if on_device:
             assert self.device_bank is not None
             out = self.device_bank.run(x, slot_index, weight)
+        self._look_ahead()  # the next layer's copies overlap this step's CPU share and its attention
         futures = self._launch_cpu(x_host, {e: rows_of[e] for e in on_cpu})
         if on_cpu:
             cpu_sum = torch.zeros(x.shape, dtype=torch.float32)
@@ -557,7 +640,8 @@ class ExpertStore(nn.Module):
             "slots": self.config.num_slots, "cached_experts": held, "host_experts": self.num_experts,
             "expert_bytes": self.expert_nbytes, "q": round(self.q, 4), "policy": str(self.config.policy),
             "hits": self.slot_map.hits, "misses": self.slot_map.misses, "fetch_bytes": c.fetch_bytes,
-            "cpu_bytes": c.cpu_bytes, "steps": c.steps,
+            "cpu_bytes": c.cpu_bytes, "steps": c.steps, "prefetched": c.prefetched,
+            "prefetch_bytes": c.prefetch_bytes, "prefetch_hits": self.slot_map.prefetch_hits,
         }  # fmt: skip
 
 

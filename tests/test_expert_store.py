@@ -168,7 +168,8 @@ def test_prefetched_experts_are_hits_on_the_next_step():
     store.prefetch([1, 5])
     store(torch.randn(1, 64), torch.tensor([[5, 1]]), torch.tensor([[0.5, 0.5]]))
     assert (store.slot_map.hits, store.slot_map.misses) == (2, 0)
-    assert store.counters.fetch_bytes == 2 * expert_bytes(store.host)
+    assert store.counters.prefetch_bytes == 2 * expert_bytes(store.host) and store.counters.fetch_bytes == 0
+    assert store.slot_map.prefetch_hits == 2
 
 
 def test_bandwidths_are_measured_with_both_paths_running_and_say_the_device_is_a_stand_in():
