@@ -36,8 +36,8 @@ class ExpertPrefetch(enum.StrEnum):
 
     OFF = "off"
     EXACT = "exact"  # hash-routed layers only: their experts follow from the token ids
-    # also learned routers: the next layer's router on this layer's input (the default: on tiny
-    # trained models 70-93% of what it copied was used, docs/results/expert-prefetch.md)
+    # also learned routers: the next layer's router on this layer's input; the default, since on
+    # tiny trained models 67-80% of what it copied was used (docs/results/expert_prefetch_cpu.md)
     PREDICTED = "predicted"
 
 

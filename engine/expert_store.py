@@ -544,12 +544,9 @@ class ExpertStore(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; index, weight: [T, k] -> sum_k weight * expert_index(x): [T, H]."""
         with self._lock:
-            index_host = self._routing_to_host(x, index)
             if self.device.type == "cuda" and x.is_cuda:
-                out = self._forward_device(x, index_host, weight)
-                self._look_ahead()  # (done already where the device work was queued)
-                return out
-            rows_of = _rows_by_expert(index_host)
+                return self._forward_device(x, index, weight)
+            rows_of = _rows_by_expert(self._routing_to_host(x, index))
             outputs = self._serve(x, rows_of)
             self._look_ahead()
         return forward_grouped(lambda e, _rows: outputs[e], self.num_experts, x, index, weight)
@@ -561,7 +558,7 @@ class ExpertStore(nn.Module):
         zeroed there), queued behind the copies; meanwhile the CPU share runs on the worker
         threads; its partial sum is added last. With no CPU share the result is the resident
         bank's, bit for bit."""
-        index_host = index.to("cpu")
+        index_host = self._routing_to_host(x, index)
         rows_of = _rows_by_expert(index_host)
         used = sorted(rows_of, key=lambda e: (-rows_of[e].numel(), e))
         hits, misses = self.slot_map.lookup(used)

@@ -163,9 +163,12 @@ def deepseek_v4(tmp_path_factory: pytest.TempPathFactory):
     return path
 
 
-def hash_layer_counts(path: object, cap: int, mode: ExpertPrefetch) -> tuple[list[int], list[dict[str, int]]]:
+def hash_layer_counts(
+    path: object, cap: int, mode: ExpertPrefetch, device: str = "cpu"
+) -> tuple[list[int], list[dict[str, int]]]:
     """(greedy tokens, the hash layers' store counters) of a capped run with ``mode``."""
-    lm = LocalModel.load(path, max_slots=1, device_memory_bytes=cap, store_options=StoreOptions(q=1.0, prefetch=mode))  # type: ignore[arg-type]
+    options = StoreOptions(q=1.0, prefetch=mode)
+    lm = LocalModel.load(path, device=device, max_slots=1, device_memory_bytes=cap, store_options=options)  # type: ignore[arg-type]
     tokens = generate(lm, PROMPT[:2], SamplingParams(max_tokens=12, stop_token_ids=())).token_ids
     hashed = [moe.experts for moe in moe_banks(lm.shards[0]).values() if hash_table(moe) is not None]
     assert hashed and all(isinstance(store, ExpertStore) for store in hashed)
