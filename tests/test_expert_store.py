@@ -309,6 +309,9 @@ def test_a_fleet_with_capped_device_memory_serves_the_same_tokens_and_reports_it
         wait_until(lambda: fleet.metric(0, misses) > 0, 10, "expert misses counted in /metrics")
         assert fleet.metric(0, "modelfleet_stage_expert_cpu_bytes_total") > 0
         assert fleet.metric(0, "modelfleet_stage_expert_split_q") == 0.5
+        # the second stage holds two cached MoE layers in a row: the first predicts the second's experts
+        prefetch = ("modelfleet_stage_expert_prefetch_bytes_total", "modelfleet_stage_expert_prefetch_hits_total")
+        wait_until(lambda: all(fleet.metric(1, name) > 0 for name in prefetch), 10, "prefetch counted in /metrics")
     finally:
         fleet.stop()
 
