@@ -109,7 +109,18 @@ class StageMetrics:
         self.expert_split_q = gauge("expert_split_q", "Share of expert-miss bytes fetched to the device.").labels(
             **labels
         )
-        self._expert_seen = {"hits": 0, "misses": 0, "fetch_bytes": 0, "cpu_bytes": 0}
+        self.expert_prefetched = counter(
+            "expert_prefetched_total", "Experts copied into device slots ahead of the step that would use them."
+        ).labels(**labels)
+        self.expert_prefetch_bytes = counter(
+            "expert_prefetch_bytes_total", "Expert bytes copied into device slots ahead of the step."
+        ).labels(**labels)
+        self.expert_prefetch_hits = counter(
+            "expert_prefetch_hits_total", "Prefetched experts that the layer's next step used."
+        ).labels(**labels)
+        self._expert_seen = dict.fromkeys(
+            ("hits", "misses", "fetch_bytes", "cpu_bytes", "prefetched", "prefetch_bytes", "prefetch_hits"), 0
+        )
 
         # replay after a lost stage (head): see agent.head
         def head_counter(name: str, doc: str) -> Counter:
@@ -153,7 +164,9 @@ class StageMetrics:
     def expert_store(self, report: dict[str, Any]) -> None:
         """Advance the expert-store counters to a placement report's cumulative totals."""
         counters = {"hits": self.expert_cache_hits, "misses": self.expert_cache_misses,
-                    "fetch_bytes": self.expert_fetch_bytes, "cpu_bytes": self.expert_cpu_bytes}  # fmt: skip
+                    "fetch_bytes": self.expert_fetch_bytes, "cpu_bytes": self.expert_cpu_bytes,
+                    "prefetched": self.expert_prefetched, "prefetch_bytes": self.expert_prefetch_bytes,
+                    "prefetch_hits": self.expert_prefetch_hits}  # fmt: skip
         for key, counter in counters.items():
             total = int(report.get(key, 0))
             counter.inc(max(0, total - self._expert_seen[key]))

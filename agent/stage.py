@@ -112,7 +112,9 @@ def stage_backend(
     )  # fmt: skip
     if cap is not None and isinstance(backend, Shard):
         workers = max(1, int((status.numa if status else {}).get("cpu_workers", 0) or 0))
-        options = StoreOptions(q=plan.serving.expert_split_q, cpu_workers=workers)
+        options = StoreOptions(
+            q=plan.serving.expert_split_q, cpu_workers=workers, prefetch=plan.serving.expert_prefetch
+        )
         placement = offload_experts(backend, cap, None, options, kv_bytes=stage.kv_budget_bytes)
         if status is not None:
             report = placement_report(stores_of(backend), placement)

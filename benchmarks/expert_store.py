@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from modelfleet.engine.expert_offload import StoreOptions, default_cpu_workers, moe_layers, offload_experts, stores_of
-from modelfleet.engine.expert_placement import MoELayer, device_reserve_bytes
+from modelfleet.engine.expert_placement import ExpertPrefetch, MoELayer, device_reserve_bytes
 from modelfleet.engine.expert_store import (
     Bandwidths,
     EvictionPolicy,
@@ -517,7 +517,9 @@ def whole_model(args: argparse.Namespace) -> None:
     del lm  # its captured graphs: the capped model decodes eagerly
     gc.collect()
     started = time.perf_counter()
-    options = StoreOptions(EvictionPolicy(args.policy), None, args.cpu_workers, args.measure_seconds)
+    options = StoreOptions(
+        EvictionPolicy(args.policy), None, args.cpu_workers, args.measure_seconds, ExpertPrefetch(args.prefetch)
+    )
     placement = offload_experts(shard, cap, None, options)
     lm = LocalModel([shard])
     stores = stores_of(shard)
@@ -618,6 +620,8 @@ def main(argv: list[str] | None = None) -> None:
     ask.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--model only")
     ask.add_argument("--tokens", type=int, default=16, help="--model: timed decode steps per configuration")
     ask.add_argument("--prompt-len", type=int, default=16, help="--model: prompt tokens per stream")
+    ask.add_argument("--prefetch", default="off", choices=[str(p) for p in ExpertPrefetch],
+                     help="--model: slots filled ahead of the step (off: the split alone, as the issue's rows)")  # fmt: skip
     ask.add_argument("--policy", default="lru", choices=[str(p) for p in EvictionPolicy], help="--model only")
     ask.add_argument("--measure-seconds", type=float, default=1.0, help="--model: how long q* is measured at start")
     args = ask.parse_args(argv)

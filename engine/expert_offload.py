@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .expert_placement import LayerPlacement, MoELayer, Placement, StagePlacement, plan_expert_placement
+from .expert_placement import ExpertPrefetch, LayerPlacement, MoELayer, Placement, StagePlacement, plan_expert_placement
+from .expert_prefetch import install_prefetch
 from .expert_store import (
     Bank,
     EvictionPolicy,
@@ -63,6 +64,7 @@ class StoreOptions:
     q: float | None = None  # None: q* from bandwidths measured at startup
     cpu_workers: int = field(default_factory=lambda: default_cpu_workers())  # the compiled kernel's threads
     measure_seconds: float = 0.2
+    prefetch: ExpertPrefetch = ExpertPrefetch.PREDICTED  # into slots ahead of the step (engine.expert_prefetch)
 
 
 def apply_placement(
@@ -105,11 +107,15 @@ def offload_experts(
     shard: Shard, device_bytes: int | None, host_bytes: int | None, options: StoreOptions, kv_bytes: int | None = None
 ) -> StagePlacement:
     """Plan a loaded shard's expert placement for ``device_bytes`` of device memory (its weights
-    as they are now, its KV as allocated or ``kv_bytes`` when it is still to be) and apply it."""
+    as they are now, its KV as allocated or ``kv_bytes`` when it is still to be), apply it and
+    wire the stores' prefetch as ``options.prefetch`` says."""
     layers = moe_layers(shard, shard.layer_start)
     other = shard.weights_bytes - sum(m.bank_bytes for m in layers) + (shard.kv_bytes if kv_bytes is None else kv_bytes)
     placement = plan_expert_placement(layers, other, device_bytes, host_bytes)
     apply_placement(shard, placement, shard.device, options, shard.layer_start, shard.dtype)
+    frame_prefetch = install_prefetch(list(moe_banks(shard).values()), options.prefetch)
+    if frame_prefetch is not None:
+        shard.before_step.append(frame_prefetch)
     return placement
 
 
@@ -129,8 +135,9 @@ def stores_of(root: nn.Module) -> list[ExpertStore]:
 
 
 def expert_counters(stores: Sequence[ExpertStore]) -> dict[str, object]:
-    """Every store's report row and the summed counters (hits, misses, fetch/cpu bytes)."""
-    totals = {"hits": 0, "misses": 0, "fetch_bytes": 0, "cpu_bytes": 0}
+    """Every store's report row and the summed counters (hits, misses, fetch/cpu bytes, prefetch)."""
+    totals = {"hits": 0, "misses": 0, "fetch_bytes": 0, "cpu_bytes": 0, "prefetched": 0, "prefetch_bytes": 0,
+              "prefetch_hits": 0}  # fmt: skip
     rows = []
     for store in stores:
         row = store.report()

@@ -31,6 +31,16 @@ class Placement(enum.StrEnum):
     HOST = "host"  # host bank only: misses run on the CPU
 
 
+class ExpertPrefetch(enum.StrEnum):
+    """What cached layers' slots are filled with ahead of the step (engine.expert_prefetch)."""
+
+    OFF = "off"
+    EXACT = "exact"  # hash-routed layers only: their experts follow from the token ids
+    # also learned routers: the next layer's router on this layer's input; the default, since on
+    # tiny trained models 67-80% of what it copied was used (docs/results/expert_prefetch_cpu.md)
+    PREDICTED = "predicted"
+
+
 @dataclass(frozen=True)
 class MoELayer:
     """One MoE layer's routed-expert bank, as held (packed formats at their packed size)."""

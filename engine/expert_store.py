@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -125,10 +126,15 @@ class SlotMap:
         self.frequency: dict[int, int] = {}
         self.step = 0
         self.hits = self.misses = 0
+        self.prefetched: set[int] = set()  # admitted ahead of the next step, not yet looked up
+        self.prefetch_hits = 0  # prefetched experts that the next step used
 
     def lookup(self, experts: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Start a step that routes to ``experts``: (hits, misses), counted; hits are marked used."""
+        """Start a step that routes to ``experts``: (hits, misses), counted; hits are marked used
+        (a hit admitted ahead of this step is a prefetch hit)."""
         self.step += 1
+        self.prefetch_hits += sum(1 for e in experts if e in self.prefetched and e in self.slot_of)
+        self.prefetched.clear()
         hits, misses = [], []
         for e in experts:
             self.frequency[e] = self.frequency.get(e, 0) + 1
@@ -157,6 +163,20 @@ class SlotMap:
         self.slots[slot] = SlotState(expert, self.step)
         self.slot_of[expert] = slot
         return slot
+
+    def admit_ahead(self, experts: Sequence[int]) -> list[tuple[int, int]]:
+        """Slots for ``experts`` (most wanted first) ahead of the step that will use them: (slot,
+        expert) for each one not held, evicting by policy but never one of ``experts``; stops when
+        every slot holds one of them."""
+        wanted, loads = set(experts), []
+        for e in experts:
+            if e in self.slot_of:
+                continue
+            if choose_victim(self.policy, self.slots, self.frequency, wanted) is None:
+                break
+            loads.append((self.admit(e, wanted), e))
+            self.prefetched.add(e)
+        return loads
 
     def held(self) -> list[int]:
         return sorted(self.slot_of)
@@ -248,7 +268,9 @@ class DeviceSlotBank:
             raise InputError("a oneDNN-packed (CPU) expert bank cannot fill device slots; load it unpacked")
         self.device, self.dtype, self.num_slots = device, dtype, num_slots
         self.stream = torch.cuda.Stream(device)
-        self.event = torch.cuda.Event()
+        self.event = torch.cuda.Event()  # the side stream's last copies
+        self.read = torch.cuda.Event()  # the last slot kernel queued (what a prefetch must not overwrite early)
+        self._ahead = False  # copies queued ahead of the next run, which waits for them
         num_experts = bank.num_experts
         probe = torch.zeros(1, _in_features(bank), dtype=dtype, device=device)
         self.slot_bank = _device_part(bank, 0, max(num_slots, 1), device, probe)
@@ -286,16 +308,36 @@ class DeviceSlotBank:
             return
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)  # a refilled slot may still be read by work queued before
+        self._copy(pairs)
+        main.wait_event(self.event)
+
+    def fetch_ahead(self, pairs: Sequence[tuple[int, int]], after: torch.cuda.Event | None = None) -> None:
+        """Copy as :meth:`fetch` does, for a step still to come: the copies wait only for the last
+        slot kernel (and ``after``: another bank's copies that go first), not for the current
+        stream's other work, which goes on beside them; the next :meth:`run` waits for them."""
+        if not pairs:
+            return
+        self.stream.wait_event(self.read)
+        if after is not None:
+            self.stream.wait_event(after)
+        self._copy(pairs)
+        self._ahead = True
+
+    def _copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         with torch.cuda.stream(self.stream):
             dst = [t for slot, _ in pairs for t in self._slot_views[slot]]
             src = [t for _, e in pairs for t in self._expert_views[e]]
             torch._foreach_copy_(dst, src, non_blocking=True)  # one call (and lock release) for all
             self.event.record(self.stream)
-        main.wait_event(self.event)
 
     def run(self, x: torch.Tensor, slot_index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The resident bank's forward over the slots: slot_index [T, k] (int64 on the device)."""
+        main = torch.cuda.current_stream(self.device)
+        if self._ahead:
+            main.wait_event(self.event)
+            self._ahead = False
         out: torch.Tensor = self.slot_bank(x, slot_index, weight)
+        self.read.record(main)
         return out
 
     @property
@@ -446,6 +488,20 @@ class StoreCounters:
     cpu_bytes: int = 0
     fetched: int = 0
     cpu_experts: int = 0
+    prefetched: int = 0  # experts copied into slots ahead of the step that would use them
+    prefetch_bytes: int = 0
+
+
+class Lookahead(Protocol):
+    """What a layer's store does for the next MoE layer while serving its own step
+    (:mod:`.expert_prefetch` builds it): ``predict`` the next layer's experts from this layer's
+    MoE input (ids [T, k] on x's device; they come to the host in the same copy as this layer's
+    routing), then ``prefetch`` them (the ids on the host) into the next layer's slots, the
+    copies queued behind ``after``, this layer's own (None: no device bank)."""
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def prefetch(self, index: torch.Tensor, after: torch.cuda.Event | None) -> None: ...
 
 
 @dataclass
@@ -516,6 +572,10 @@ class ExpertStore(nn.Module):
         self._pool = pool or ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")
         self._lock = threading.Lock()  # one step at a time per layer
         self._luts: tuple[torch.Tensor, torch.Tensor] | None = None  # CUDA: expert -> slot, expert -> in a slot
+        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # their pinned staging
+        self._luts_current = False  # False once the slots change outside a step (prefetch, reset)
+        self.lookahead: Lookahead | None = None  # prefetch for the next MoE layer (engine.expert_prefetch)
+        self._ahead: torch.Tensor | None = None  # this step's prediction for it, on the host, until prefetched
 
     @property
     def num_experts(self) -> int:
@@ -530,20 +590,40 @@ class ExpertStore(nn.Module):
                 self.q = StoreConfig(self.config.num_slots, self.config.policy, q).q or 0.0
             self.slot_map = SlotMap(self.config.num_slots, self.config.policy)
             self.counters = StoreCounters()
-            self._luts = None
+            self._luts_current = False
 
-    def prefetch(self, experts: Sequence[int]) -> None:
-        """Bring ``experts`` into slots ahead of the step that will need them (a router that can see
-        the next layer's likely experts calls this), without evicting what the step pinned."""
+    def prefetch(self, experts: Sequence[int], after: torch.cuda.Event | None = None) -> None:
+        """Bring ``experts`` (most wanted first) into slots ahead of the step that will need them,
+        as many as the slots hold, evicting by policy but never one of them. On CUDA the copies
+        are queued on the side stream (behind ``after``) and the current stream goes on: the next
+        step's slot kernel waits for them. Counted as prefetched, apart from the step's fetches."""
         with self._lock:
-            loads = []
-            for e in experts:
-                if e not in self.slot_map.slot_of and self.slot_map.free_capacity(set()) > 0:
-                    loads.append((self.slot_map.admit(e, set()), e))
-                    self.counters.fetch_bytes += self.expert_nbytes
+            loads = self.slot_map.admit_ahead(experts)
             if loads:
-                self._luts = None  # the slot tables change with the slots
-            self._load(loads)
+                self._luts_current = False  # the slot tables change with the slots
+            self.counters.prefetched += len(loads)
+            self.counters.prefetch_bytes += len(loads) * self.expert_nbytes
+            if self.device_bank is not None:
+                self.device_bank.fetch_ahead(loads, after)
+            else:
+                self._load(loads)
+
+    def _routing_to_host(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The step's routing on the host; with a lookahead, the next layer's predicted experts
+        come in the same copy (kept for :meth:`_look_ahead`)."""
+        if self.lookahead is None:
+            return index.to("cpu")
+        k = index.shape[1]
+        both = torch.cat([index, self.lookahead.predict(x).to(index.dtype)], dim=1).to("cpu")
+        self._ahead = both[:, k:]
+        return both[:, :k]
+
+    def _look_ahead(self) -> None:
+        """Prefetch the next layer's predicted experts (once a step), behind this step's own copies."""
+        if self._ahead is None or self.lookahead is None:
+            return
+        ahead, self._ahead = self._ahead, None
+        self.lookahead.prefetch(ahead, None if self.device_bank is None else self.device_bank.event)
 
     def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Fill slot s with expert e for each (s, e): side-stream copies on CUDA, else the stand-in."""
@@ -559,8 +639,9 @@ class ExpertStore(nn.Module):
         with self._lock:
             if self.device.type == "cuda" and x.is_cuda:
                 return self._forward_device(x, index, weight)
-            rows_of = _rows_by_expert(index)
+            rows_of = _rows_by_expert(self._routing_to_host(x, index))
             outputs = self._serve(x, rows_of)
+            self._look_ahead()
         return forward_grouped(lambda e, _rows: outputs[e], self.num_experts, x, index, weight)
 
     def _forward_device(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -573,7 +654,7 @@ class ExpertStore(nn.Module):
         the result is the resident bank's, bit for bit."""
         x_host = x.to("cpu", non_blocking=True)
         weight_host = weight.to("cpu", non_blocking=True)
-        index_host = index.to("cpu")  # waits for the stream, so x_host and weight_host are in too
+        index_host = self._routing_to_host(x, index)  # waits for the stream: x_host, weight_host are in too
         rows: dict[int, int] = {}
         for row in index_host.tolist():
             for e in row:
@@ -587,7 +668,7 @@ class ExpertStore(nn.Module):
         loads = [(self.slot_map.admit(e, pinned), e) for e in fetch]
         out: torch.Tensor | None = None
         if self.device_bank is not None and (hits or fetch):
-            if loads or self._luts is None or self._luts[1].dtype != weight.dtype:
+            if loads or not self._luts_current or self._luts is None or self._luts[1].dtype != weight.dtype:
                 self._refresh_luts(weight.dtype)
             assert self._luts is not None
             slot_lut, keep_lut = self._luts
@@ -597,6 +678,7 @@ class ExpertStore(nn.Module):
             out = self.device_bank.run(x, slot_index, device_weight)
         elif loads:
             self._load(loads)
+        self._look_ahead()  # the next layer's copies overlap this step's CPU share and its attention
         if on_cpu:
             part = self._cpu_share(x_host, index_host, weight_host, on_cpu)
             part = part.to(self.device, non_blocking=True).to(x.dtype)
@@ -606,19 +688,30 @@ class ExpertStore(nn.Module):
 
     def _refresh_luts(self, dtype: torch.dtype) -> None:
         """The device tables the slot kernel reads: each expert's slot (0 when it has none) and 1
-        where it has one, else 0, in the routing weights' dtype; staged in pinned memory (the next
-        step's routing copy waits for this copy before the staging is rewritten)."""
+        where it has one, else 0, in the routing weights' dtype; written through pinned staging
+        made once (rewritten only after this store's next routing copy, which waits for this one)."""
+        if self._staged is None or self._staged[1].dtype != dtype:
+            e = self.num_experts
+            self._staged = (
+                torch.zeros(e, dtype=torch.int64).pin_memory(),
+                torch.zeros(e, dtype=dtype).pin_memory(),
+            )
+            self._luts = (
+                torch.zeros(e, dtype=torch.int64, device=self.device),
+                torch.zeros(e, dtype=dtype, device=self.device),
+            )
         slot_of = self.slot_map.slot_of
-        slots = [slot_of.get(e, 0) for e in range(self.num_experts)]
-        keep = [1.0 if e in slot_of else 0.0 for e in range(self.num_experts)]
-        staged = (
-            torch.tensor(slots, dtype=torch.int64).pin_memory(),
-            torch.tensor(keep, dtype=dtype).pin_memory(),
-        )
-        self._luts = (
-            staged[0].to(self.device, non_blocking=True),
-            staged[1].to(self.device, non_blocking=True),
-        )
+        slots, keep = self._staged
+        slots.zero_()
+        keep.zero_()
+        if slot_of:
+            held = torch.tensor(list(slot_of), dtype=torch.int64)
+            slots[held] = torch.tensor(list(slot_of.values()), dtype=torch.int64)
+            keep[held] = 1
+        assert self._luts is not None
+        self._luts[0].copy_(slots, non_blocking=True)
+        self._luts[1].copy_(keep, non_blocking=True)
+        self._luts_current = True
 
     def _serve(self, x: torch.Tensor, rows_of: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Every used expert's output over its rows: hits and fetched on the device, the rest on the CPU."""
@@ -684,6 +777,7 @@ class ExpertStore(nn.Module):
             "expert_bytes": self.expert_nbytes, "q": round(self.q, 4), "policy": str(self.config.policy),
             "hits": self.slot_map.hits, "misses": self.slot_map.misses, "fetch_bytes": c.fetch_bytes,
             "cpu_bytes": c.cpu_bytes, "steps": c.steps, "cpu_kernel": self.cpu_kernel_name,
+            "prefetched": c.prefetched, "prefetch_bytes": c.prefetch_bytes, "prefetch_hits": self.slot_map.prefetch_hits,
         }  # fmt: skip
 
 

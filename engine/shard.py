@@ -90,6 +90,9 @@ class Shard(nn.Module):
         # a stage's decode-only frames as fixed-shape steps (CUDA graphs), set by
         # engine.backend.load_backend; None: every frame runs the general path
         self.static_steps: FrameSteps | None = None
+        # called with each general frame before its layers run (engine.expert_prefetch: the
+        # expert stores' prefetch of what the frame's token ids route to)
+        self.before_step: list[Callable[[Frame], None]] = []
 
     @property
     def is_first(self) -> bool:
@@ -363,6 +366,8 @@ class Shard(nn.Module):
         slots, positions = frame.slots.tolist(), frame.positions.tolist()
         segments = segments_of(slots, positions)
         self.check_segments(segments)
+        for hook in self.before_step:
+            hook(frame)
         x = self._input(frame)
         ids = None if frame.token_ids is None else frame.token_ids.to(self.device)
         x = self.run_layers(x, FrameContext(segments, frame.positions.to(self.device), token_ids=ids))

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from modelfleet import __version__
+from modelfleet.commands import fleet
 from modelfleet.commands.quantize import quantize as quantize_command
 from modelfleet.engine.format_names import WEIGHT_FORMATS
 
@@ -61,14 +62,16 @@ def _parse_ids(text: str) -> list[int]:
         return []
 
 
-def _store_options(q: float | None, policy: str, workers: int | None):  # type: ignore[no-untyped-def]
+def _store_options(q: float | None, policy: str, workers: int | None, prefetch: str):  # type: ignore[no-untyped-def]
     from modelfleet.engine.expert_offload import StoreOptions, default_cpu_workers
     from modelfleet.engine.expert_store import EvictionPolicy
 
     choices = [p.value for p in EvictionPolicy]
     if policy not in choices:
         _fail(f"--expert-cache-policy {policy!r}: choose one of {', '.join(choices)}")
-    return StoreOptions(EvictionPolicy(policy), q, workers or default_cpu_workers())
+    return StoreOptions(
+        EvictionPolicy(policy), q, workers or default_cpu_workers(), prefetch=fleet.expert_prefetch_option(prefetch)
+    )
 
 
 def _prompt_batch(
@@ -159,6 +162,7 @@ def generate(
         min=1,
         help="Threads computing offloaded experts on the CPU (default: every CPU this process may use but one).",
     ),
+    expert_prefetch: str = typer.Option("predicted", "--expert-prefetch", help=fleet.EXPERT_PREFETCH_HELP),
     as_json: bool = typer.Option(
         False,
         "--json",
@@ -185,7 +189,7 @@ def generate(
         formats = plan_from_options(quantize, experts=experts, attention=attention, head=head, embeddings=embeddings)
         config = SpeculativeConfig.from_json(speculative_config) if speculative_config else None
         started = time.perf_counter()
-        store = _store_options(expert_q, expert_cache_policy, cpu_expert_workers)
+        store = _store_options(expert_q, expert_cache_policy, cpu_expert_workers, expert_prefetch)
         lm = LocalModel.load(
             model, shards, device=device, dtype=dtype, progress=not as_json, max_slots=len(batch), formats=formats,
             device_memory_bytes=gpu_memory_bytes, store_options=store, backend=backend,

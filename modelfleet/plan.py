@@ -36,6 +36,7 @@ from pydantic import (
 )
 
 from .engine.errors import InputError, ModelfleetError
+from .engine.expert_placement import ExpertPrefetch
 from .engine.format_names import ROLE_FORMATS
 from .engine.speculative.config import SpeculativeConfig
 
@@ -222,6 +223,11 @@ class ServingLimits(_Frozen):
     expert_split_q: Annotated[StrictFloat, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(
         default=None,
         description="share of each step's expert-miss bytes fetched to the device (default: q* measured at start)",
+    )
+    expert_prefetch: ExpertPrefetch = Field(
+        default=ExpertPrefetch.PREDICTED,
+        description="experts copied into device cache slots ahead of the step: off; exact (hash-routed layers); "
+        "predicted (also learned routers, by the next layer's router on this layer's input)",
     )
 
     @field_validator("speculative")

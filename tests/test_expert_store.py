@@ -168,7 +168,8 @@ def test_prefetched_experts_are_hits_on_the_next_step():
     store.prefetch([1, 5])
     store(torch.randn(1, 64), torch.tensor([[5, 1]]), torch.tensor([[0.5, 0.5]]))
     assert (store.slot_map.hits, store.slot_map.misses) == (2, 0)
-    assert store.counters.fetch_bytes == 2 * expert_bytes(store.host)
+    assert store.counters.prefetch_bytes == 2 * expert_bytes(store.host) and store.counters.fetch_bytes == 0
+    assert store.slot_map.prefetch_hits == 2
 
 
 def test_bandwidths_are_measured_with_both_paths_running_and_say_the_device_is_a_stand_in():
@@ -308,6 +309,9 @@ def test_a_fleet_with_capped_device_memory_serves_the_same_tokens_and_reports_it
         wait_until(lambda: fleet.metric(0, misses) > 0, 10, "expert misses counted in /metrics")
         assert fleet.metric(0, "modelfleet_stage_expert_cpu_bytes_total") > 0
         assert fleet.metric(0, "modelfleet_stage_expert_split_q") == 0.5
+        # the second stage holds two cached MoE layers in a row: the first predicts the second's experts
+        prefetch = ("modelfleet_stage_expert_prefetch_bytes_total", "modelfleet_stage_expert_prefetch_hits_total")
+        wait_until(lambda: all(fleet.metric(1, name) > 0 for name in prefetch), 10, "prefetch counted in /metrics")
     finally:
         fleet.stop()
 

@@ -17,11 +17,12 @@ from typer.testing import CliRunner
 
 from modelfleet.cli import app
 from modelfleet.engine.expert_offload import moe_layers
-from modelfleet.engine.expert_placement import MAX_DEVICE_RESERVE_BYTES
+from modelfleet.engine.expert_placement import MAX_DEVICE_RESERVE_BYTES, ExpertPrefetch
+from modelfleet.engine.expert_prefetch import install_prefetch
 from modelfleet.engine.expert_store import EvictionPolicy, ExpertStore, StoreConfig, measure_bandwidths
 from modelfleet.engine.generate import LocalModel
 from modelfleet.engine.kernels import cpu_experts
-from modelfleet.engine.layers import Experts
+from modelfleet.engine.layers import Dense, Experts, SparseMoE, softmax_top_k
 from modelfleet.engine.quantize import quantized_module
 
 pytestmark = [pytest.mark.gpu, cuda_only]
@@ -183,6 +184,10 @@ def test_a_model_over_the_capped_gpu_serves_the_uncapped_greedy_tokens(trained, 
 
 
 def test_a_capped_load_keeps_the_offloaded_experts_off_the_gpu_while_loading(trained):
+    probe = torch.empty(1 << 20, device="cuda")
+    if torch.cuda.memory_allocated() < probe.numel() * 4:
+        pytest.skip("this CUDA allocator keeps no statistics (PYTORCH_NO_CUDA_MEMORY_CACHING is set?)")
+    del probe
     path = trained("qwen3_moe")
     cap = cap_for(path, "bfloat16", (), 0.4)
     LocalModel.load(path, device="cuda", dtype="bfloat16", max_slots=1)  # workspaces a first load keeps
@@ -200,3 +205,89 @@ def test_a_capped_load_keeps_the_offloaded_experts_off_the_gpu_while_loading(tra
     # the uncapped load holds every bank; the capped one at most one layer's while it is built,
     # then 40% of them as slots (plus one layer's while its slot bank is laid out)
     assert peaks[1] < peaks[0] - 0.1 * banks
+
+
+# ---- prefetch (engine.expert_prefetch) ------------------------------------------------------
+
+
+def routed_block(slots: int | None, seed: int, hidden: int = 2048, inner: int = 768) -> SparseMoE:
+    """A bf16 MoE block of E experts, top 4, on the GPU: big experts (copies of ~9 MB each, long
+    enough that a kernel not waiting for them would read stale slots); ``slots``: in a store."""
+    g = torch.Generator().manual_seed(seed)
+    bank = Experts(
+        (torch.randn(E, 2 * inner, hidden, generator=g) * 0.05).to(CUDA, torch.bfloat16),
+        (torch.randn(E, hidden, inner, generator=g) * 0.05).to(CUDA, torch.bfloat16),
+    )
+    experts = bank if slots is None else ExpertStore(bank, CUDA, StoreConfig(slots, EvictionPolicy.LRU, 1.0, 2))
+    router = Dense((torch.randn(E, hidden, generator=g) * 0.05).to(CUDA, torch.bfloat16))
+    return SparseMoE(router, lambda logits: softmax_top_k(logits, 4, True), experts)
+
+
+def test_a_lookahead_prefetch_is_waited_for_by_the_next_layer_and_changes_no_bit():
+    first, second = routed_block(4, 1), routed_block(8, 2)
+    resident = [routed_block(None, 1), routed_block(None, 2)]
+    install_prefetch([first, second], ExpertPrefetch.PREDICTED)
+    ahead = second.experts
+    assert isinstance(ahead, ExpertStore) and ahead.device_bank is not None
+    g = torch.Generator().manual_seed(8)
+    for _ in range(8):
+        x = torch.randn(1, 2048, generator=g).to(CUDA, torch.bfloat16)
+        # the second block sees the first one's input: its routing is exactly the prediction
+        assert torch.equal(first(x), resident[0](x))
+        assert torch.equal(second(x), resident[1](x))  # read from slots the copies had to fill first
+    c, slot_map = ahead.counters, ahead.slot_map
+    assert c.prefetched > 0 and slot_map.prefetch_hits == c.prefetched and c.fetched == 0
+    assert slot_map.misses == 0 and c.prefetch_bytes == c.prefetched * ahead.expert_nbytes
+
+
+def syncs_of(step) -> int:  # type: ignore[no-untyped-def]
+    """How many synchronising CUDA calls ``step()`` makes (torch's sync debug mode, counted)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+def test_the_prediction_rides_in_the_same_host_copy_as_the_layers_own_routing():
+    counts = []
+    for mode in (ExpertPrefetch.OFF, ExpertPrefetch.PREDICTED):
+        first, second = routed_block(4, 1), routed_block(8, 2)
+        install_prefetch([first, second], mode)
+        x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(8)).to(CUDA, torch.bfloat16)
+        first(x)  # warm: kernels chosen, slots filled
+        counts.append(syncs_of(lambda: first(x)))  # noqa: B023  (called at once)
+    assert counts[1] == counts[0] > 0
+
+
+@pytest.mark.parametrize("q", ["1", None], ids=["fetch", "hybrid"])
+def test_prefetch_on_or_off_serves_the_same_greedy_tokens_on_the_gpu(trained, q):
+    path = trained("qwen3_moe")
+    cap = cap_for(path, "bfloat16", (), 0.4)
+    common = ("--model", str(path), "--dtype", "bfloat16", "--gpu-memory-bytes", str(cap))
+    common += ("--expert-q", q) if q is not None else ()
+    runs = {mode: generate_json(*common, "--expert-prefetch", mode) for mode in ("off", "predicted")}
+    uncapped = generate_json("--model", str(path), "--dtype", "bfloat16")
+    assert runs["predicted"]["token_ids"] == runs["off"]["token_ids"] == uncapped["token_ids"]
+    report = runs["predicted"]["expert_placement"]
+    assert report["prefetched"] > 0 and report["prefetch_hits"] > 0
+    assert runs["off"]["expert_placement"]["prefetched"] == 0
+
+
+def test_deepseek_v4_hash_layers_find_their_experts_prefetched_on_the_gpu(tmp_path):
+    from dsv4_tiny import save
+    from test_expert_prefetch import hash_layer_counts
+
+    save(tmp_path, seed=1)
+    cap = cap_for(tmp_path, "float32", (), 0.5)
+    off_tokens, off = hash_layer_counts(tmp_path, cap, ExpertPrefetch.OFF, "cuda")
+    exact_tokens, exact = hash_layer_counts(tmp_path, cap, ExpertPrefetch.EXACT, "cuda")
+    assert exact_tokens == off_tokens
+    assert all(row["misses"] > 0 for row in off)
+    assert all(row["misses"] == 0 and row["prefetched"] == row["prefetch_hits"] > 0 for row in exact)

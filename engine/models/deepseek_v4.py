@@ -206,7 +206,9 @@ class SqrtSoftplusRouter(nn.Module):
         self.tid2eid: torch.Tensor | None
         self.register_buffer("tid2eid", tid2eid)
 
-    def forward(self, logits: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, logits: torch.Tensor, token_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # token ids: hash layers only (a router called alone routes by score)
         scores = F.softplus(logits.float()).sqrt()
         if self.tid2eid is not None:
             if token_ids is None:

@@ -87,6 +87,23 @@ def _load_nodes(path: Path) -> list[dict[str, Any]]:
     return nodes
 
 
+EXPERT_PREFETCH_HELP = (
+    "Copy experts into the device cache slots ahead of the step that uses them (capped devices): off; exact "
+    "(hash-routed layers, whose experts the token ids fix); predicted (also learned routers: the next layer's "
+    "router applied to this layer's input; a wrong guess costs copy bandwidth)."
+)
+
+
+def expert_prefetch_option(text: str) -> Any:
+    """--expert-prefetch as the store option it names (engine.expert_placement.ExpertPrefetch)."""
+    from modelfleet.engine.expert_placement import ExpertPrefetch
+
+    choices = [mode.value for mode in ExpertPrefetch]
+    if text not in choices:
+        fail(f"--expert-prefetch {text!r}: choose one of {', '.join(choices)}")
+    return ExpertPrefetch(text)
+
+
 CONTEXT_HELP = (
     f"Positions per stream (default: the model's max_position_embeddings, at most {DEFAULT_CONTEXT_CAP}; "
     "more than the model's is refused)."
@@ -106,7 +123,7 @@ def make_plan(
     window_rows: int = 8, microbatches: int | None = None, max_queue: int = 64, dtype: str = "float32",
     device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
     formats: Any = None, backend: str = "torch", speculative: dict[str, Any] | None = None,
-    gpu_memory_bytes: int | None = None,
+    gpu_memory_bytes: int | None = None, expert_prefetch: str = "predicted",
     cuda_devices: int | None = None,
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
@@ -121,6 +138,7 @@ def make_plan(
     serving = ServingLimits(
         max_streams=max_streams, context_length=context_length_for(model, context_length), window_rows=window_rows,
         microbatches=microbatches, max_queue=max_queue, speculative=speculative, gpu_memory_bytes=gpu_memory_bytes,
+        expert_prefetch=expert_prefetch_option(expert_prefetch),
     )  # fmt: skip
     return build_plan(
         model, stages, _load_nodes(nodes) if nodes else None, groups=groups, tensor=tensor, dtype=dtype,
@@ -208,6 +226,7 @@ def plan(
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
     gpu_memory_bytes: int | None = typer.Option(None, "--gpu-memory-bytes", min=1, help=GPU_MEMORY_HELP),
+    expert_prefetch: str = typer.Option("predicted", "--expert-prefetch", help=EXPERT_PREFETCH_HELP),
 ) -> None:
     """Plan a fleet: contiguous layer ranges per stage (sized in the weight formats asked for),
     printed as a table and written as JSON."""
@@ -219,7 +238,7 @@ def plan(
                                window_rows=window_rows, dtype=dtype, tensor=tensor, formats=formats, groups=groups,
                                microbatches=microbatches, backend=backend, served_name=served_name,
                                speculative=speculative_option(speculative_config),
-                               gpu_memory_bytes=gpu_memory_bytes)  # fmt: skip
+                               gpu_memory_bytes=gpu_memory_bytes, expert_prefetch=expert_prefetch)  # fmt: skip
         placements = placement_table(fleet_plan, model)
     except ModelfleetError as exc:
         fail(str(exc))
@@ -351,6 +370,7 @@ def up(
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
     gpu_memory_bytes: int | None = typer.Option(None, "--gpu-memory-bytes", min=1, help=GPU_MEMORY_HELP),
+    expert_prefetch: str = typer.Option("predicted", "--expert-prefetch", help=EXPERT_PREFETCH_HELP),
     plan_dir: Path | None = typer.Option(
         None, "--plan-dir", help="Folder for this run's plan.json, kept on exit (default: a temporary one, removed)."
     ),
@@ -387,7 +407,7 @@ def up(
                                device=device, base_port=base_port, groups=groups, tensor=tensor, formats=formats,
                                served_name=served_name,
                                backend=backend, speculative=speculative_option(speculative_config),
-                               gpu_memory_bytes=gpu_memory_bytes,
+                               gpu_memory_bytes=gpu_memory_bytes, expert_prefetch=expert_prefetch,
                                cuda_devices=local_cuda_devices() if device.startswith("cuda") else None)  # fmt: skip
         check_ports(fleet_plan, extra=[port])
     except ModelfleetError as exc:
