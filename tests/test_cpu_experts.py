@@ -120,6 +120,32 @@ def test_the_portable_c_path_agrees_with_the_vectorized_one() -> None:
         torch.testing.assert_close(plain, fast, rtol=1e-5, atol=1e-5)
 
 
+def test_every_e8m0_scale_byte_decodes_as_the_table_says() -> None:
+    """The vectorized scale decode (exponent bits built in registers, subnormal below 2^-126)
+    against the portable path's table, over every scale byte but NaN."""
+    portable, why = cpu_experts.build(cpu_experts.PORTABLE)
+    if portable is None or not cpu_experts.PORTABLE:
+        pytest.skip(why or "no portable target on this machine")
+    hidden, inner = 512, 64  # 16 groups per gate_up row: the vector loop's width
+    g = torch.Generator().manual_seed(9)
+    gate_up = quantize(torch.randn(1, 2 * inner, hidden, generator=g), "mxfp4")
+    down = quantize(torch.randn(1, hidden, inner, generator=g) * 0.05, "mxfp4")
+    every = torch.arange(255, dtype=torch.uint8).repeat(9)[torch.randperm(255 * 9, generator=g)]
+    gate_up.scales.copy_(every[: gate_up.scales.numel()].view_as(gate_up.scales))
+    assert set(gate_up.scales.unique().tolist()) == set(range(255))
+    x = torch.randn(1, hidden, generator=g) * 1e-30  # keeps most products finite
+    index, weight = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+
+    def run(library):  # type: ignore[no-untyped-def]
+        gu = cpu_experts.PackedProjection(
+            gate_up._blocks.reshape(1, 2 * inner, -1).contiguous(), gate_up.scales, None, None
+        )
+        dn = cpu_experts.PackedProjection(down._blocks.reshape(1, hidden, -1).contiguous(), down.scales, None, None)
+        return cpu_experts.CpuExperts("mxfp4", gu, dn, False, (ACT_SILU, 1.0, 0.0), 2, library)(x, index, weight, {0})
+
+    torch.testing.assert_close(run(None), run(portable), rtol=1e-5, atol=0, equal_nan=True)
+
+
 def test_the_store_builds_the_kernel_from_a_banks_tensors_by_name() -> None:
     bank = bank_of("int4", True)
     x, index, weight = routing(4, 2, seed=6)

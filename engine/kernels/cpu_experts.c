@@ -143,7 +143,19 @@ static inline float half_to_float(uint16_t h) {
 static void row_scales(const mf_moe_args *a, const mf_bank *b, int64_t row, int64_t groups, float *s, float *nzs) {
     if (a->format == FMT_MXFP4) {
         const uint8_t *exps = (const uint8_t *)b->scales + row * groups;
-        for (int64_t g = 0; g < groups; g++) s[g] = E8M0_HALF[exps[g]], nzs[g] = 0.0f;
+        int64_t g = 0;
+#if defined(MF_AVX512)
+        /* 2^(e - 128) from its bits: (e - 1) << 23 for e >= 2; 0x200000 << e (subnormal) below */
+        const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), tiny = _mm512_set1_epi32(0x200000);
+        for (; g + 16 <= groups; g += 16) {
+            const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(exps + g)));
+            const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, one), 23);
+            const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, two), normal, _mm512_sllv_epi32(tiny, e));
+            _mm512_storeu_ps(s + g, _mm512_castsi512_ps(bits));
+            _mm512_storeu_ps(nzs + g, _mm512_setzero_ps());
+        }
+#endif
+        for (; g < groups; g++) s[g] = E8M0_HALF[exps[g]], nzs[g] = 0.0f;
         return;
     }
     const uint16_t *halves = (const uint16_t *)b->scales + row * groups;
