@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from ..paths import user_cache_dir
 from .grouped_moe import ACT_CLAMPED_SWIGLU, ACT_SILU
 
 SOURCE = Path(__file__).with_name("cpu_experts.c")
@@ -87,11 +88,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's
 
 def cache_dir() -> Path:
     """Where compiled kernels live: $MF_KERNEL_CACHE_DIR, else ~/.cache/modelfleet/kernels."""
-    configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "modelfleet" / "kernels"
+    return user_cache_dir("kernels", CACHE_ENV)
 
 
 def _cpu_signature() -> str:

@@ -26,7 +26,6 @@ block executes in f32 or bf16, as on CPUs).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -41,6 +40,7 @@ from ..formats.int8 import Int8Weight
 from ..formats.plan import FormatPlan
 from ..layers import Attention, DecoderLayer, Dense, FrameContext, GatedMLP, RMSNorm, SparseMoE, softmax_top_k
 from ..models.inkling import ScaledGatedMLP, SinkMoE
+from ..paths import user_cache_dir
 from ..quantize import QuantizedDense
 from ..shard import Shard
 from ..spec import ModelSpec, load_spec
@@ -109,11 +109,7 @@ CACHE_DIR_ENV = "MF_OPENVINO_CACHE_DIR"
 
 def default_cache_dir() -> Path:
     """Where compiled blocks are cached: $MF_OPENVINO_CACHE_DIR, else ~/.cache/modelfleet/openvino."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "modelfleet" / "openvino"
+    return user_cache_dir("openvino", CACHE_DIR_ENV)
 
 
 def host_threads(device: str) -> int | None:
