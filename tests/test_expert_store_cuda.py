@@ -263,7 +263,7 @@ def test_the_prediction_rides_in_the_same_host_copy_as_the_layers_own_routing():
         x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(8)).to(CUDA, torch.bfloat16)
         first(x)  # warm: kernels chosen, slots filled
         counts.append(syncs_of(lambda: first(x)))  # noqa: B023  (called at once)
-    assert counts[1] == counts[0] > 0
+    assert 0 < counts[1] <= counts[0]  # the prediction adds no wait for the GPU (H200: 1 with it, 2 without)
 
 
 @pytest.mark.parametrize("q", ["1", None], ids=["fetch", "hybrid"])
