@@ -667,6 +667,7 @@ class ExpertStore(nn.Module):
         )
         loads = [(self.slot_map.admit(e, pinned), e) for e in fetch]
         out: torch.Tensor | None = None
+        self._load(loads)  # first, so the copies start at once (side stream; the slot kernel waits for them)
         if self.device_bank is not None and (hits or fetch):
             if loads or not self._luts_current or self._luts is None or self._luts[1].dtype != weight.dtype:
                 self._refresh_luts(weight.dtype)
@@ -674,10 +675,7 @@ class ExpertStore(nn.Module):
             slot_lut, keep_lut = self._luts
             slot_index = slot_lut[index]
             device_weight = weight * keep_lut[index] if on_cpu else weight  # CPU pairs add 0 x slot 0
-            self._load(loads)  # the copies on the side stream; the slot kernel waits for them
             out = self.device_bank.run(x, slot_index, device_weight)
-        elif loads:
-            self._load(loads)
         self._look_ahead()  # the next layer's copies overlap this step's CPU share and its attention
         if on_cpu:
             part = self._cpu_share(x_host, index_host, weight_host, on_cpu)

@@ -4,6 +4,8 @@ GLU with biases; and the store's builder over a bank's tensors (the pinned mirro
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -201,3 +203,25 @@ def test_bad_banks_and_inputs_are_refused_with_the_reason() -> None:
         kernel(x[:, :64], index, weight, {0})
     with pytest.raises(ValueError, match="do not match"):
         kernel(x, index, weight[:, :1], {0})
+
+
+def test_a_forked_child_computes_with_a_pool_of_its_own() -> None:
+    bank = bank_of("int4", False, seed=10)
+    x, index, weight = routing(4, 3, seed=11)
+    kernel = kernel_of(bank, True, threads=3)
+    expected = kernel(x, index, weight, {0, 1, 2, 3, 4, 5})  # the parent's pool is running
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe and exits
+        ok = torch.equal(kernel(x, index, weight, {0, 1, 2, 3, 4, 5}), expected)
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    assert os.read(read, 1) == b"1" and status == 0
+
+
+def test_without_a_compiler_the_kernel_is_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_experts, "_compiler", lambda: None)
+    library, why = cpu_experts.build(cpu_experts.NATIVE)
+    assert library is None and "no C compiler" in why and "$CC" in why

@@ -371,7 +371,7 @@ static struct {
     mf_job *_Atomic job;
     _Atomic int active, sleepers;
     long spin_ns;
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = 2000000};
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = 5000000}; /* > a decode step's gap between layers */
 
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
@@ -438,6 +438,20 @@ static void *worker_main(void *arg) {
         atomic_fetch_sub(&pool.active, 1);
     }
     return NULL;
+}
+
+/* A child of fork() has none of the parent's workers: it grows its own pool on its first call. */
+static void forget_workers(void) {
+    pthread_mutex_init(&pool.lock, NULL); /* a thread of the parent may have held it */
+    pool.workers = 0;
+    atomic_store(&pool.active, 0);
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.job, (mf_job *)NULL);
+}
+
+static void init_process(void) {
+    init_tables();
+    pthread_atfork(NULL, NULL, forget_workers);
 }
 
 /* Grow the pool to ``threads`` - 1 workers (the caller is the last); returns the workers running. */
@@ -523,7 +537,7 @@ int mf_moe(mf_moe_args *args) {
         args->gate_up.cols / GROUP > MAX_GROUPS || args->down.cols / GROUP > MAX_GROUPS || args->experts < 1 ||
         args->tokens < 0 || args->top_k < 0)
         return -1;
-    pthread_once(&tables_once, init_tables);
+    pthread_once(&tables_once, init_process);
     void *scratch = build_pairs(args);
     if (scratch == NULL) return -2;
     mf_job job = {.args = args};

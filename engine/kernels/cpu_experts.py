@@ -22,8 +22,8 @@ Layouts taken (a bank of E experts; N rows, K inputs; G = K / 32):
 - int4: scales fp16 [E, N, G] and zero points uint8 [E, N, G] (one per byte; ``int4_sym``: none,
   z = 8); MXFP4: E8M0 scale bytes uint8 [E, N, G].
 
-Threads: the library keeps a pool of persistent threads (spinning ~2 ms for the next call, then
-sleeping); a call uses ``threads`` of them including the caller, and releases the interpreter lock
+Threads: the library keeps a pool of persistent threads (spinning ~5 ms for the next call, longer
+than the gap between a decode step's layers, then sleeping); a call uses ``threads`` of them including the caller, and releases the interpreter lock
 while it runs. The library is compiled on first use with the system C compiler (``$CC``, else
 ``cc``) for this machine (``-march=native``) into the user's cache; without a compiler
 :func:`available` is False (with the reason in :func:`unavailable_reason`) and callers use torch.
