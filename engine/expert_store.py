@@ -9,7 +9,9 @@ called exactly as it: ``store(x, index, weight)``. Each step:
    device from their slots;
 2. the misses are split by bytes (:func:`split_misses`): a fraction ``q`` is fetched into slots
    (evicting by :func:`choose_victim`) and runs on the device, the rest runs in place on the CPU
-   from the packed host bank, in worker threads, *concurrently* with the device path;
+   from the packed host bank, *concurrently* with the device path (on CUDA, 4-bit banks: one call
+   of the compiled kernel over the pinned mirror, :mod:`.kernels.cpu_experts`; otherwise torch's
+   kernels on a worker thread);
 3. every used expert's rows are computed exactly once, over the same rows as the all-resident
    path, and :func:`~engine.layers.forward_grouped` sums the pairs in its own order, so where the
    same kernel runs on both sides the result is bit-identical to the all-resident bank.
