@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .expert_placement import ExpertPrefetch, LayerPlacement, MoELayer, Placement, StagePlacement, plan_expert_placement
+from .expert_placement import (
+    DEFAULT_EXPERT_PREFETCH,
+    ExpertPrefetch,
+    LayerPlacement,
+    MoELayer,
+    Placement,
+    StagePlacement,
+    plan_expert_placement,
+)
 from .expert_prefetch import install_prefetch
 from .expert_store import (
     Bank,
@@ -64,7 +72,7 @@ class StoreOptions:
     q: float | None = None  # None: q* from bandwidths measured at startup
     cpu_workers: int = field(default_factory=lambda: default_cpu_workers())  # the compiled kernel's threads
     measure_seconds: float = 0.2
-    prefetch: ExpertPrefetch = ExpertPrefetch.PREDICTED  # into slots ahead of the step (engine.expert_prefetch)
+    prefetch: ExpertPrefetch = DEFAULT_EXPERT_PREFETCH  # into slots ahead of the step (engine.expert_prefetch)
 
 
 def apply_placement(

@@ -36,9 +36,16 @@ class ExpertPrefetch(enum.StrEnum):
 
     OFF = "off"
     EXACT = "exact"  # hash-routed layers only: their experts follow from the token ids
-    # also learned routers: the next layer's router on this layer's input; the default, since on
-    # tiny trained models 67-80% of what it copied was used (docs/results/expert_prefetch_cpu.md)
+    # also learned routers: the next layer's router on this layer's input (on tiny trained models
+    # 67-89% of what it copied was used, docs/results/expert_prefetch_cpu.md)
     PREDICTED = "predicted"
+
+
+# exact by default: it never copies an expert the step will not use. predicted copies up to a
+# layer's slots of guesses every step (a wrong one costs copy bandwidth the split could have given
+# the CPU, which outran the copies on the H200 box: beta_c 35-43 vs beta_g 29-33 GB/s) and its
+# decode rate on a GPU is not measured yet; a user turns it on (--expert-prefetch predicted)
+DEFAULT_EXPERT_PREFETCH = ExpertPrefetch.EXACT
 
 
 @dataclass(frozen=True)

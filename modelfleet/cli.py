@@ -162,7 +162,9 @@ def generate(
         min=1,
         help="Threads computing offloaded experts on the CPU (default: every CPU this process may use but one).",
     ),
-    expert_prefetch: str = typer.Option("predicted", "--expert-prefetch", help=fleet.EXPERT_PREFETCH_HELP),
+    expert_prefetch: str = typer.Option(
+        fleet.DEFAULT_EXPERT_PREFETCH.value, "--expert-prefetch", help=fleet.EXPERT_PREFETCH_HELP
+    ),
     as_json: bool = typer.Option(
         False,
         "--json",

@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from .engine.errors import InputError, ModelfleetError
-from .engine.expert_placement import ExpertPrefetch
+from .engine.expert_placement import DEFAULT_EXPERT_PREFETCH, ExpertPrefetch
 from .engine.format_names import ROLE_FORMATS
 from .engine.speculative.config import SpeculativeConfig
 
@@ -225,7 +225,7 @@ class ServingLimits(_Frozen):
         description="share of each step's expert-miss bytes fetched to the device (default: q* measured at start)",
     )
     expert_prefetch: ExpertPrefetch = Field(
-        default=ExpertPrefetch.PREDICTED,
+        default=DEFAULT_EXPERT_PREFETCH,
         description="experts copied into device cache slots ahead of the step: off; exact (hash-routed layers); "
         "predicted (also learned routers, by the next layer's router on this layer's input)",
     )

@@ -133,7 +133,7 @@ def trained_qwen3(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_predicted_prefetch_keeps_the_tokens_and_most_of_what_it_copies_is_used(trained_qwen3):
-    """The test the default (predicted) was chosen by: on a trained model most prefetched experts
+    """What predicted prefetch is for: on a trained model most prefetched experts
     are used by the next step, and the steps miss less than without prefetch."""
     common = ("--model", str(trained_qwen3), "--gpu-memory-bytes", str(capped(trained_qwen3, 0.4)), "--expert-q", "1")
     runs = {mode: generate_json(*common, "--expert-prefetch", mode) for mode in ("off", "exact", "predicted")}
@@ -201,7 +201,7 @@ def test_modelfleet_plan_writes_the_prefetch_choice_into_the_serving_limits(tiny
     source, _ = tiny_checkpoint("qwen3_moe")
     out = tmp_path / "plan.json"
     ask = ["plan", "--model", str(source), "--stages", "2", "--context-length", "256", "--out", str(out)]
-    assert CliRunner().invoke(app, [*ask, "--expert-prefetch", "exact"]).exit_code == 0
-    assert json.loads(out.read_text())["serving"]["expert_prefetch"] == "exact"
-    assert CliRunner().invoke(app, ask).exit_code == 0
+    assert CliRunner().invoke(app, [*ask, "--expert-prefetch", "predicted"]).exit_code == 0
     assert json.loads(out.read_text())["serving"]["expert_prefetch"] == "predicted"
+    assert CliRunner().invoke(app, ask).exit_code == 0
+    assert json.loads(out.read_text())["serving"]["expert_prefetch"] == "exact"  # the default

@@ -16,7 +16,13 @@ from typer.testing import CliRunner
 from modelfleet.cli import app
 from modelfleet.engine.errors import InputError
 from modelfleet.engine.expert_offload import moe_layers
-from modelfleet.engine.expert_placement import MoELayer, Placement, device_reserve_bytes, plan_expert_placement
+from modelfleet.engine.expert_placement import (
+    ExpertPrefetch,
+    MoELayer,
+    Placement,
+    device_reserve_bytes,
+    plan_expert_placement,
+)
 from modelfleet.engine.expert_store import (
     EvictionPolicy,
     ExpertStore,
@@ -291,7 +297,9 @@ def test_a_fleet_with_capped_device_memory_serves_the_same_tokens_and_reports_it
     banks = sum(m.bank_bytes for m in moe_layers(shard))
     other = shard.weights_bytes - banks + stage.kv_budget_bytes
     cap = int((other + banks // 2) / 0.9) + 1  # about half the experts fit beside the reserve
-    serving = fleet.plan.serving.model_copy(update={"gpu_memory_bytes": cap, "expert_split_q": 0.5})
+    serving = fleet.plan.serving.model_copy(
+        update={"gpu_memory_bytes": cap, "expert_split_q": 0.5, "expert_prefetch": ExpertPrefetch.PREDICTED}
+    )
     fleet.plan = fleet.plan.model_copy(update={"serving": serving})
     fleet.plan_path.write_text(fleet.plan.to_json())
     fleet.local.plan = fleet.plan

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from modelfleet.engine.expert_placement import DEFAULT_EXPERT_PREFETCH
 from modelfleet.engine.format_names import PACKED_FORMATS, PLAIN_FORMATS
 from modelfleet.planner import DEFAULT_CONTEXT_CAP
 
@@ -123,7 +124,7 @@ def make_plan(
     window_rows: int = 8, microbatches: int | None = None, max_queue: int = 64, dtype: str = "float32",
     device: str = "cpu", base_port: int = 5555, served_name: str | None = None, groups: int = 1, tensor: int = 1,
     formats: Any = None, backend: str = "torch", speculative: dict[str, Any] | None = None,
-    gpu_memory_bytes: int | None = None, expert_prefetch: str = "predicted",
+    gpu_memory_bytes: int | None = None, expert_prefetch: str = DEFAULT_EXPERT_PREFETCH.value,
     cuda_devices: int | None = None,
 ) -> Any:  # fmt: skip
     """A plan of ``groups`` pipeline replicas of ``stages`` stages each, every stage split over
@@ -226,7 +227,7 @@ def plan(
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
     gpu_memory_bytes: int | None = typer.Option(None, "--gpu-memory-bytes", min=1, help=GPU_MEMORY_HELP),
-    expert_prefetch: str = typer.Option("predicted", "--expert-prefetch", help=EXPERT_PREFETCH_HELP),
+    expert_prefetch: str = typer.Option(DEFAULT_EXPERT_PREFETCH.value, "--expert-prefetch", help=EXPERT_PREFETCH_HELP),
 ) -> None:
     """Plan a fleet: contiguous layer ranges per stage (sized in the weight formats asked for),
     printed as a table and written as JSON."""
@@ -370,7 +371,7 @@ def up(
     ),
     speculative_config: str | None = typer.Option(None, "--speculative-config", metavar="JSON", help=SPECULATIVE_HELP),
     gpu_memory_bytes: int | None = typer.Option(None, "--gpu-memory-bytes", min=1, help=GPU_MEMORY_HELP),
-    expert_prefetch: str = typer.Option("predicted", "--expert-prefetch", help=EXPERT_PREFETCH_HELP),
+    expert_prefetch: str = typer.Option(DEFAULT_EXPERT_PREFETCH.value, "--expert-prefetch", help=EXPERT_PREFETCH_HELP),
     plan_dir: Path | None = typer.Option(
         None, "--plan-dir", help="Folder for this run's plan.json, kept on exit (default: a temporary one, removed)."
     ),
