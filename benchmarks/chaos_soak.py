@@ -21,7 +21,6 @@ and at the end) and failovers (the gateway's modelfleet_gateway_failovers_total)
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -36,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from modelfleet.results import write_csv
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 
@@ -256,11 +257,7 @@ def report(tally: Tally, replays: float, failovers: float, args: argparse.Namesp
         print(f"  fault: {what}")
     for why, count in sorted(tally.failures.items(), key=lambda item: -item[1]):
         print(f"  failed {count}x: {why}")
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=list(row))
-        writer.writeheader()
-        writer.writerow(row)
+    write_csv(args.csv, [row])
 
 
 if __name__ == "__main__":

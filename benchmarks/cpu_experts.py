@@ -19,7 +19,6 @@ here (a sum over a buffer larger than the caches, with the same threads), so rat
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from modelfleet.engine.formats import quantize
 from modelfleet.engine.kernels import cpu_experts
 from modelfleet.engine.layers import silu_glu
 from modelfleet.engine.quantize import QuantizedExperts
+from modelfleet.results import write_csv
 
 
 def bank(fmt: str, experts: int, hidden: int, inner: int) -> QuantizedExperts:
@@ -116,11 +116,7 @@ def main() -> None:
                 print(f"| {fmt} | {name} | {threads} | {value / 1e9:.2f} | {bound / 1e9:.1f} | {value / bound:.2f} |",
                       flush=True)  # fmt: skip
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,14 @@ is measured (a copy probe is not one there), so the bound column is left out.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from modelfleet.results import write_csv
 
 SHAPES = {
     # ~0.8B parameters, ~0.17B active per token
@@ -310,12 +311,7 @@ def main() -> None:
     console.print(table)
     if bandwidth is not None:
         console.print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; bound = batch x bandwidth / weight bytes per step")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    out = write_csv(Path(args.out), rows)
     console.print(f"wrote {out}")
 
 

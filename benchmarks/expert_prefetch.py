@@ -19,12 +19,13 @@ The counts do not depend on timing: they are reproducible on a busy machine.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+from modelfleet.results import write_csv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny models' builders
 
@@ -111,11 +112,7 @@ def main() -> None:
     for row in rows:
         print(" | ".join(str(row[k]) for k in head))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=head)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.out, rows, head)
 
 
 if __name__ == "__main__":

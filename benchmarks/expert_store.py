@@ -26,7 +26,6 @@ default), decode steps only (prefill and warm-up excluded); see :func:`whole_mod
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import html
 import importlib.util
@@ -62,6 +61,7 @@ from modelfleet.engine.layers import Experts
 from modelfleet.engine.quantize import QuantizedExperts, quantized_module
 from modelfleet.engine.shard import Shard
 from modelfleet.engine.spec import spec_from_config
+from modelfleet.results import write_csv
 
 Step = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per layer (x, index, weight)
 
@@ -578,12 +578,7 @@ def whole_model(args: argparse.Namespace) -> None:
     for line in verdicts(rows, batches):
         print(line)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        fields = list(dict.fromkeys(k for row in rows for k in row))
-        with args.out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.out, rows)
         lines = {
             f"batch {b}": [(float(r["q"]), float(r["tok_s"])) for r in rows  # type: ignore[arg-type]
                            if r["batch"] == b and r["q"] is not None and "hot set" not in str(r["config"])]

@@ -33,7 +33,6 @@ memory, so caches see the full bank); values do not change kernel speed.
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import statistics
 import time
@@ -55,6 +54,7 @@ from modelfleet.engine.formats import (
 from modelfleet.engine.kernels.expert_gemv import expert_gemv
 from modelfleet.engine.layers import Experts
 from modelfleet.engine.quantize import QuantizedExperts, prepare_kernels
+from modelfleet.results import write_csv
 
 HIDDEN, EXPERT_WIDTH, TOP_K = 2048, 768, 8
 DENSE_SHAPES = ((7168, 2048), (2048, 7168))
@@ -362,11 +362,7 @@ def main() -> None:
         annotate(device_results, bandwidth)
         results += sorted(device_results, key=order)
     print_table(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rounded(results[0])))
-        writer.writeheader()
-        writer.writerows(rounded(r) for r in results)
+    write_csv(args.out, [rounded(r) for r in results])
     print(f"wrote {args.out}")
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import heapq
 import json
 import math
@@ -41,6 +40,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from modelfleet.results import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "models" / "demo"
@@ -356,11 +357,7 @@ def main() -> None:
                       (args.loop, args.http))  # fmt: skip
             rows.append(row)
             print_row(row, header=len(rows) == 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out, rows)
     where = f"the gateway on CPUs {args.gateway_cpus}" if args.gateway_cpus else "all processes sharing them"
     load = os.getloadavg()[0]
     server = rows[0]["server"]

@@ -8,7 +8,6 @@ CUDA graph and timed with CUDA events. The crossovers ``layers.GATHER_MAX_PAIRS`
 from __future__ import annotations
 
 import argparse
-import csv
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from modelfleet.engine import layers
 from modelfleet.engine.formats import quantize
 from modelfleet.engine.layers import Experts
 from modelfleet.engine.quantize import QuantizedExperts
+from modelfleet.results import write_csv
 
 
 def graph_ms(fn: Callable[[], object], replays: int = 20) -> float:
@@ -111,12 +111,7 @@ def main() -> None:
                     **{f"{k}_ms": round(v, 4) for k, v in times.items()},
                 )
             )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-        writer.writeheader()
-        writer.writerows(rows_out)
+    out = write_csv(Path(args.out), rows_out)
     print(f"wrote {out}")
 
 

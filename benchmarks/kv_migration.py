@@ -23,7 +23,6 @@ stream's own rows (``export_slot`` copies a slot's whole capacity).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import tempfile
 import time
@@ -36,6 +35,7 @@ from modelfleet.agent import transport as wire
 from modelfleet.engine.frame import Frame
 from modelfleet.engine.kvcache import SlotState
 from modelfleet.engine.shard import Shard
+from modelfleet.results import write_csv
 
 
 def build_checkpoint(path: Path, args: argparse.Namespace) -> None:
@@ -145,11 +145,7 @@ def main() -> None:
             row[f"recompute_over_migrate_{gbit:g}gbit"] = round(recompute / (export + wire_seconds + imported), 2)
         rows.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.csv, rows)
     print(f"ratios over 1: migration wins; written to {args.csv}")
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import csv
 import os
 import random
 import signal
@@ -25,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from modelfleet.results import write_csv
 
 if TYPE_CHECKING:
     from modelfleet.agent.client import FleetClient
@@ -129,12 +130,7 @@ def main() -> None:
         table.add_column(column, justify="right")
     table.add_row(*(str(v) for v in row.values()))
     Console().print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
-        writer.writeheader()
-        writer.writerow(row)
+    write_csv(Path(args.out), [row])
 
 
 if __name__ == "__main__":

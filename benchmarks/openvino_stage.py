@@ -32,7 +32,6 @@ bandwidth of a large tensor copy measured in the same run (bytes read + written)
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -51,6 +50,7 @@ from modelfleet.engine.openvino.graphs import ExpertBank, dense_graph, moe_graph
 from modelfleet.engine.openvino.runtime import PRECISIONS, CompiledBlock, CompileOptions
 from modelfleet.engine.quantize import QuantizedExperts, prepare_kernels
 from modelfleet.engine.sampling import SamplingParams
+from modelfleet.results import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, EXPERT_WIDTH, TOP_K = 2048, 768, 8
@@ -321,11 +321,7 @@ def main() -> None:
     ]
     for row in rows:
         print("  ".join(f"{k}={row[k]}" for k in fields if k in row))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out, rows, fields)
     print(f"wrote {args.out}")
 
 

@@ -18,7 +18,6 @@ Figure 5).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import random
 import statistics
@@ -27,6 +26,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from modelfleet.results import write_csv
 
 SHAPE = dict(
     hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
@@ -155,12 +156,7 @@ def main() -> None:
                       f"{r['ttft_median_s']:.2f}s", f"{r['ttft_p95_s']:.2f}s", busy)  # fmt: skip
     console.print(table)
     console.print("Q_decode, Q_phase: Eq. 4 of seed 000 (tokens/s); engine: one process, same prompts, tokens/s")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    out = write_csv(Path(args.out), rows)
     plot(rows, args.stages, out.with_suffix(".png"))
     console.print(f"wrote {out} and {out.with_suffix('.png')}")
 

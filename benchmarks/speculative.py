@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import os
 import platform
 import random
@@ -36,6 +35,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from modelfleet.results import write_csv
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"
 METHODS = ("ngram", "phrase", "hybrid", "draft_model")
@@ -202,11 +203,7 @@ def write(rows: list[dict[str, object]], args: argparse.Namespace, table, starte
     )
     if args.device.startswith("cuda"):
         settings += f"; {torch.cuda.get_device_name()}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "speculative.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "speculative.csv", rows)
     text = markdown(rows, title, settings)
     (args.out / "speculative.md").write_text(text)
     return text

@@ -11,7 +11,6 @@ tokens; the peer is the same sampler (temperature 1, top-k 50) without a grammar
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from modelfleet.engine.sampling import SamplingParams, StreamSampler
 from modelfleet.engine.spec import load_spec
 from modelfleet.engine.structured import Grammars, spec_text
+from modelfleet.results import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 PERSON = {
@@ -86,11 +86,7 @@ def main() -> None:
                      "mask_over_sampling": round((masked - plain) / plain, 3)})  # fmt: skip
         print(f"{name:<12} {masked:>15.1f} {masked - plain:>9.1f} {(masked - plain) / plain:>16.2f}")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.out, rows)
         print(json.dumps({"csv": str(args.out)}))
 
 
