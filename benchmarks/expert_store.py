@@ -223,26 +223,25 @@ def one_expert_bytes(hidden: int, inner: int, fmt: str, device: str) -> int:
     return expert_bytes(quantized_module("layers.0.mlp.experts", Experts(gate_up, down), fmt))
 
 
-def mem_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+def proc_bytes(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file in bytes (None where there is none)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def rss_bytes() -> int | None:
     """This process's resident set (pinned host memory included) from /proc/self/status."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return proc_bytes("/proc/self/status", "VmRSS")
 
 
 def layers_that_fit(layers: int, bank_bytes: int, available: int | None, copies: int) -> int:

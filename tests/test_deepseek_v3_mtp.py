@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_speculative import check_proposals_against
+from test_speculative import check_proposals_against, mtp_beside_plain, speculated_as_plain
 from tiny import assert_close_to, save_model
 
 from modelfleet.engine.frame import Frame
-from modelfleet.engine.generate import LocalModel, generate_batch
+from modelfleet.engine.generate import LocalModel
 from modelfleet.engine.sampling import SamplingParams
-from modelfleet.engine.speculative.config import SpeculativeConfig
-from modelfleet.engine.speculative.speculator import Speculator
 
 REPETITIVE = [5, 17, 99, 3, 64, 5, 17, 99, 3, 64, 5, 17, 99]
 EPS = 1e-6  # the tiny config's rms_norm_eps (transformers' default for DeepSeek-V3)
@@ -116,26 +114,18 @@ def test_the_reference_depends_on_every_part_of_the_formula(v3_with_mtp) -> None
 
 def test_mtp_proposals_from_a_deepseek_v3_checkpoint_leave_greedy_output_unchanged(v3_with_mtp) -> None:
     from modelfleet.engine.models.deepseek_v3_mtp import load_mtp
-    from modelfleet.engine.speculative.build import build_proposer
-    from modelfleet.engine.speculative.mtp import MtpProposer, SingleMtp
+    from modelfleet.engine.speculative.mtp import SingleMtp
 
     directory = v3_with_mtp[0]
-    lm = LocalModel.load(directory, max_slots=2, max_context=128)
-    params = SamplingParams(max_tokens=16, stop_token_ids=())
     prompts = [REPETITIVE, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
-    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
-    config = SpeculativeConfig("mtp", num_speculative_tokens=2, adaptive=False)
-    proposer = build_proposer(config, directory, max_streams=2, max_context=128)
-    assert isinstance(proposer, MtpProposer) and proposer.depths == 1 and proposer.reads == "normed"
+    setup = mtp_beside_plain(directory, prompts, 2, "normed")
+    proposer = setup[-1]
     # each proposal is what a fresh layer drafts over all the stream's rows: the kept state never
     # holds a row of an abandoned proposal
     fresh = SingleMtp(load_mtp(directory), reads="normed")
     fresh.allocate_cache(2, 128)
     checked = check_proposals_against(proposer, fresh)
-    speculator = Speculator(config, proposer)
-    lm.keep_hidden(proposer.reads)
-    assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
-    stats = speculator.stats
+    stats = speculated_as_plain(*setup, prompts)
     assert stats.drafted > 0 and stats.drafted > stats.accepted and set(stats.widths) <= {0, 1}, stats
     assert len(checked) >= 10 and proposer.hidden == {}  # every stream's state went with it
 

@@ -67,18 +67,25 @@ def test_padded_static_steps_give_the_logits_of_general_frames(tiny_checkpoint, 
     assert static.shards[0].slots is not None and static.shards[0].slots.lengths[:5] == positions
 
 
+# a padded step's rows (slot, offset past the slot's next position): bucket 4 with one padded row;
+# bucket 8 with three padded rows, repeating slot 4's verify window
+PADDED_STEPS = {"rows": [(4, 0), (0, 0), (2, 0)], "windows": [(4, 0), (4, 1), (4, 2), (0, 0), (2, 0)]}
+
+
+@pytest.mark.parametrize("step", PADDED_STEPS)
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_a_padded_step_writes_only_the_real_rows_cache_entries(tiny_checkpoint, family):
+def test_a_padded_step_writes_only_the_real_rows_cache_entries(tiny_checkpoint, family, step):
     path, _ = tiny_checkpoint(family)
     lm, positions = seated(path, 5, True)
     kv = lm.shards[0].kv
     before = [{name: t.clone() for name, t in layer.tensors.items()} for layer in kv]
-    slots = [4, 0, 2]  # bucket 4: one padded row, on slot 4's next position
-    lm.decode([1, 2, 3], slots, [positions[s] for s in slots])
+    slots = [slot for slot, _ in PADDED_STEPS[step]]
+    at = [positions[slot] + offset for slot, offset in PADDED_STEPS[step]]
+    lm.decode(list(range(1, len(slots) + 1)), slots, at)
     for layer, old in zip(kv, before, strict=True):
         for name, t in layer.tensors.items():
             changed = (t != old[name]).flatten(2).any(-1).nonzero().tolist()  # [slot, entry] pairs
-            assert sorted(changed) == sorted([s, positions[s] % layer.capacity] for s in slots), name
+            assert sorted(changed) == sorted([s, p % layer.capacity] for s, p in zip(slots, at, strict=True)), name
 
 
 def test_a_static_decoder_refuses_batches_of_another_bucket(tiny_checkpoint):
@@ -126,21 +133,6 @@ def test_verify_windows_in_static_steps_give_the_logits_of_general_frames(tiny_c
     general, _ = seated(path, 5, False)
     run_window_steps([general, static], positions, 1e-5)
     assert {4, 8} <= set(static._decoders)  # the windows ran as static steps
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_a_padded_step_with_windows_writes_only_the_real_rows_cache_entries(tiny_checkpoint, family):
-    path, _ = tiny_checkpoint(family)
-    lm, positions = seated(path, 5, True)
-    kv = lm.shards[0].kv
-    before = [{name: t.clone() for name, t in layer.tensors.items()} for layer in kv]
-    slots = [4, 4, 4, 0, 2]  # bucket 8: three padded rows, repeating slot 4's window
-    at = [positions[4], positions[4] + 1, positions[4] + 2, positions[0], positions[2]]
-    lm.decode([1, 2, 3, 4, 5], slots, at)
-    for layer, old in zip(kv, before, strict=True):
-        for name, t in layer.tensors.items():
-            changed = (t != old[name]).flatten(2).any(-1).nonzero().tolist()  # [slot, entry] pairs
-            assert sorted(changed) == sorted([s, p % layer.capacity] for s, p in zip(slots, at, strict=True)), name
 
 
 def test_a_window_longer_than_a_ring_keeps_runs_as_a_general_frame(tiny_checkpoint):

@@ -491,6 +491,29 @@ def test_a_sampled_stream_s_draft_proposes_from_its_own_q_which_reaches_the_veri
 # ---- mtp: the checkpoint's own next-token-prediction layers ----------------------------------
 
 
+def mtp_beside_plain(directory: Path, prompts: list[list[int]], k: int, reads: str):  # type: ignore[no-untyped-def]
+    """A checkpoint's own MTP layer as the proposer (one depth, reading ``reads``) and, beside it,
+    the plain greedy continuations of ``prompts``: (lm, params, plain, config, proposer)."""
+    from modelfleet.engine.speculative.build import build_proposer
+    from modelfleet.engine.speculative.mtp import MtpProposer
+
+    lm = LocalModel.load(directory, max_slots=2, max_context=128)
+    params = SamplingParams(max_tokens=16, stop_token_ids=())
+    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
+    config = SpeculativeConfig("mtp", num_speculative_tokens=k, adaptive=False)
+    proposer = build_proposer(config, directory, max_streams=2, max_context=128)
+    assert isinstance(proposer, MtpProposer) and proposer.depths == 1 and proposer.reads == reads
+    return lm, params, plain, config, proposer
+
+
+def speculated_as_plain(lm, params, plain, config, proposer, prompts):  # type: ignore[no-untyped-def]
+    """Decode ``prompts`` again with ``proposer`` drafting; the tokens must be ``plain``'s. Returns the stats."""
+    speculator = Speculator(config, proposer)
+    lm.keep_hidden(proposer.reads)
+    assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
+    return speculator.stats
+
+
 def check_proposals_against(proposer, fresh) -> list[int]:  # type: ignore[no-untyped-def]
     """Wrap an MtpProposer so that each proposal is checked against what ``fresh`` (an MTP module
     with its own state) drafts over all the stream's rows seen so far: the proposer's kept state
@@ -597,21 +620,10 @@ def test_the_tail_s_mtp_proposes_after_each_window_and_a_released_slot_starts_af
 def test_mtp_proposals_from_a_deepseek_v4_checkpoint_s_mtp_layer_leave_greedy_output_unchanged(
     with_mtp,  # noqa: F811  (the fixture imported above)
 ) -> None:
-    from modelfleet.engine.speculative.build import build_proposer
-    from modelfleet.engine.speculative.mtp import MtpProposer
-
-    directory, _ = with_mtp
-    lm = LocalModel.load(directory, max_slots=2, max_context=128)
-    params = SamplingParams(max_tokens=16, stop_token_ids=())
     prompts = [REPETITIVE, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
-    plain = [r.token_ids for r in generate_batch(lm, prompts, params)]
-    config = SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False)
-    proposer = build_proposer(config, directory, max_streams=2, max_context=128)
-    assert isinstance(proposer, MtpProposer) and proposer.depths == 1 and proposer.reads == "residual"
-    speculator = Speculator(config, proposer)
-    lm.keep_hidden(proposer.reads)
-    assert [r.token_ids for r in generate_batch(lm, prompts, params, speculator=speculator)] == plain
-    assert speculator.stats.drafted > 0 and set(speculator.stats.widths) <= {0, 1}, speculator.stats
+    setup = mtp_beside_plain(with_mtp[0], prompts, 3, "residual")
+    stats = speculated_as_plain(*setup, prompts)
+    assert stats.drafted > 0 and set(stats.widths) <= {0, 1}, stats
 
 
 def test_mtp_is_refused_without_mtp_layers(tiny_checkpoint) -> None:
